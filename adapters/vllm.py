@@ -1,0 +1,204 @@
+"""Decoder for the msgpack KV-event payload of vLLM, which SGLang and llm-d-inference-sim reuse.
+
+Wire format (reference: vllm/distributed/kv_events.py):
+- payload = ``[ts: float, events: list, data_parallel_rank: int | nil]`` (2 elements before
+  vLLM 0.9.1; a map ``{"ts", "events", "data_parallel_rank"}`` is tolerated too);
+- an event is a tagged array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]`` (vLLM <= 0.23, SGLang
+  before 2026-09; missing trailing fields are nil, extra ones ignored) or a map with ``"type"``
+  (vLLM >= 0.26): ``{"type": "BlockStored", "block_hashes": [...], ...}``;
+- a hash is a u64, a negative i64 (two's complement) or bytes (vLLM: the last 8 bytes, big-endian;
+  SGLang: the first 8); a parent of nil or 0 (llm-d-inference-sim arrays) means "no parent".
+
+Invariants: ``decode`` raises only ``DecodeError``; an event it cannot read is skipped and named in
+``EventBatch.skipped`` (one reason per skipped event or field), never fatal for the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from kvindex.events import (
+    GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+    EventBatch,
+    KVEvent,
+)
+
+MASK64 = (1 << 64) - 1
+U32 = 1 << 32
+
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                 "medium", "lora_name", "extra_keys", "group_idx")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+class _Skip(Exception):
+    """One event (or one field of it) that cannot be used; ``reason`` is a metric label."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def last8_be(digest: bytes) -> int:
+    return int.from_bytes(digest[-8:], "big")
+
+
+def first8_signed(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big", signed=True) & MASK64
+
+
+class VllmDecoder:
+    """Decodes one payload; stateless. ``bytes_hash`` maps a byte digest to a u64."""
+
+    def __init__(self, bytes_hash: Callable[[bytes], int] = last8_be) -> None:
+        self._bytes_hash = bytes_hash
+
+    def decode(self, payload: bytes) -> EventBatch:
+        try:
+            obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises many types for bad input; all mean the same
+            raise DecodeError("msgpack", type(exc).__name__) from None
+        ts, raw_events, rank = _batch_parts(obj)
+        events: list[KVEvent] = []
+        skipped: list[str] = []
+        for raw in raw_events:
+            try:
+                events.append(self._event(raw, skipped))
+            except _Skip as skip:
+                skipped.append(skip.reason)
+        return EventBatch(ts=ts, events=tuple(events), dp_rank=rank, skipped=tuple(skipped))
+
+    def _event(self, raw: Any, skipped: list[str]) -> KVEvent:
+        tag, fields = _tag_and_fields(raw)
+        if tag == "BlockStored":
+            return self._stored(fields, skipped)
+        if tag == "BlockRemoved":
+            return BlockRemoved(
+                block_hashes=self._hashes(fields.get("block_hashes")),
+                medium=_medium(fields.get("medium")),
+                group_idx=_small_int(fields.get("group_idx"), 0),
+            )
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+        raise _Skip("unknown_event_type")
+
+    def _stored(self, f: dict[str, Any], skipped: list[str]) -> BlockStored:
+        hashes = self._hashes(f.get("block_hashes"))
+        parent = f.get("parent_block_hash")
+        parent_hash = None if parent is None or parent == 0 else self._hash(parent)
+        block_size = f.get("block_size")
+        if type(block_size) is not int or block_size <= 0:
+            raise _Skip("bad_block_size")
+        lora_name = f.get("lora_name")
+        extra = f.get("extra_keys")
+        if isinstance(lora_name, dict):  # SGLang arrays carry {"cache_salt": ...} in this slot
+            lora_name, extra = None, [lora_name]
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise _Skip("bad_lora_name")
+        tokens = _tokens(f.get("token_ids"), skipped)
+        return BlockStored(
+            block_hashes=hashes,
+            parent_hash=parent_hash,
+            token_ids=tokens,
+            block_size=block_size,
+            medium=_medium(f.get("medium")),
+            lora_name=lora_name,
+            cache_salt=_cache_salt(extra, lora_name),
+            group_idx=_small_int(f.get("group_idx"), 0),
+        )
+
+    def _hashes(self, value: Any) -> tuple[int, ...]:
+        if not isinstance(value, list) or not value:
+            raise _Skip("bad_block_hashes")
+        return tuple(self._hash(h) for h in value)
+
+    def _hash(self, value: Any) -> int:
+        if type(value) is int:
+            if -(1 << 63) <= value <= MASK64:
+                return value & MASK64
+        elif isinstance(value, bytes) and value:
+            return self._bytes_hash(value)
+        raise _Skip("bad_hash")
+
+
+def _batch_parts(obj: Any) -> tuple[float, list[Any], int]:
+    if isinstance(obj, list) and len(obj) in (2, 3):
+        ts, events = obj[0], obj[1]
+        rank = obj[2] if len(obj) == 3 else None
+    elif isinstance(obj, dict):
+        ts, events = obj.get("ts"), obj.get("events")
+        rank = obj.get("data_parallel_rank", obj.get("dp_rank"))
+    else:
+        raise DecodeError("bad_batch", f"expected [ts, events, dp_rank], got {type(obj).__name__}")
+    if type(ts) not in (int, float):
+        raise DecodeError("bad_batch", "ts is not a number")
+    if not isinstance(events, list):
+        raise DecodeError("bad_batch", "events is not an array")
+    if rank is None:
+        rank = 0
+    if type(rank) is not int or not 0 <= rank < 1 << 16:
+        raise DecodeError("bad_batch", "data_parallel_rank is not a small int")
+    return float(ts), events, rank
+
+
+def _tag_and_fields(raw: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(raw, dict):
+        tag = raw.get("type")
+        if not isinstance(tag, str):
+            raise _Skip("bad_event")
+        return tag, raw
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        tag = raw[0]
+        names = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
+        return tag, dict(zip(names, raw[1:]))
+    raise _Skip("bad_event")
+
+
+def _tokens(value: Any, skipped: list[str]) -> tuple[int, ...]:
+    """Token ids as u32s; anything else (SGLang bigram pairs, junk) keeps the event keyless."""
+    if isinstance(value, list):
+        if all(type(t) is int and 0 <= t < U32 for t in value):
+            return tuple(value)
+        skipped.append("unsupported_token_ids")
+        return ()
+    if value is not None:
+        skipped.append("unsupported_token_ids")
+    return ()
+
+
+def _medium(value: Any) -> str:
+    if value is None:
+        return GPU
+    if not isinstance(value, str) or not value:
+        raise _Skip("bad_medium")
+    return value.upper()
+
+
+def _small_int(value: Any, default: int) -> int:
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise _Skip("bad_field_type")
+    return value
+
+
+def _cache_salt(extra_keys: Any, lora_name: str | None) -> str | None:
+    """vLLM puts cache_salt in the first block's extra keys, after the LoRA name and MM keys."""
+    if not isinstance(extra_keys, list) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if isinstance(first, dict):  # SGLang's {"cache_salt": ...}
+        salt = first.get("cache_salt")
+        return salt if isinstance(salt, str) else None
+    if not isinstance(first, list):
+        return None
+    strings = [k for k in first if isinstance(k, str) and k != lora_name]
+    return strings[-1] if strings else None

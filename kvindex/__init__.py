@@ -1,0 +1,1 @@
+"""kvindex: the KV-cache index for LLM inference fleets."""

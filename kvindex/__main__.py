@@ -1,0 +1,5 @@
+import sys
+
+from kvindex.cli import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""Command line: ``kvindex serve | record | replay | demo``.
+
+Invariants: arguments become frozen config objects here, and bad ones end the program with exit
+code 2 and a one-line message; SIGINT and SIGTERM stop the daemon cleanly (tasks cancelled and
+awaited, sockets closed) and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from kvindex.config import Config, ConfigError, config_from_toml, load_toml, with_overrides
+
+ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
+(tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
+endpoint=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,pod=vllm-0,model=Qwen/Qwen3-8B,
+block_size=16,dialect=vllm|sglang|llmd-sim,bind=true|false,dp_rank=N. Pod and model default to
+the topic's kv@<pod>@<model>. bind=true binds the SUB socket (llm-d-inference-sim dials kvindex)."""
+
+EPILOG = """examples:
+  kvindex demo                                   # everything simulated, dashboard on :8080
+  kvindex serve --engine tcp://127.0.0.1:5557    # one vLLM engine (--kv-events-config endpoint)
+  kvindex serve --config kvindex.toml
+  kvindex record tcp://127.0.0.1:5557 -o capture.jsonl
+  kvindex replay capture.jsonl --publish tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvindex", description="KV-cache index for LLM inference fleets: what each "
+                                "engine replica really holds (from its KV events), what the router believes, and "
+                                "the drift between them.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--log-level", default=os.environ.get("KVINDEX_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING (default INFO)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the daemon: subscribe to engines, serve the HTTP API",
+                       description="Run kvindex: subscribe to each engine's KV events over ZeroMQ, keep the precise "
+                       "and approximate indexes, serve them over HTTP (native /v1 API and the Dynamo-indexer-compatible "
+                       "/query, /register, ...).")
+    s.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1: a sidecar)")
+    s.add_argument("--port", type=int, default=None, help="HTTP port (default 8080; 0 picks a free one)")
+    s.add_argument("--config", type=Path, help="TOML file: [server], [[engines]], [models.\"<name>\"], [approx], [drift]")
+    s.add_argument("--engine", action="append", default=[], metavar="SPEC", help=ENGINE_HELP)
+    s.add_argument("--token-file", type=Path, help="bearer token required by mutating endpoints (also "
+                   "$KVINDEX_TOKEN)")
+
+    r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
+                       description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
+                       "(one JSON line per message: {\"t\": seconds, \"frames\": [base64, ...]}).")
+    r.add_argument("endpoint", help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    r.add_argument("-o", "--output", type=Path, required=True, help="fixture file to write (JSON lines)")
+    r.add_argument("--bind", action="store_true", help="bind instead of connect (for publishers that dial)")
+    r.add_argument("--duration", type=float, help="stop after this many seconds")
+    r.add_argument("--max-messages", type=int, help="stop after this many messages")
+
+    y = sub.add_parser("replay", help="act as a fake engine: publish a fixture's frames and answer replay requests",
+                       description="Publish the messages of FILE as an engine would (PUB socket) and answer "
+                       "replay requests on --replay-endpoint the way vLLM does.")
+    y.add_argument("file", type=Path, help="fixture file (events.jsonl format)")
+    y.add_argument("--publish", required=True, help="PUB endpoint, e.g. tcp://127.0.0.1:5557 (bound unless --connect)")
+    y.add_argument("--connect", action="store_true", help="connect the PUB socket instead of binding it")
+    y.add_argument("--replay-endpoint", help="ROUTER endpoint to bind for replay requests")
+    y.add_argument("--speed", type=float, help="replay at this multiple of the recorded pace (default: as fast as possible)")
+    y.add_argument("--loop", action="store_true", help="start over at the end (seq keeps counting up)")
+    y.add_argument("--linger", type=float, default=1.0, help="seconds to wait for subscribers before and after (default 1)")
+    return p
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    base = config_from_toml(load_toml(args.config)) if args.config else Config()
+    return with_overrides(base, host=args.host, port=args.port, engines=args.engine)
+
+
+def read_token(path: Path | None) -> str | None:
+    if path is not None:
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError(f"token file {path} is empty")
+        return token
+    return os.environ.get("KVINDEX_TOKEN") or None
+
+
+async def serve(config: Config, token: str | None) -> int:
+    from kvindex.daemon import Daemon
+
+    daemon = Daemon(config, token=token)
+    return await run_until_signal(daemon.run_forever)
+
+
+async def run_until_signal(body: Callable[[asyncio.Event], Awaitable[None]]) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await body(stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(dispatch(args))
+    except ConfigError as exc:
+        print(f"kvindex: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvindex: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+async def dispatch(args: argparse.Namespace) -> int:
+    from kvindex import record
+
+    if args.command == "serve":
+        return await serve(load_config(args), read_token(args.token_file))
+    if args.command == "record":
+        return await record.record_main(args.endpoint, args.output, bind=args.bind, duration=args.duration,
+                                        max_messages=args.max_messages)
+    if args.command == "replay":
+        return await record.replay_main(args.file, args.publish, bind=not args.connect,
+                                        replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
+                                        linger_seconds=args.linger)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

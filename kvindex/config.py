@@ -1,0 +1,206 @@
+"""Configuration: frozen dataclasses built from the command line and a TOML file.
+
+Invariants:
+- Everything is validated here, once; a bad value raises ``ConfigError`` naming the key.
+- Nothing downstream reads the environment or a dict of options: it gets these objects.
+- Engine spec syntax on the command line: ``--engine ENDPOINT`` or
+  ``--engine key=value,key=value`` with the keys of an ``[[engines]]`` TOML table
+  (``endpoint`` required; ``pod``, ``model``, ``replay``, ``bind``, ``dialect``, ``block_size``,
+  ``dp_rank``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvindex.approx import ApproxConfig, ApproxSettings
+
+DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
+TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """One engine replica's KV-event publisher (one SUB socket)."""
+
+    endpoint: str
+    pod: str | None = None  # None: taken from the topic kv@<pod>@<model>, else the endpoint
+    model: str | None = None  # None: taken from the topic
+    replay: str | None = None  # the engine's ROUTER replay endpoint
+    bind: bool = False  # vLLM binds its PUB (we connect); llm-d-inference-sim dials (we bind)
+    dialect: str = "vllm"
+    block_size: int | None = None
+    dp_rank: int | None = None  # overrides the batch's rank (one publisher per rank)
+
+    def __post_init__(self) -> None:
+        if not self.endpoint or "://" not in self.endpoint:
+            raise ConfigError(f"engine endpoint {self.endpoint!r} is not a ZeroMQ address like tcp://host:5557")
+        if self.dialect not in DIALECT_NAMES:
+            raise ConfigError(f"engine dialect {self.dialect!r}: expected one of {', '.join(DIALECT_NAMES)}")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ConfigError("engine block_size must be a positive integer")
+
+    @property
+    def name(self) -> str:
+        return self.pod or self.endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Per model: how its prompts are tokenized for the precise index, and its block size."""
+
+    tokenizer: str = "none"
+    tokenize_url: str | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in TOKENIZER_NAMES:
+            raise ConfigError(f"tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
+        if self.tokenizer == "engine" and not self.tokenize_url:
+            raise ConfigError('tokenizer = "engine" needs tokenize_url (the engine\'s base URL)')
+
+
+@dataclass(frozen=True, slots=True)
+class DriftConfig:
+    sample_size: int = 2048
+    recheck_seconds: float = 5.0
+    window_seconds: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    engines: tuple[EngineConfig, ...] = ()
+    models: dict[str, ModelConfig] = field(default_factory=dict)
+    approx: ApproxConfig = field(default_factory=lambda: ApproxConfig(ApproxSettings(), {}))
+    drift: DriftConfig = field(default_factory=DriftConfig)
+    max_body_bytes: int = 8 << 20
+    max_token_ids: int = 1 << 20
+    replay_timeout: float = 2.0
+    rcvhwm: int = 1_000_000
+
+    def model(self, name: str) -> ModelConfig:
+        return self.models.get(name) or self.models.get("*") or ModelConfig()
+
+
+_ENGINE_KEYS = {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank"}
+
+
+def engine_from_table(table: dict[str, Any]) -> EngineConfig:
+    unknown = set(table) - _ENGINE_KEYS
+    if unknown:
+        raise ConfigError(f"unknown engine key(s): {', '.join(sorted(unknown))}")
+    if "endpoint" not in table:
+        raise ConfigError("an engine needs an endpoint")
+    try:
+        return EngineConfig(
+            endpoint=str(table["endpoint"]),
+            pod=_opt_str(table.get("pod")),
+            model=_opt_str(table.get("model")),
+            replay=_opt_str(table.get("replay")),
+            bind=_bool(table.get("bind", False), "bind"),
+            dialect=str(table.get("dialect", "vllm")),
+            block_size=_opt_int(table.get("block_size"), "block_size"),
+            dp_rank=_opt_int(table.get("dp_rank"), "dp_rank"),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_engine_spec(spec: str) -> EngineConfig:
+    """``tcp://host:5557`` or ``endpoint=tcp://host:5557,pod=vllm-0,replay=tcp://host:5558``."""
+    if "=" not in spec.split("://", 1)[0]:
+        return engine_from_table({"endpoint": spec})
+    table: dict[str, Any] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"engine spec part {part!r} is not key=value")
+        table[key.strip()] = value.strip()
+    return engine_from_table(table)
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+
+
+def config_from_toml(doc: dict[str, Any]) -> Config:
+    server = doc.get("server", {})
+    engines = tuple(engine_from_table(t) for t in doc.get("engines", []))
+    models = {name: _model(name, t) for name, t in doc.get("models", {}).items()}
+    try:
+        approx = ApproxConfig.from_toml(doc.get("approx", {}))
+    except ValueError as exc:
+        raise ConfigError(f"[approx]: {exc}") from None
+    d = doc.get("drift", {})
+    drift = DriftConfig(
+        sample_size=int(d.get("sample_size", DriftConfig.sample_size)),
+        recheck_seconds=float(d.get("recheck_seconds", DriftConfig.recheck_seconds)),
+        window_seconds=float(d.get("window_seconds", DriftConfig.window_seconds)),
+    )
+    return Config(
+        host=str(server.get("host", Config.host)),
+        port=int(server.get("port", Config.port)),
+        engines=engines,
+        models=models,
+        approx=approx,
+        drift=drift,
+    )
+
+
+def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str]) -> Config:
+    extra = tuple(parse_engine_spec(s) for s in engines)
+    return replace(
+        cfg,
+        host=host if host is not None else cfg.host,
+        port=port if port is not None else cfg.port,
+        engines=cfg.engines + extra,
+    )
+
+
+def _model(name: str, table: dict[str, Any]) -> ModelConfig:
+    try:
+        return ModelConfig(
+            tokenizer=str(table.get("tokenizer", "none")),
+            tokenize_url=_opt_str(table.get("tokenize_url")),
+            block_size=_opt_int(table.get("block_size"), "block_size"),
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"[models.{name!r}]: {exc}") from None
+
+
+def _opt_str(v: Any) -> str | None:
+    return None if v is None else str(v)
+
+
+def _opt_int(v: Any, name: str) -> int | None:
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, got {v!r}") from None
+
+
+def _bool(v: Any, name: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    if str(v).lower() in ("1", "true", "yes"):
+        return True
+    if str(v).lower() in ("0", "false", "no"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {v!r}")

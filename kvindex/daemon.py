@@ -1,0 +1,120 @@
+"""The composition root: the only module that knows every part and wires them together.
+
+Invariants:
+- Every part gets its dependencies passed in; metrics live in one registry created here (or
+  passed in by a test); nothing is module-global.
+- Every background task (engine lanes, the drift timer, the HTTP site) is owned here and is
+  cancelled and awaited by ``stop()``; the ZeroMQ context is terminated last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from adapters import DIALECTS
+from adapters.engine_tokenizer import EngineTokenizer
+from adapters.llmd_sim import SimTokenizer
+from kvindex import compat_api
+from kvindex.approx import ApproxIndex
+from kvindex.config import Config, EngineConfig
+from kvindex.http_api import Services, make_app
+from kvindex.ingest import EngineLane, Fleet, LaneSettings
+from kvindex.logs import BurstLog
+from kvindex.metrics import Metrics, StateCollector
+from kvindex.pods import PodDirectory
+from kvindex.precise import TIERS, PreciseIndex
+from kvindex.query import QueryService
+from kvindex.tokenize import CachingTokenizer, Tokenizer
+
+log = logging.getLogger("kvindex.daemon")
+
+
+class Daemon:
+    def __init__(self, config: Config, *, registry: CollectorRegistry | None = None, token: str | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.index = PreciseIndex()
+        for model, mc in config.models.items():
+            if mc.block_size:
+                self.index.set_block_size(model, mc.block_size)
+        self.approx = ApproxIndex(config.approx, on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
+        self.ctx = zmq.asyncio.Context()
+        self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
+        self.fleet = Fleet(self._make_lane)
+        self.pods = PodDirectory(self.fleet, self.index, self.approx)
+        self._tokenizers: dict[str, Tokenizer | None] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self.query = QueryService(self.index, self.approx, self._tokenizer_for, config.max_token_ids)
+        self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
+                                 pods=self.pods, token=token)
+        self.registry.register(StateCollector(self._state_gauges))
+        self.app = make_app(self.services, compat_api.routes())
+        self.app[compat_api.REGISTRATIONS] = compat_api.Registrations()
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _make_lane(self, engine: EngineConfig) -> EngineLane:
+        dialect = DIALECTS[engine.dialect]
+        settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm)
+        return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
+                          index=self.index, metrics=self.metrics, settings=settings, burst=self._burst)
+
+    def _tokenizer_for(self, model: str) -> Tokenizer | None:
+        if model not in self._tokenizers:
+            mc = self.config.model(model)
+            inner: Tokenizer | None = None
+            if mc.tokenizer == "llmd-sim":
+                inner = SimTokenizer()
+            elif mc.tokenizer == "engine" and mc.tokenize_url:
+                if self._session is None:
+                    self._session = aiohttp.ClientSession()
+                inner = EngineTokenizer(mc.tokenize_url, self._session)
+            self._tokenizers[model] = CachingTokenizer(inner) if inner is not None else None
+        return self._tokenizers[model]
+
+    def _state_gauges(self) -> Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
+        views = self.pods.views()
+        yield ("kvindex_blocks_held", "Block copies held per pod and tier (precise index)", ["pod", "tier"],
+               [([v["pod"], t], v["blocks"][t]) for v in views for t in TIERS])
+        yield ("kvindex_orphan_blocks_held", "Keyless (orphan) engine hashes held per pod", ["pod"],
+               [([v["pod"]], v["blocks"]["orphans"]) for v in views])
+        yield ("kvindex_pod_synced", "1 when the pod's event stream is complete, 0 when unsynced", ["pod"],
+               [([v["pod"]], 1.0 if v.get("synced", True) else 0.0) for v in views])
+        yield ("kvindex_engine_connected", "1 when the engine's publisher is connected", ["pod"],
+               [([v["pod"]], 1.0 if v.get("connected") else 0.0) for v in views if v.get("endpoint")])
+        yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",
+               [], [([], float(self.approx.entries()))])
+
+    async def start(self) -> None:
+        for engine in self.config.engines:
+            self.fleet.add(f"config:{engine.name}", engine)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        log.info("kvindex listening on http://%s:%d with %d engine(s)", self.config.host, self.port, len(self.config.engines))
+
+    async def stop(self) -> None:
+        await self.fleet.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        self.ctx.term()
+        log.info("kvindex stopped")
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

@@ -1,0 +1,241 @@
+"""kvindex's native HTTP API (aiohttp): health, metrics, pods, scoring, decisions, drift.
+
+Invariants:
+- Every refused request gets a JSON ``{"error": "<one line>", "field": <name or null>}`` with a
+  4xx (or 503 when a dependency is down), and is counted in ``kvindex_http_rejections`` by endpoint
+  and reason. Nothing a request carries can crash the server or change state before it is valid.
+- Handlers read parts from ``Services``; they hold no state of their own.
+- Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import msgpack
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvindex.config import Config
+from kvindex.ingest import Fleet
+from kvindex.metrics import Metrics
+from kvindex.pods import PodDirectory
+from kvindex.query import PodAnswer, QueryError, QueryService
+from kvindex.render import RenderError, go_json_loads
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MSGPACK = "application/msgpack"
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    config: Config
+    metrics: Metrics
+    query: QueryService
+    fleet: Fleet
+    pods: PodDirectory
+    token: str | None = None  # bearer token for mutating endpoints
+
+
+SERVICES = web.AppKey("services", Services)
+
+
+class ApiError(web.HTTPException):
+    """A refused request: one line, the field at fault, a reason label for the metric."""
+
+    def __init__(self, message: str, *, field: str | None = None, status: int = 400, reason: str = "bad_request") -> None:
+        self.status_code = status
+        super().__init__(text=json.dumps({"error": message, "field": field}), content_type="application/json")
+        self.reason_label = reason
+
+
+def services(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+def endpoint_label(request: web.Request) -> str:
+    info = request.match_info.route.resource
+    return info.canonical if info is not None else "unmatched"
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    svc = services(request)
+    try:
+        return await handler(request)
+    except QueryError as exc:
+        err = ApiError(str(exc), field=exc.field, status=exc.status, reason=exc.reason)
+    except ApiError as exc:
+        err = exc
+    except web.HTTPRequestEntityTooLarge:
+        err = ApiError(f"body exceeds {svc.config.max_body_bytes} bytes", field="body", status=413, reason="too_large")
+    except web.HTTPNotFound:
+        err = ApiError(f"no route {request.method} {request.path}", status=404, reason="no_route")
+    except web.HTTPMethodNotAllowed:
+        err = ApiError(f"{request.method} not allowed on {request.path}", status=405, reason="bad_method")
+    svc.metrics.http_rejections.labels(endpoint_label(request), err.reason_label).inc()
+    return web.Response(status=err.status_code, text=err.text, content_type="application/json")
+
+
+def require_token(request: web.Request) -> None:
+    """Mutating endpoints: when a token is configured, a matching bearer token is required."""
+    import hmac
+
+    token = services(request).token
+    if token is None:
+        return
+    given = request.headers.get("Authorization", "")
+    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
+
+
+async def read_body(request: web.Request, *, allow_msgpack: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if allow_msgpack and request.content_type == MSGPACK:
+        try:
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+        except Exception:
+            raise ApiError("body is not valid msgpack", field="body", reason="malformed") from None
+    else:
+        try:
+            body = go_json_loads(raw)
+        except RenderError:
+            raise ApiError("body is not valid JSON", field="body", reason="malformed") from None
+    if not isinstance(body, dict):
+        raise ApiError("body must be a JSON object", field="body", reason="malformed")
+    return body
+
+
+def reply(request: web.Request, data: Any, status: int = 200) -> web.Response:
+    if request.content_type == MSGPACK:
+        return web.Response(body=msgpack.packb(data), status=status, content_type=MSGPACK)
+    return web.json_response(data, status=status)
+
+
+def get_str(body: dict[str, Any], name: str, *, required: bool = True) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(f"{name} is required", field=name, reason="missing_field")
+        return None
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"{name} must be a non-empty string", field=name, reason="bad_field")
+    return value
+
+
+def get_pods(body: dict[str, Any], limit: int = 10_000) -> list[str] | None:
+    pods = body.get("pods")
+    if pods is None:
+        return None
+    if not isinstance(pods, list) or not all(isinstance(p, str) and p for p in pods):
+        raise ApiError("pods must be an array of pod ids (strings)", field="pods", reason="bad_field")
+    if len(pods) > limit:
+        raise ApiError(f"pods has {len(pods)} entries; the limit is {limit}", field="pods", status=413, reason="too_large")
+    return pods
+
+
+def pod_from_path(request: web.Request) -> str:
+    pod = unquote(request.match_info["pod"])
+    if not pod:
+        raise ApiError("pod id is empty", field="pod", reason="bad_field")
+    return pod
+
+
+# -- health ------------------------------------------------------------------------------------
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    problems = services(request).pods.readiness_problems()
+    if problems:
+        return web.json_response({"status": "not ready", "reasons": problems}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = generate_latest(services(request).metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- pods --------------------------------------------------------------------------------------
+async def list_pods(request: web.Request) -> web.Response:
+    return web.json_response({"pods": services(request).pods.views()})
+
+
+async def get_pod(request: web.Request) -> web.Response:
+    pod = pod_from_path(request)
+    for view in services(request).pods.views():
+        if view["pod"] == pod:
+            return web.json_response(view)
+    raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
+
+
+async def delete_pod(request: web.Request) -> web.Response:
+    require_token(request)
+    pod = pod_from_path(request)
+    if not await services(request).pods.remove(pod):
+        raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
+    return web.json_response({"removed": pod})
+
+
+async def resync_pod(request: web.Request) -> web.Response:
+    require_token(request)
+    pod = pod_from_path(request)
+    if not await services(request).fleet.resync(pod):
+        raise ApiError(f"no engine stream feeds pod {pod!r}", field="pod", status=404, reason="unknown_pod")
+    return web.json_response({"resynced": pod})
+
+
+# -- scoring -----------------------------------------------------------------------------------
+async def score(request: web.Request) -> web.Response:
+    svc = services(request)
+    t0 = time.perf_counter()
+    body = await read_body(request)
+    model = get_str(body, "model")
+    assert model is not None
+    pods = get_pods(body)
+    q = svc.query
+    token_ids = await q.token_ids_for(model, body)
+    precise = None
+    if token_ids is not None:
+        precise = q.precise(model, token_ids, pods, get_str(body, "lora_name", required=False),
+                            get_str(body, "cache_salt", required=False))
+    candidates = q.candidates(pods, precise)
+    approx = q.approx_answer(model, body, candidates)
+    if precise is None and approx is None:
+        raise ApiError("nothing to score: give token_ids, prompt, messages or input", field="request", reason="missing_field")
+    if approx is not None and approx.hashes:
+        svc.metrics.approx_match_ratio.labels(model).observe(max(approx.blocks.values(), default=0) / len(approx.hashes))
+    answer = {
+        "model": model,
+        "prompt_tokens": precise.prompt_tokens if precise else None,
+        "block_size": precise.block_size if precise else None,
+        "pods": {pod: PodAnswer(pod, precise, approx).to_json() for pod in candidates},
+    }
+    svc.metrics.query_seconds.labels("/v1/score").observe(time.perf_counter() - t0)
+    return web.json_response(answer)
+
+
+def make_app(svc: Services, extra_routes: list[web.RouteDef] | None = None) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware], client_max_size=svc.config.max_body_bytes)
+    app[SERVICES] = svc
+    app.add_routes([
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+        web.get("/v1/pods", list_pods),
+        web.post("/v1/pods/{pod:.+}/resync", resync_pod),
+        web.get("/v1/pods/{pod:.+}", get_pod),
+        web.delete("/v1/pods/{pod:.+}", delete_pod),
+        web.post("/v1/score", score),
+    ])
+    if extra_routes:
+        app.add_routes(extra_routes)
+    return app

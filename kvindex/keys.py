@@ -1,0 +1,62 @@
+"""kvindex's own block identity: chained keys computed from token ids.
+
+Invariants:
+- ``local_hash(tokens)`` is XXH3-64 (seed 1337) over the block's tokens as u32 little-endian:
+  the per-block hash of the Dynamo KV indexer (``compute_block_hash_for_seq``, ``/query_by_hash``).
+- ``key_i = XXH3-64(LE64(key_{i-1}) || LE64(local_i))``; ``key_{-1}`` is the root, derived from
+  (model, lora_name, cache_salt), so different models, adapters and salted tenants never share keys.
+- Only full blocks have keys. Engine hashes never enter a key: engines may hash differently.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+LOCAL_SEED = 1337
+MASK64 = (1 << 64) - 1
+_PAIR = struct.Struct("<QQ")
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def local_hash(tokens: Sequence[int]) -> int:
+    """Dynamo's per-block hash of one block of token ids (each must fit in u32)."""
+    return _xxh3(array("I", tokens).tobytes(), LOCAL_SEED)
+
+
+def chain(parent_key: int, local: int) -> int:
+    return _xxh3(_PAIR.pack(parent_key, local))
+
+
+def root_key(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The key a prompt's first block chains from. Fields are length-prefixed: no ambiguity."""
+    parts = [model, lora_name or "", cache_salt or ""]
+    data = b"kvindex-root-v1" + b"".join(
+        struct.pack("<I", len(p.encode())) + p.encode() for p in parts
+    )
+    return _xxh3(data)
+
+
+def local_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Per-block local hashes of every full block of ``token_ids``."""
+    full = len(token_ids) // block_size * block_size
+    data = array("I", token_ids[:full]).tobytes()
+    width = 4 * block_size
+    return [_xxh3(data[i : i + width], LOCAL_SEED) for i in range(0, len(data), width)]
+
+
+def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
+    keys = []
+    key = root
+    for local in locals_:
+        key = _xxh3(_PAIR.pack(key, local))
+        keys.append(key)
+    return keys
+
+
+def prompt_keys(root: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained keys of every full block of a prompt."""
+    return chain_keys(root, local_hashes(token_ids, block_size))

@@ -1,0 +1,52 @@
+"""Prometheus metrics, in a registry that is passed in (never the global one).
+
+Invariants: labels come from fixed vocabularies (event types, reason labels chosen in code) or
+pod/model ids, never from exception text. State that can be read off the indexes (blocks held,
+entries, sync state) is computed at scrape time by a collector, not maintained on the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RATIO_BUCKETS = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.registry = registry
+        self.events_applied = Counter("kvindex_events_applied", "KV events applied, by pod and type", ["pod", "type"], registry=r)
+        self.blocks_stored = Counter("kvindex_blocks_stored", "Block copies stored by BlockStored events", ["pod"], registry=r)
+        self.blocks_removed = Counter("kvindex_blocks_removed", "Block copies removed by BlockRemoved events", ["pod"], registry=r)
+        self.decode_errors = Counter("kvindex_decode_errors", "Messages, events or fields that could not be used, by reason", ["pod", "reason"], registry=r)
+        self.seq_gaps = Counter("kvindex_seq_gaps", "Sequence gaps detected on an engine stream", ["pod"], registry=r)
+        self.replays = Counter("kvindex_replays", "Replay requests to an engine's replay endpoint, by outcome", ["pod", "outcome"], registry=r)
+        self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went backwards)", ["pod"], registry=r)
+        self.orphan_blocks = Counter("kvindex_orphan_blocks", "Stored blocks kept without a key (unknown parent, no tokens, block size mismatch)", ["pod"], registry=r)
+        self.unknown_removals = Counter("kvindex_unknown_removals", "BlockRemoved for a hash the pod does not hold", ["pod"], registry=r)
+        self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between the engine's batch timestamp and its application", ["pod"], registry=r)
+        self.http_rejections = Counter("kvindex_http_rejections", "HTTP requests refused with a 4xx, by endpoint and reason", ["endpoint", "reason"], registry=r)
+        self.query_seconds = Histogram("kvindex_query_duration_seconds", "Time to answer a query, by endpoint", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.approx_match_ratio = Histogram("kvindex_approx_match_ratio", "Approximate index: longest match / prompt blocks per scored request (Kthena's prefix_cache_match_ratio)", ["model"], buckets=RATIO_BUCKETS, registry=r)
+        self.approx_evictions = Counter("kvindex_approx_evictions", "Approximate index: capacity evictions (Kthena's prefix_cache_evictions_total)", ["model"], registry=r)
+        self.decisions = Counter("kvindex_decisions", "Routing decisions recorded", ["pod"], registry=r)
+
+
+class StateCollector(Collector):
+    """Gauges read off live state at scrape time. ``read`` returns (name, help, labels, samples)."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        for name, help_, labels, samples in self._read():
+            family = GaugeMetricFamily(name, help_, labels=labels)
+            for values, value in samples:
+                family.add_metric(values, value)
+            yield family

@@ -1,0 +1,152 @@
+"""Queries: a request in, both indexes' answers per pod out, side by side with their drift.
+
+Invariants:
+- The precise side matches token blocks: ``token_ids`` given by the caller win; otherwise the
+  model's configured tokenizer renders and tokenizes the OpenAI body. The approximate side always
+  renders the body (Kthena / GIE semantics), never tokens.
+- A precise match never counts the block holding the last prompt token (vLLM never serves it from
+  cache), so ``tokens`` is what the engine would report as ``cached_tokens``.
+- ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
+  more than the engine holds (stale), negative when the engine holds what the router never saw.
+- Pure with respect to both indexes: a query changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvindex import keys as K
+from kvindex.approx import ApproxIndex
+from kvindex.precise import PodMatch, PreciseIndex
+from kvindex.render import RenderError
+from kvindex.tokenize import Tokenizer
+
+
+class QueryError(ValueError):
+    """A query that cannot be answered; ``field`` names the offending input, ``status`` the HTTP code."""
+
+    def __init__(self, message: str, field: str | None = None, status: int = 400, reason: str = "bad_request") -> None:
+        super().__init__(message)
+        self.field = field
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class PreciseAnswer:
+    block_size: int
+    prompt_tokens: int
+    keys: tuple[int, ...]  # keys of the blocks that may be served from cache
+    matches: dict[str, PodMatch]
+
+    def blocks(self, pod: str) -> int:
+        m = self.matches.get(pod)
+        return m.gpu if m else 0
+
+    def ratio(self, pod: str) -> float:
+        return self.blocks(pod) * self.block_size / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ApproxAnswer:
+    hashes: tuple[int, ...]
+    blocks: dict[str, int]
+    scores: dict[str, float]
+
+    def ratio(self, pod: str) -> float:
+        return self.blocks.get(pod, 0) / len(self.hashes) if self.hashes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PodAnswer:
+    pod: str
+    precise: PreciseAnswer | None
+    approx: ApproxAnswer | None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.precise is not None:
+            p = self.precise
+            out["precise"] = {"blocks": p.blocks(self.pod), "tokens": p.blocks(self.pod) * p.block_size,
+                              "ratio": round(p.ratio(self.pod), 6)}
+            m = p.matches.get(self.pod)
+            if m is not None and (m.cpu > m.gpu or m.disk > m.gpu):
+                out["precise"].update(cpu_tokens=m.cpu * p.block_size, disk_tokens=m.disk * p.block_size)
+        if self.approx is not None:
+            out["approx"] = {"blocks": self.approx.blocks.get(self.pod, 0), "score": self.approx.scores.get(self.pod, 0)}
+        out["drift"] = self.drift()
+        return out
+
+    def drift(self) -> float | None:
+        if self.precise is None or self.approx is None:
+            return None
+        return round(self.approx.ratio(self.pod) - self.precise.ratio(self.pod), 6)
+
+
+class QueryService:
+    def __init__(self, index: PreciseIndex, approx: ApproxIndex,
+                 tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int) -> None:
+        self.index = index
+        self.approx = approx
+        self._tokenizer_for = tokenizer_for
+        self._max_token_ids = max_token_ids
+
+    def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
+                lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
+        bs = self.index.block_size(model)
+        if bs is None:  # no engine has published a block of this model: nobody holds any
+            return PreciseAnswer(0, len(token_ids), (), {})
+        cacheable = max(len(token_ids) - 1, 0)  # the last prompt token's block is never a hit
+        keys = K.prompt_keys(K.root_key(model, lora_name, cache_salt), token_ids[:cacheable], bs)
+        return PreciseAnswer(bs, len(token_ids), tuple(keys), self.index.match(keys, pods))
+
+    def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int], pods: Iterable[str] | None) -> PreciseAnswer:
+        bs = self.index.block_size(model)
+        if bs is None:
+            return PreciseAnswer(0, 0, (), {})
+        keys = K.chain_keys(K.root_key(model), local_hashes)
+        return PreciseAnswer(bs, len(keys) * bs, tuple(keys), self.index.match(keys, pods))
+
+    async def token_ids_for(self, model: str, body: dict[str, Any]) -> list[int] | None:
+        """Token ids from the body, or from the model's tokenizer; None when neither exists."""
+        if "token_ids" in body:
+            return self.check_token_ids(body["token_ids"])
+        tokenizer = self._tokenizer_for(model)
+        if tokenizer is None:
+            return None
+        try:
+            return await tokenizer.tokenize(model, body)
+        except ValueError as exc:
+            raise QueryError(str(exc), field="request", reason="untokenizable") from None
+        except Exception as exc:  # an engine's /tokenize may be down: say so, don't crash
+            raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
+                             reason="tokenizer_unavailable") from None
+
+    def check_token_ids(self, value: Any) -> list[int]:
+        if not isinstance(value, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in value):
+            raise QueryError("token_ids must be an array of unsigned 32-bit integers", field="token_ids")
+        if len(value) > self._max_token_ids:
+            raise QueryError(f"token_ids has {len(value)} entries; the limit is {self._max_token_ids}",
+                             field="token_ids", status=413, reason="too_large")
+        return value
+
+    def approx_answer(self, model: str, body: dict[str, Any], pods: Iterable[str]) -> ApproxAnswer | None:
+        """What the router computes; None when the body has nothing the router would hash."""
+        if not any(k in body for k in ("prompt", "messages", "input")):
+            return None
+        try:
+            hashes = self.approx.hash_request(model, body)
+        except RenderError as exc:
+            raise QueryError(str(exc), field="request", reason="unrenderable") from None
+        pods = list(pods)
+        return ApproxAnswer(tuple(hashes), self.approx.match(model, hashes, pods), self.approx.score(model, hashes, pods))
+
+    def candidates(self, requested: Iterable[str] | None, precise: PreciseAnswer | None) -> list[str]:
+        if requested is not None:
+            return sorted(set(requested))
+        pods = set(self.index.pods()) | set(self.approx.pods())
+        if precise is not None:
+            pods |= set(precise.matches)
+        return sorted(pods)

