@@ -401,6 +401,12 @@ class ApproxIndex:
     def _is_gie(self, model: str) -> bool:
         return self._config.for_model(model).personality == GIE_V1_5
 
+    def render(self, model: str, body: dict[str, Any]) -> str:
+        """The prompt text the model's personality hashes (GIE's bytes shown as UTF-8 text)."""
+        if self._config.for_model(model).personality == GIE_V1_5:
+            return render_gie(body).decode("utf-8", "replace")
+        return render_kthena(body)
+
     def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
         """Render ``body`` per the model's personality and hash it. Raises ``RenderError``.
 

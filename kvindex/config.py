@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.approx import ApproxConfig, ApproxSettings
+from kvindex.drift import DriftSettings
 
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
 TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
@@ -68,20 +69,13 @@ class ModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class DriftConfig:
-    sample_size: int = 2048
-    recheck_seconds: float = 5.0
-    window_seconds: float = 300.0
-
-
-@dataclass(frozen=True, slots=True)
 class Config:
     host: str = "127.0.0.1"
     port: int = 8080
     engines: tuple[EngineConfig, ...] = ()
     models: dict[str, ModelConfig] = field(default_factory=dict)
     approx: ApproxConfig = field(default_factory=lambda: ApproxConfig(ApproxSettings(), {}))
-    drift: DriftConfig = field(default_factory=DriftConfig)
+    drift: DriftSettings = field(default_factory=DriftSettings)
     max_body_bytes: int = 8 << 20
     max_token_ids: int = 1 << 20
     replay_timeout: float = 2.0
@@ -146,12 +140,7 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
         approx = ApproxConfig.from_toml(doc.get("approx", {}))
     except ValueError as exc:
         raise ConfigError(f"[approx]: {exc}") from None
-    d = doc.get("drift", {})
-    drift = DriftConfig(
-        sample_size=int(d.get("sample_size", DriftConfig.sample_size)),
-        recheck_seconds=float(d.get("recheck_seconds", DriftConfig.recheck_seconds)),
-        window_seconds=float(d.get("window_seconds", DriftConfig.window_seconds)),
-    )
+    drift = _drift(doc.get("drift", {}))
     return Config(
         host=str(server.get("host", Config.host)),
         port=int(server.get("port", Config.port)),
@@ -170,6 +159,23 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         port=port if port is not None else cfg.port,
         engines=cfg.engines + extra,
     )
+
+
+def _drift(table: dict[str, Any]) -> DriftSettings:
+    d = DriftSettings()
+    try:
+        out = DriftSettings(
+            sample_size=int(table.get("sample_size", d.sample_size)),
+            recheck_seconds=float(table.get("recheck_seconds", d.recheck_seconds)),
+            window_seconds=float(table.get("window_seconds", d.window_seconds)),
+            threshold=float(table.get("threshold", d.threshold)),
+            history=int(table.get("history", d.history)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[drift]: {exc}") from None
+    if out.sample_size < 1 or out.recheck_seconds <= 0 or not 0 < out.threshold <= 1 or out.history < 1:
+        raise ConfigError("[drift]: sample_size and history must be >= 1, recheck_seconds > 0, 0 < threshold <= 1")
+    return out
 
 
 def _model(name: str, table: dict[str, Any]) -> ModelConfig:

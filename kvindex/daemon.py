@@ -24,6 +24,8 @@ from adapters.llmd_sim import SimTokenizer
 from kvindex import compat_api
 from kvindex.approx import ApproxIndex
 from kvindex.config import Config, EngineConfig
+from kvindex.decisions import Decisions
+from kvindex.drift import DriftAudit
 from kvindex.http_api import Services, make_app
 from kvindex.ingest import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
@@ -49,16 +51,19 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
         self.fleet = Fleet(self._make_lane)
-        self.pods = PodDirectory(self.fleet, self.index, self.approx)
+        self.drift = DriftAudit(self.index, self.approx, config.drift)
+        self.pods = PodDirectory(self.fleet, self.index, self.approx, self.drift)
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
         self.query = QueryService(self.index, self.approx, self._tokenizer_for, config.max_token_ids)
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
-                                 pods=self.pods, token=token)
+                                 pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics),
+                                 drift=self.drift, token=token)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, compat_api.routes())
         self.app[compat_api.REGISTRATIONS] = compat_api.Registrations()
         self._runner: web.AppRunner | None = None
+        self._drift_task: asyncio.Task[None] | None = None
         self.port: int | None = None
 
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
@@ -90,10 +95,17 @@ class Daemon:
                [([v["pod"]], 1.0 if v.get("synced", True) else 0.0) for v in views])
         yield ("kvindex_engine_connected", "1 when the engine's publisher is connected", ["pod"],
                [([v["pod"]], 1.0 if v.get("connected") else 0.0) for v in views if v.get("endpoint")])
+        drift = self.drift.pods
+        yield ("kvindex_drift_stale", "Sampled decisions whose prefix the router believes but the engine evicted",
+               ["pod"], [([p], d.stale) for p, d in drift.items()])
+        yield ("kvindex_drift_unseen", "Sampled requests whose prefix the pod holds but the router never recorded there",
+               ["pod"], [([p], d.unseen) for p, d in drift.items()])
+        yield ("kvindex_drift_sampled", "Decisions in the drift sample", ["pod"], [([p], d.sampled) for p, d in drift.items()])
         yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",
                [], [([], float(self.approx.entries()))])
 
     async def start(self) -> None:
+        self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         for engine in self.config.engines:
             self.fleet.add(f"config:{engine.name}", engine)
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
@@ -104,6 +116,9 @@ class Daemon:
         log.info("kvindex listening on http://%s:%d with %d engine(s)", self.config.host, self.port, len(self.config.engines))
 
     async def stop(self) -> None:
+        if self._drift_task is not None:
+            self._drift_task.cancel()
+            await asyncio.gather(self._drift_task, return_exceptions=True)
         await self.fleet.close()
         if self._runner is not None:
             await self._runner.cleanup()

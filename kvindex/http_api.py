@@ -22,6 +22,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.config import Config
+from kvindex.decisions import Decisions
+from kvindex.drift import DriftAudit
 from kvindex.ingest import Fleet
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
@@ -40,6 +42,8 @@ class Services:
     query: QueryService
     fleet: Fleet
     pods: PodDirectory
+    decisions: Decisions
+    drift: DriftAudit
     token: str | None = None  # bearer token for mutating endpoints
 
 
@@ -223,6 +227,59 @@ async def score(request: web.Request) -> web.Response:
     return web.json_response(answer)
 
 
+async def decisions(request: web.Request) -> web.Response:
+    require_token(request)
+    svc = services(request)
+    t0 = time.perf_counter()
+    answer = await svc.decisions.record_body(await read_body(request))
+    svc.metrics.query_seconds.labels("/v1/decisions").observe(time.perf_counter() - t0)
+    return web.json_response(answer)
+
+
+async def explain(request: web.Request) -> web.Response:
+    """What the router computes for a request: rendered prompt, block hashes, depth per pod."""
+    svc = services(request)
+    body = await read_body(request)
+    req = body.get("request", body)
+    if not isinstance(req, dict):
+        raise ApiError("request must be an OpenAI request body (object)", field="request", reason="bad_field")
+    model = get_str(req, "model")
+    assert model is not None
+    settings = svc.query.approx.config.for_model(model)
+    try:
+        rendered = svc.query.approx.render(model, req)
+    except RenderError as exc:
+        raise ApiError(str(exc), field="request", reason="unrenderable") from None
+    hashes = svc.query.approx_hashes(model, req) or ()
+    pods = get_pods(body) or svc.query.candidates(None, None)
+    answer = svc.query.approx_match(model, hashes, pods)
+    return web.json_response({
+        "model": model, "personality": settings.personality, "rendered": rendered,
+        "rendered_bytes": len(rendered.encode("utf-8", "replace")),
+        "block_hashes": list(hashes),
+        "pods": {p: {"matched_blocks": answer.blocks.get(p, 0), "score": answer.scores.get(p, 0)} for p in pods},
+    })
+
+
+async def drift(request: web.Request) -> web.Response:
+    svc = services(request)
+    window = request.query.get("window")
+    try:
+        seconds = float(window) if window is not None else None
+    except ValueError:
+        raise ApiError("window must be a number of seconds", field="window", reason="bad_field") from None
+    if seconds is not None and not 0 < seconds < 1e9:
+        raise ApiError("window must be a positive number of seconds", field="window", reason="bad_field")
+    if request.query.get("recheck") in ("1", "true"):
+        svc.drift.recheck()
+    return web.json_response(svc.drift.summary(seconds))
+
+
+async def drift_history(request: web.Request) -> web.Response:
+    svc = services(request)
+    return web.json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
+
+
 def make_app(svc: Services, extra_routes: list[web.RouteDef] | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
@@ -235,6 +292,10 @@ def make_app(svc: Services, extra_routes: list[web.RouteDef] | None = None) -> w
         web.get("/v1/pods/{pod:.+}", get_pod),
         web.delete("/v1/pods/{pod:.+}", delete_pod),
         web.post("/v1/score", score),
+        web.post("/v1/decisions", decisions),
+        web.post("/v1/approx/explain", explain),
+        web.get("/v1/drift", drift),
+        web.get("/v1/drift/history", drift_history),
     ])
     if extra_routes:
         app.add_routes(extra_routes)

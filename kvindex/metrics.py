@@ -8,10 +8,14 @@ entries, sync state) is computed at scrape time by a collector, not maintained o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvindex.drift import Decision
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 RATIO_BUCKETS = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1)
@@ -36,6 +40,20 @@ class Metrics:
         self.approx_match_ratio = Histogram("kvindex_approx_match_ratio", "Approximate index: longest match / prompt blocks per scored request (Kthena's prefix_cache_match_ratio)", ["model"], buckets=RATIO_BUCKETS, registry=r)
         self.approx_evictions = Counter("kvindex_approx_evictions", "Approximate index: capacity evictions (Kthena's prefix_cache_evictions_total)", ["model"], registry=r)
         self.decisions = Counter("kvindex_decisions", "Routing decisions recorded", ["pod"], registry=r)
+        self.decision_fraction = Histogram("kvindex_decision_hit_fraction", "Per decision: the prompt fraction predicted "
+                                           "cached (approx, precise) and reported cached by the engine (actual)",
+                                           ["pod", "source"], buckets=RATIO_BUCKETS, registry=r)
+        self.decision_error = Histogram("kvindex_decision_abs_error", "Per decision: |prediction - actual| of each index",
+                                        ["pod", "predictor"], buckets=RATIO_BUCKETS, registry=r)
+
+    def observe_decision(self, d: "Decision") -> None:
+        self.decisions.labels(d.pod).inc()
+        for source, value in (("approx", d.approx), ("precise", d.precise), ("actual", d.actual)):
+            if value is not None:
+                self.decision_fraction.labels(d.pod, source).observe(value)
+        for predictor, err in (("approx", d.approx_error), ("precise", d.precise_error)):
+            if err is not None:
+                self.decision_error.labels(d.pod, predictor).observe(abs(err))
 
 
 class StateCollector(Collector):

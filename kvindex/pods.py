@@ -1,7 +1,7 @@
 """The pod directory: one view per pod, joined from the engine lanes and both indexes.
 
 Invariants: it owns no state of its own beyond what it reads at call time; removing a pod removes
-it from both indexes (the engine lane, if any, keeps running and may add blocks again).
+it from both indexes and the drift sample (the engine lane, if any, keeps running and may add blocks again).
 """
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvindex.approx import ApproxIndex
+from kvindex.drift import DriftAudit
 from kvindex.ingest import Fleet
 from kvindex.precise import PreciseIndex
 
 
 class PodDirectory:
-    def __init__(self, fleet: Fleet, index: PreciseIndex, approx: ApproxIndex) -> None:
+    def __init__(self, fleet: Fleet, index: PreciseIndex, approx: ApproxIndex, drift: DriftAudit) -> None:
+        self._drift = drift
         self._fleet = fleet
         self._index = index
         self._approx = approx
@@ -57,4 +59,5 @@ class PodDirectory:
         known = pod in self._index.pods() or pod in self._approx.pods()
         self._index.clear_pod(pod)
         self._approx.remove_pod(pod)
+        self._drift.forget_pod(pod)
         return known

@@ -24,6 +24,11 @@ from kvindex.render import RenderError
 from kvindex.tokenize import Tokenizer
 
 
+def cacheable_tokens(token_ids: Sequence[int]) -> int:
+    """vLLM never serves the block holding the last prompt token from cache."""
+    return max(len(token_ids) - 1, 0)
+
+
 class QueryError(ValueError):
     """A query that cannot be answered; ``field`` names the offending input, ``status`` the HTTP code."""
 
@@ -36,10 +41,11 @@ class QueryError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PreciseAnswer:
-    block_size: int
+    block_size: int  # 0 when no engine has published a block of the model yet
     prompt_tokens: int
     keys: tuple[int, ...]  # keys of the blocks that may be served from cache
     matches: dict[str, PodMatch]
+    root: int = 0
 
     def blocks(self, pod: str) -> int:
         m = self.matches.get(pod)
@@ -95,12 +101,12 @@ class QueryService:
 
     def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
                 lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
+        root = K.root_key(model, lora_name, cache_salt)
         bs = self.index.block_size(model)
         if bs is None:  # no engine has published a block of this model: nobody holds any
-            return PreciseAnswer(0, len(token_ids), (), {})
-        cacheable = max(len(token_ids) - 1, 0)  # the last prompt token's block is never a hit
-        keys = K.prompt_keys(K.root_key(model, lora_name, cache_salt), token_ids[:cacheable], bs)
-        return PreciseAnswer(bs, len(token_ids), tuple(keys), self.index.match(keys, pods))
+            return PreciseAnswer(0, len(token_ids), (), {}, root)
+        keys = K.prompt_keys(root, token_ids[:cacheable_tokens(token_ids)], bs)
+        return PreciseAnswer(bs, len(token_ids), tuple(keys), self.index.match(keys, pods), root)
 
     def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int], pods: Iterable[str] | None) -> PreciseAnswer:
         bs = self.index.block_size(model)
@@ -132,16 +138,22 @@ class QueryService:
                              field="token_ids", status=413, reason="too_large")
         return value
 
-    def approx_answer(self, model: str, body: dict[str, Any], pods: Iterable[str]) -> ApproxAnswer | None:
-        """What the router computes; None when the body has nothing the router would hash."""
+    def approx_hashes(self, model: str, body: dict[str, Any]) -> tuple[int, ...] | None:
+        """What the router hashes for this body; None when it has nothing the router would hash."""
         if not any(k in body for k in ("prompt", "messages", "input")):
             return None
         try:
-            hashes = self.approx.hash_request(model, body)
+            return tuple(self.approx.hash_request(model, body))
         except RenderError as exc:
             raise QueryError(str(exc), field="request", reason="unrenderable") from None
+
+    def approx_match(self, model: str, hashes: tuple[int, ...], pods: Iterable[str]) -> ApproxAnswer:
         pods = list(pods)
-        return ApproxAnswer(tuple(hashes), self.approx.match(model, hashes, pods), self.approx.score(model, hashes, pods))
+        return ApproxAnswer(hashes, self.approx.match(model, hashes, pods), self.approx.score(model, hashes, pods))
+
+    def approx_answer(self, model: str, body: dict[str, Any], pods: Iterable[str]) -> ApproxAnswer | None:
+        hashes = self.approx_hashes(model, body)
+        return None if hashes is None else self.approx_match(model, hashes, pods)
 
     def candidates(self, requested: Iterable[str] | None, precise: PreciseAnswer | None) -> list[str]:
         if requested is not None:

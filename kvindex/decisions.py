@@ -1,0 +1,120 @@
+"""Routing decisions in: ``{pod, request, token_ids?, cached_tokens?, prompt_tokens?}``.
+
+Invariants:
+- A decision is validated whole before anything changes; then, in this order, both indexes are
+  asked what they predicted for the decided pod, the decision is recorded into the approximate
+  index (as the router does after a successful response), and it joins the drift sample.
+- Unknown pods are accepted: a decision is how a router tells kvindex about a pod.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+from kvindex.drift import Decision, DriftAudit
+from kvindex.metrics import Metrics
+from kvindex.query import PodAnswer, QueryError, QueryService, cacheable_tokens
+
+MAX_BATCH = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """A validated decision: everything computed that does not depend on the indexes' state."""
+
+    pod: str
+    model: str
+    token_ids: list[int] | None
+    hashes: tuple[int, ...] | None
+    cached_tokens: int | None
+    prompt_tokens: int | None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+def _count(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise QueryError(f"{name} must be a non-negative integer", field=name)
+    return value
+
+
+def _parse(body: Any) -> tuple[str, str, dict[str, Any]]:
+    if not isinstance(body, dict):
+        raise QueryError("a decision must be a JSON object", field="decision")
+    pod, request = body.get("pod"), body.get("request")
+    if not isinstance(pod, str) or not pod:
+        raise QueryError("pod is required: the id of the pod that served the request", field="pod")
+    if not isinstance(request, dict):
+        raise QueryError("request is required: the OpenAI body the router sent", field="request")
+    model = request.get("model")
+    if not isinstance(model, str) or not model:
+        raise QueryError("request.model is required", field="request.model")
+    return pod, model, request
+
+
+class Decisions:
+    def __init__(self, query: QueryService, drift: DriftAudit, metrics: Metrics) -> None:
+        self._query = query
+        self._drift = drift
+        self._metrics = metrics
+
+    async def record_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One decision, or ``{"decisions": [...]}``: all are validated before any is recorded,
+        then each is predicted and recorded in order (a later one sees the earlier ones)."""
+        if "decisions" in body:
+            items = body["decisions"]
+            if not isinstance(items, list) or not items or len(items) > MAX_BATCH:
+                raise QueryError(f"decisions must be an array of 1..{MAX_BATCH} decisions", field="decisions")
+            ready = [await self._validate(item) for item in items]
+            return {"results": [self._commit(r) for r in ready]}
+        return self._commit(await self._validate(body))
+
+    async def _validate(self, body: Any) -> _Ready:
+        pod, model, request = _parse(body)
+        cached, prompt_tokens = _count(body, "cached_tokens"), _count(body, "prompt_tokens")
+        q = self._query
+        token_ids = q.check_token_ids(body["token_ids"]) if "token_ids" in body else await q.token_ids_for(model, request)
+        hashes = q.approx_hashes(model, request)
+        if token_ids is None and hashes is None:
+            raise QueryError("nothing to record: the request has no prompt, messages or input", field="request")
+        lora, salt = request.get("lora_name"), request.get("cache_salt")
+        return _Ready(pod, model, token_ids, hashes, cached, prompt_tokens,
+                      lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None)
+
+    def _commit(self, r: _Ready) -> dict[str, Any]:
+        q, pod = self._query, r.pod
+        precise = q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt) if r.token_ids is not None else None
+        approx = q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
+        prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else precise.prompt_tokens if precise else None
+        answer = PodAnswer(pod, precise, approx).to_json()
+        cached = r.cached_tokens
+        actual = min(cached / prompt_tokens, 1.0) if cached is not None and prompt_tokens else None
+        decision = Decision(
+            t=time.time(), pod=pod, model=r.model,
+            hashes=array("Q", r.hashes or ()), keys=array("Q", precise.keys if precise else ()),
+            block_size=precise.block_size if precise else 0, prompt_tokens=prompt_tokens,
+            approx=approx.ratio(pod) if approx else 0.0, precise=precise.ratio(pod) if precise else None,
+            actual=actual)
+        if precise is not None and precise.block_size == 0 and r.token_ids is not None:
+            decision.pending = (precise.root, array("I", r.token_ids[:cacheable_tokens(r.token_ids)]))
+        if r.hashes:
+            q.approx.record(pod, r.model, r.hashes)
+        self._drift.add(decision)
+        self._metrics.observe_decision(decision)
+        if approx is not None:
+            answer["approx"]["ratio"] = round(decision.approx, 6)
+        answer.update(pod=pod, model=r.model, prompt_tokens=prompt_tokens,
+                      actual={"cached_tokens": cached, "ratio": round(actual, 6)} if actual is not None else None,
+                      errors={"approx": _r(decision.approx_error), "precise": _r(decision.precise_error)}
+                      if actual is not None else None)
+        return answer
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)

@@ -1,0 +1,234 @@
+"""The drift audit: what the router believes next to what the engines hold, per decision and per pod.
+
+Definitions (the README repeats them):
+- For a request R and a pod P, the *belief* ``b(R, P)`` is the approximate index's matched blocks
+  on P divided by R's number of approximate blocks (Kthena's match ratio), and the *truth*
+  ``h(R, P)`` is the precise index's matched tokens on P divided by R's prompt tokens (what the
+  engine would report as cached). Both lie in [0, 1].
+- Per decision (R served by P), before recording: ``approx = b``, ``precise = h``, and when the
+  router passes the engine's ``cached_tokens``, ``actual = cached_tokens / prompt_tokens``;
+  ``approx_error = approx - actual`` and ``precise_error = precise - actual``; ``drift = b - h``.
+- Per pod, continuously: a bounded sample of recent decisions is re-checked on a timer. A
+  decision (R, P) is *stale* when ``b(R, P) - h(R, P) >= threshold``: the router still believes
+  the prefix is there but the engine evicted it. A pod Q is *unseen* for a sampled request R when
+  ``h(R, Q) - b(R, Q) >= threshold``: Q's engine holds R's prefix but the router never recorded it
+  for Q. ``threshold`` defaults to 0.5.
+- The *belief half-life* of a pod is the Kaplan–Meier median of the time from a decision until
+  it is first seen stale (decisions not yet stale are censored at their current age); ``None``
+  until half of the decisions are expected to go stale.
+
+Invariants: memory is bounded by ``sample_size`` decisions (keys kept as packed u64 arrays) and
+``history`` snapshots; re-checks read both indexes and never change them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvindex import keys as K
+from kvindex.approx import ApproxIndex
+from kvindex.precise import PreciseIndex
+
+
+@dataclass(frozen=True, slots=True)
+class DriftSettings:
+    sample_size: int = 2048
+    recheck_seconds: float = 5.0
+    window_seconds: float = 300.0
+    threshold: float = 0.5
+    history: int = 720
+
+
+@dataclass(slots=True)
+class Decision:
+    """One recorded routing decision and what was predicted for it."""
+
+    t: float
+    pod: str
+    model: str
+    hashes: array  # approximate block hashes (u64)
+    keys: array  # precise block keys of the cacheable prompt (u64)
+    block_size: int  # 0 while the model's block size was unknown: keys come later from ``pending``
+    prompt_tokens: int | None
+    approx: float
+    precise: float | None
+    actual: float | None
+    stale_at: float | None = None  # first re-check that found it stale
+    stale_now: bool = False
+    pending: tuple[int, array] | None = None  # (key root, cacheable token ids) until keys exist
+
+    @property
+    def approx_error(self) -> float | None:
+        return None if self.actual is None else self.approx - self.actual
+
+    @property
+    def precise_error(self) -> float | None:
+        return None if self.actual is None or self.precise is None else self.precise - self.actual
+
+
+@dataclass(slots=True)
+class PodDrift:
+    stale: int = 0
+    unseen: int = 0
+    sampled: int = 0
+
+
+@dataclass(slots=True)
+class Snapshot:
+    t: float
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class DriftAudit:
+    def __init__(self, precise: PreciseIndex, approx: ApproxIndex, settings: DriftSettings,
+                 clock: Callable[[], float] = time.time) -> None:
+        self._precise = precise
+        self._approx = approx
+        self.settings = settings
+        self._clock = clock
+        self._sample: deque[Decision] = deque(maxlen=settings.sample_size)
+        self.pods: dict[str, PodDrift] = {}
+        self.history: deque[Snapshot] = deque(maxlen=settings.history)
+        self.rechecks = 0
+
+    # -- decisions -----------------------------------------------------------------------------
+    def add(self, decision: Decision) -> None:
+        self._sample.append(decision)
+
+    def forget_pod(self, pod: str) -> None:
+        kept = [d for d in self._sample if d.pod != pod]
+        self._sample.clear()
+        self._sample.extend(kept)
+        self.pods.pop(pod, None)
+
+    def decisions(self, since: float | None = None) -> list[Decision]:
+        return [d for d in self._sample if since is None or d.t >= since]
+
+    # -- belief and truth ----------------------------------------------------------------------
+    def belief(self, d: Decision, pods: Iterable[str]) -> dict[str, float]:
+        if not d.hashes:
+            return {}
+        blocks = self._approx.match(d.model, d.hashes, pods)
+        return {p: n / len(d.hashes) for p, n in blocks.items()}
+
+    def truth(self, d: Decision, pods: Iterable[str] | None) -> dict[str, float]:
+        if d.pending is not None:
+            self._resolve_keys(d)
+        if not d.keys or not d.prompt_tokens:
+            return {}
+        return {p: m.gpu * d.block_size / d.prompt_tokens for p, m in self._precise.match(d.keys, pods).items()}
+
+    def _resolve_keys(self, d: Decision) -> None:
+        """A decision made before any engine published the model's blocks gets its keys now."""
+        bs = self._precise.block_size(d.model)
+        if bs is None or d.pending is None:
+            return
+        root, tokens = d.pending
+        d.keys, d.block_size, d.pending = array("Q", K.prompt_keys(root, tokens, bs)), bs, None
+
+    # -- re-check ------------------------------------------------------------------------------
+    def recheck(self) -> Snapshot:
+        """Re-evaluate every sampled decision against both indexes now."""
+        now = self._clock()
+        th = self.settings.threshold
+        pods: dict[str, PodDrift] = {}
+        for d in self._sample:
+            mine = pods.setdefault(d.pod, PodDrift())
+            mine.sampled += 1
+            b = self.belief(d, [d.pod]).get(d.pod, 0.0)
+            h = self.truth(d, [d.pod]).get(d.pod, 0.0)
+            d.stale_now = d.precise is not None and b - h >= th
+            if d.stale_now:
+                mine.stale += 1
+                if d.stale_at is None:
+                    d.stale_at = now
+            for q in self._unseen_pods(d, th):
+                pods.setdefault(q, PodDrift()).unseen += 1
+        self.pods = pods
+        self.rechecks += 1
+        snap = self._snapshot(now)
+        self.history.append(snap)
+        return snap
+
+    def _unseen_pods(self, d: Decision, th: float) -> list[str]:
+        holders = {p: h for p, h in self.truth(d, None).items() if h >= th}
+        if not holders:
+            return []
+        belief = self.belief(d, holders)
+        return [p for p, h in holders.items() if h - belief.get(p, 0.0) >= th]
+
+    def _snapshot(self, now: float) -> Snapshot:
+        snap = Snapshot(now)
+        for pod, s in self.pods.items():
+            snap.pods[pod] = {"stale": s.stale, "unseen": s.unseen, "sampled": s.sampled,
+                              "blocks": self._precise.blocks_held(pod)["gpu"], "approx_entries": self._approx.entries(pod)}
+        return snap
+
+    async def run(self) -> None:
+        """The re-check timer; owned and cancelled by the daemon."""
+        while True:
+            await asyncio.sleep(self.settings.recheck_seconds)
+            self.recheck()
+
+    # -- summaries -----------------------------------------------------------------------------
+    def summary(self, window: float | None = None) -> dict[str, Any]:
+        window = self.settings.window_seconds if window is None else window
+        now = self._clock()
+        recent = self.decisions(now - window)
+        by_pod: dict[str, list[Decision]] = {}
+        for d in recent:
+            by_pod.setdefault(d.pod, []).append(d)
+        pods = {pod: self._pod_summary(pod, ds, now) for pod, ds in sorted(by_pod.items())}
+        for pod, s in self.pods.items():  # pods that are only unseen holders
+            pods.setdefault(pod, self._pod_summary(pod, [], now))
+        return {"window_seconds": window, "threshold": self.settings.threshold, "rechecks": self.rechecks,
+                "overall": _aggregate(recent, now) | {"stale": sum(s.stale for s in self.pods.values()),
+                                                      "unseen": sum(s.unseen for s in self.pods.values())},
+                "pods": pods}
+
+    def _pod_summary(self, pod: str, ds: list[Decision], now: float) -> dict[str, Any]:
+        s = self.pods.get(pod, PodDrift())
+        sampled = [d for d in self._sample if d.pod == pod]
+        return _aggregate(ds, now) | {
+            "stale": s.stale, "unseen": s.unseen, "sampled": s.sampled,
+            "stale_fraction": round(s.stale / s.sampled, 6) if s.sampled else None,
+            "belief_half_life_seconds": half_life(sampled, now),
+        }
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 6) if values else None
+
+
+def _aggregate(ds: list[Decision], now: float) -> dict[str, Any]:
+    actual = [d for d in ds if d.actual is not None]
+    return {
+        "decisions": len(ds),
+        "approx_hit_rate": _mean([d.approx for d in ds]),
+        "precise_hit_rate": _mean([d.precise for d in ds if d.precise is not None]),
+        "actual_hit_rate": _mean([d.actual for d in actual if d.actual is not None]),
+        "approx_mean_abs_error": _mean([abs(e) for d in actual if (e := d.approx_error) is not None]),
+        "precise_mean_abs_error": _mean([abs(e) for d in actual if (e := d.precise_error) is not None]),
+        "drift": _mean([d.approx - d.precise for d in ds if d.precise is not None]),
+    }
+
+
+def half_life(ds: list[Decision], now: float) -> float | None:
+    """Kaplan–Meier median time to staleness; decisions never seen stale are censored now."""
+    # at equal ages events come before censorings (the Kaplan-Meier convention)
+    times = sorted(((d.stale_at if d.stale_at is not None else now) - d.t, d.stale_at is None) for d in ds)
+    at_risk, survival = len(times), 1.0
+    for age, censored in times:
+        event = not censored
+        if event:
+            survival *= 1 - 1 / at_risk
+            if survival <= 0.5:
+                return round(age, 3)
+        at_risk -= 1
+    return None
