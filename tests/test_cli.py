@@ -1,0 +1,119 @@
+"""The command line as a user runs it: real processes, real sockets, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvindex.config import ConfigError, config_from_toml, parse_engine_spec
+from tests.conftest import FIXTURES
+
+KVINDEX = [sys.executable, "-m", "kvindex"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return json.loads(r.read())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_engine_spec_forms() -> None:
+    assert parse_engine_spec("tcp://10.0.0.5:5557").endpoint == "tcp://10.0.0.5:5557"
+    e = parse_engine_spec("endpoint=tcp://h:1,replay=tcp://h:2,pod=ns/p,model=m,block_size=16,bind=true,dialect=llmd-sim")
+    assert (e.replay, e.pod, e.model, e.block_size, e.bind, e.dialect) == ("tcp://h:2", "ns/p", "m", 16, True, "llmd-sim")
+    for bad in ("nope", "endpoint=tcp://h:1,colour=red", "endpoint=tcp://h:1,block_size=x", "endpoint=tcp://h:1,dialect=trt"):
+        with pytest.raises(ConfigError):
+            parse_engine_spec(bad)
+
+
+def test_toml_config() -> None:
+    cfg = config_from_toml({
+        "server": {"host": "0.0.0.0", "port": 9000},
+        "engines": [{"endpoint": "tcp://*:5557", "bind": True, "dialect": "llmd-sim", "block_size": 16}],
+        "models": {"m": {"tokenizer": "llmd-sim"}},
+        "approx": {"topKMatches": 3, "models": {"g": {"personality": "gie-v1.5"}}},
+        "drift": {"sample_size": 10, "threshold": 0.25},
+    })
+    assert cfg.port == 9000 and cfg.engines[0].bind and cfg.model("m").tokenizer == "llmd-sim"
+    assert cfg.approx.for_model("x").top_k_matches == 3 and cfg.approx.for_model("g").personality == "gie-v1.5"
+    assert cfg.drift.sample_size == 10 and cfg.drift.threshold == 0.25
+    with pytest.raises(ConfigError, match="tokenize_url"):
+        config_from_toml({"models": {"m": {"tokenizer": "engine"}}})
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["serve", "--engine", "not-an-endpoint"], "not a ZeroMQ address"),
+    (["serve", "--config", "/nonexistent.toml"], "cannot read config"),
+    (["serve", "--token-file", "/nonexistent"], "cannot read token file"),
+])
+def test_bad_arguments_exit_2_with_one_line(args: list[str], needle: str) -> None:
+    r = subprocess.run(KVINDEX + args, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["record"], ["replay"]])
+def test_help(command: list[str]) -> None:
+    r = subprocess.run(KVINDEX + command + ["--help"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "usage: kvindex" in r.stdout
+
+
+def test_replay_and_serve_processes_end_to_end(tmp_path: Path) -> None:
+    """The README's run command, as processes: a fake engine replaying a capture, the daemon."""
+    pub, rep, http = free_port(), free_port(), free_port()
+    capture = FIXTURES / "two_engines" / "events.jsonl"
+    engine = subprocess.Popen(KVINDEX + ["replay", str(capture), "--publish", f"tcp://127.0.0.1:{pub}",
+                                         "--replay-endpoint", f"tcp://127.0.0.1:{rep}", "--linger", "2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = subprocess.Popen(KVINDEX + ["serve", "--port", str(http), "--engine",
+                                         f"endpoint=tcp://127.0.0.1:{pub},replay=tcp://127.0.0.1:{rep}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert engine.wait(timeout=30) == 0
+        pods = get_json(f"http://127.0.0.1:{http}/v1/pods")["pods"]
+        assert {p["pod"] for p in pods} == {"127.0.0.1:8000", "127.0.0.1:8001"}
+        assert all(p["synced"] and p["last_seq"] is not None for p in pods)
+        assert sum(p["blocks"]["gpu"] for p in pods) == 1753 - 1502  # stored minus removed in the capture
+    finally:
+        engine.kill()
+        daemon.send_signal(signal.SIGTERM)
+        _, err = daemon.communicate(timeout=15)
+    assert daemon.returncode == 0, err
+    assert "kvindex stopped" in err
+
+
+def test_record_writes_the_fixture_format(tmp_path: Path) -> None:
+    pub = free_port()
+    out = tmp_path / "rec.jsonl"
+    rec = subprocess.Popen(KVINDEX + ["record", f"tcp://127.0.0.1:{pub}", "-o", str(out), "--max-messages", "18"],
+                           stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    engine = subprocess.run(KVINDEX + ["replay", str(FIXTURES / "small" / "events.jsonl"), "--publish",
+                                       f"tcp://127.0.0.1:{pub}", "--linger", "1.5"], capture_output=True, timeout=60)
+    assert engine.returncode == 0
+    _, err = rec.communicate(timeout=30)
+    assert rec.returncode == 0, err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    original = [json.loads(x)["frames"] for x in (FIXTURES / "small" / "events.jsonl").read_text().splitlines()]
+    assert [x["frames"] for x in lines] == original
