@@ -45,10 +45,12 @@ class Workload:
 
     @property
     def block_ops(self) -> int:
+        """Stored + removed block hashes in the whole file."""
         return int(self.sidecar["stats"]["block_ops"])
 
     @property
     def topics(self) -> list[str]:
+        """One topic per replica, in replica order."""
         return list(self.sidecar["topics"])
 
     def last_seqs(self) -> dict[str, int]:
@@ -77,6 +79,7 @@ def workload(replicas: int, blocks: int, queries: int = 128, cache: Path | None 
 
 
 def _same_params(side: Path, replicas: int, blocks: int, queries: int) -> bool:
+    """Whether a cached sidecar was generated with these arguments."""
     try:
         p = json.loads(side.read_text())["params"]
     except (OSError, ValueError, KeyError):
@@ -143,4 +146,16 @@ def machine() -> dict:
         except metadata.PackageNotFoundError:
             pkgs[name] = None
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "packages": pkgs}
+            "platform": platform.platform(), "packages": pkgs, "git": git_state()}
+
+
+def git_state() -> dict:
+    """The measured tree: HEAD commit and the kvindex/adapters files changed since (read-only git)."""
+    def git(*args: str) -> str:
+        """stdout of a read-only git command, or "" when git is missing."""
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.rstrip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "kvindex", "adapters").splitlines()]
+    return {"commit": git("rev-parse", "--short", "HEAD").strip() or None, "modified": dirty}

@@ -17,7 +17,7 @@ import gc
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
@@ -153,6 +153,7 @@ def query(wl: Workload, index: PreciseIndex, held: dict[str, dict[int, int]],
 
 # -- approximate --------------------------------------------------------------------------------
 def _prompt_8kb(n: int) -> str:
+    """A deterministic 8 KB prompt."""
     words = " ".join(f"w{(n * 7919 + i * 104729) % 32000}" for i in range(2000))
     return words[:8192]
 
@@ -183,7 +184,7 @@ def approx(pods: int, repeat: int) -> dict:
 PROMPT_BLOCKS = 64
 
 
-def _fill_events(entries: int, pods: int):
+def _fill_events(entries: int, pods: int) -> Iterator[tuple[str, BlockStored]]:
     """(pod, BlockStored) pairs totalling ``entries`` (block, pod) entries; each prompt on 2 pods.
 
     Built lazily, one fresh event (fresh u64 hash objects) per pod, as decoding would make them.

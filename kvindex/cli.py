@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from kvindex.config import Config, ConfigError, config_from_toml, load_toml, with_overrides
+from kvindex.demo import add_demo_parser, demo_main
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--speed", type=float, help="replay at this multiple of the recorded pace (default: as fast as possible)")
     y.add_argument("--loop", action="store_true", help="start over at the end (seq keeps counting up)")
     y.add_argument("--linger", type=float, default=1.0, help="seconds to wait for subscribers before and after (default 1)")
+    add_demo_parser(sub)
     return p
 
 
@@ -137,6 +139,8 @@ async def dispatch(args: argparse.Namespace) -> int:
         return await record.replay_main(args.file, args.publish, bind=not args.connect,
                                         replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
                                         linger_seconds=args.linger)
+    if args.command == "demo":
+        return await demo_main(args)
     raise AssertionError(args.command)
 
 

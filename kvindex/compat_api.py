@@ -120,6 +120,7 @@ async def unregister(request: web.Request) -> web.Response:
     for reg in found:
         await svc.fleet.remove(reg.lane_key)
         del regs.by_key[(reg.instance_id, reg.dp_rank)]
+        svc.query.index.clear_pod(iid, reg.dp_rank)
     if not regs.matching(iid):
         await svc.pods.remove(iid)
     return web.json_response({"status": "unregistered", "instance_id": iid, "listeners": len(found)})

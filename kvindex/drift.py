@@ -164,10 +164,19 @@ class DriftAudit:
         return [p for p, h in holders.items() if h - belief.get(p, 0.0) >= th]
 
     def _snapshot(self, now: float) -> Snapshot:
+        """Per pod: drift counts, holdings, and the hit rates of the decisions made since the
+        previous snapshot (``decisions``; the rates are null when there were none)."""
+        since = self.history[-1].t if self.history else float("-inf")
+        fresh: dict[str, list[Decision]] = {}
+        for d in self._sample:
+            if d.t > since:
+                fresh.setdefault(d.pod, []).append(d)
         snap = Snapshot(now)
         for pod, s in self.pods.items():
+            rates = _aggregate(fresh.get(pod, []), now)
             snap.pods[pod] = {"stale": s.stale, "unseen": s.unseen, "sampled": s.sampled,
-                              "blocks": self._precise.blocks_held(pod)["gpu"], "approx_entries": self._approx.entries(pod)}
+                              "blocks": self._precise.blocks_held(pod)["gpu"], "approx_entries": self._approx.entries(pod),
+                              **{k: rates[k] for k in ("decisions", "approx_hit_rate", "precise_hit_rate", "actual_hit_rate")}}
         return snap
 
     async def run(self) -> None:

@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 from urllib.parse import unquote
 
@@ -94,8 +95,8 @@ def require_token(request: web.Request) -> None:
     token = services(request).token
     if token is None:
         return
-    given = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
 
 
@@ -149,6 +150,20 @@ def pod_from_path(request: web.Request) -> str:
     if not pod:
         raise ApiError("pod id is empty", field="pod", reason="bad_field")
     return pod
+
+
+# -- dashboard ---------------------------------------------------------------------------------
+DASHBOARD = web.AppKey("dashboard", bytes)
+
+
+def load_dashboard() -> bytes:
+    """The dashboard page, self-contained (inline CSS, JS and SVG; no network at all)."""
+    return resources.files("kvindex").joinpath("static/dashboard.html").read_bytes()
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[DASHBOARD], content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-cache"})
 
 
 # -- health ------------------------------------------------------------------------------------
@@ -283,7 +298,9 @@ async def drift_history(request: web.Request) -> web.Response:
 def make_app(svc: Services, extra_routes: list[web.RouteDef] | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
+    app[DASHBOARD] = load_dashboard()
     app.add_routes([
+        web.get("/", dashboard),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),

@@ -159,6 +159,9 @@ class EngineLane:
     # -- seq -----------------------------------------------------------------------------------
     async def _sequence(self, st: Stream, seq: int, batch: EventBatch) -> None:
         if st.last_seq is not None and seq <= st.last_seq:
+            if not batch.events:  # nothing usable: not evidence enough to drop a pod's state
+                self._reject(st.pod, "backward_seq_without_events", f"seq {seq} went back but carries no usable event")
+                return
             self._restarted(st, seq)
         if st.last_seq is None:
             if st.expect_from is not None and seq > st.expect_from:

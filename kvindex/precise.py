@@ -1,56 +1,65 @@
 """The precise index: exactly which blocks each engine replica holds, from its KV events.
 
 Invariants:
-- A *worker* is one (pod, dp_rank). Per worker, ``engine hash -> _Block(key, copies per medium)``:
-  vLLM stores and removes each physical copy of a hash separately, so copies are refcounted, and
-  the entry goes away only when its last copy (in any medium) is removed.
-- A block's ``key`` is kvindex's own chained key (``kvindex.keys``) computed from the event's
-  token ids and its parent's key. A store whose parent is unknown (or keyless), whose tokens are
-  missing, or whose block size differs from the model's, is kept keyless (an *orphan*): a later
-  BlockRemoved still finds it, but it never matches a query.
-- Inverted view per tier: ``key -> {worker: copies}``, so a lookup costs O(prefix depth × holders
-  still matching), never O(pods × blocks). Tiers: "gpu" (what matches), "cpu", "disk" (reported
-  cumulatively through the device tier, like the Dynamo indexer's fields).
+- A *worker* is one (pod, dp_rank) and owns one bit. Per worker and medium, ``engine hash -> key``
+  (``ORPHAN`` when keyless); copies beyond the first of a hash are counted in ``extra``: vLLM stores
+  and removes each physical copy separately, and a hash goes away with its last copy.
+- A block's key is kvindex's own chained key (``kvindex.keys``) computed from the event's token ids
+  and its parent's key. A store whose parent is unknown or keyless, whose tokens are missing, or
+  whose block size differs from the model's, is kept as an ORPHAN: a later BlockRemoved finds it,
+  but it never matches a query.
+- Inverted view per tier: ``key -> bitmask of workers holding it``. A lookup is one dict probe and
+  a few integer operations per prompt block, whatever the number of pods: never O(pods × blocks).
+  Tiers: "gpu" (what matches), "cpu", "disk" (reported cumulatively through the device tier).
 - The index never sees bytes, and knows nothing about transport, seq numbers or HTTP.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import and_, neg
 
 from kvindex import keys as K
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 TIERS = ("gpu", "cpu", "disk")
+ORPHAN = -1
 
 
 def tier_of(medium: str) -> str:
-    if medium == "GPU":
+    if medium == GPU:
         return "gpu"
     if medium.startswith("CPU"):
         return "cpu"
     return "disk"
 
 
-class _Block:
-    __slots__ = ("key", "copies")
-
-    def __init__(self, key: int | None) -> None:
-        self.key = key
-        self.copies: dict[str, int] = {}
-
-
-@dataclass(slots=True)
 class _Worker:
-    pod: str
-    dp_rank: int
-    blocks: dict[int, _Block] = field(default_factory=dict)
+    __slots__ = ("pod", "rank", "slot", "bit", "media", "extra", "orphans")
+
+    def __init__(self, pod: str, rank: int, slot: int) -> None:
+        self.pod, self.rank, self.slot, self.bit = pod, rank, slot, 1 << slot
+        self.media: dict[str, dict[int, int]] = {GPU: {}}
+        self.extra: dict[tuple[str, int], int] = {}
+        self.orphans = 0
+
+    def key_of(self, h: int) -> int | None:
+        """The key of engine hash ``h`` in any medium; None if unknown or keyless."""
+        key = self.media[GPU].get(h)
+        if key is None:
+            for blocks in self.media.values():
+                key = blocks.get(h)
+                if key is not None:
+                    break
+        return None if key is None or key == ORPHAN else key
 
 
 @dataclass(frozen=True, slots=True)
 class Applied:
-    """What one event did: blocks stored/removed, orphans kept, removals of unknown hashes."""
+    """What one event did: copies stored/removed, orphans kept, removals of unknown hashes."""
 
     stored: int = 0
     removed: int = 0
@@ -75,7 +84,9 @@ class PreciseIndex:
 
     def __init__(self) -> None:
         self._workers: dict[tuple[str, int], _Worker] = {}
-        self._holders: dict[str, dict[int, dict[tuple[str, int], int]]] = {t: {} for t in TIERS}
+        self._slots: list[_Worker | None] = []
+        self._holders: dict[str, dict[int, int]] = {t: {} for t in TIERS}
+        self._dups: dict[tuple[str, int, int], int] = {}  # (tier, key, slot): holdings beyond the first
         self._block_size: dict[str, int] = {}
 
     # -- configuration -------------------------------------------------------------------------
@@ -99,86 +110,135 @@ class PreciseIndex:
     def _worker(self, pod: str, dp_rank: int) -> _Worker:
         w = self._workers.get((pod, dp_rank))
         if w is None:
-            w = self._workers[(pod, dp_rank)] = _Worker(pod, dp_rank)
+            slot = next((i for i, s in enumerate(self._slots) if s is None), len(self._slots))
+            w = _Worker(pod, dp_rank, slot)
+            if slot == len(self._slots):
+                self._slots.append(w)
+            else:
+                self._slots[slot] = w
+            self._workers[(pod, dp_rank)] = w
         return w
 
-    def _store(self, w: _Worker, model: str, ev: BlockStored) -> Applied:
+    def _event_keys(self, w: _Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
+        """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
         bs = ev.block_size
-        model_bs = self._block_size.setdefault(model, bs)
-        mismatch = bs != model_bs
-        tier = tier_of(ev.medium)
+        mismatch = self._block_size.setdefault(model, bs) != bs
+        if mismatch:
+            return [], True
         if ev.parent_hash is None:
-            parent_key: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
+            parent: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
         else:
-            parent = w.blocks.get(ev.parent_hash)
-            parent_key = parent.key if parent is not None else None
-        tokens = ev.token_ids
+            parent = w.key_of(ev.parent_hash)
+        if parent is None:
+            return [], False
+        n = min(len(ev.block_hashes), len(ev.token_ids) // bs)
+        return K.prompt_keys(parent, ev.token_ids[: n * bs], bs), False
+
+    def _store(self, w: _Worker, model: str, ev: BlockStored) -> Applied:
+        keys, mismatch = self._event_keys(w, model, ev)
+        medium = ev.medium
+        blocks = w.media.get(medium)
+        if blocks is None:
+            blocks = w.media[medium] = {}
+        tier = tier_of(medium)
         orphans = 0
         for i, h in enumerate(ev.block_hashes):
-            block = w.blocks.get(h)
-            key = block.key if block is not None else None
-            if key is None and parent_key is not None and not mismatch and len(tokens) >= (i + 1) * bs:
-                key = K.chain(parent_key, K.local_hash(tokens[i * bs : (i + 1) * bs]))
-            if block is None:
-                block = w.blocks[h] = _Block(key)
-            elif block.key is None and key is not None:
-                self._adopt_key(w, block, key)
+            key = keys[i] if i < len(keys) else w.key_of(h)
+            old = blocks.get(h)
+            if old is None:
+                blocks[h] = ORPHAN if key is None else key
+                w.orphans += key is None
+                if key is not None and len(w.media) > 1:
+                    self._adopt_elsewhere(w, h, key)
+            else:
+                copies = w.extra[(medium, h)] = w.extra.get((medium, h), 0) + 1
+                if old == ORPHAN and key is not None:  # a keyless hash learns its key:
+                    blocks[h] = key  # index the copies it already had
+                    w.orphans -= 1
+                    for _ in range(copies):
+                        self._hold(tier, key, w)
+                else:
+                    key = None if old == ORPHAN else old
             if key is None:
                 orphans += 1
-            block.copies[ev.medium] = block.copies.get(ev.medium, 0) + 1
-            if key is not None:
-                self._hold(tier, key, (w.pod, w.dp_rank), +1)
-            parent_key = key
+            else:
+                self._hold(tier, key, w)
         return Applied(stored=len(ev.block_hashes), orphans=orphans, block_size_mismatch=mismatch)
 
-    def _adopt_key(self, w: _Worker, block: _Block, key: int) -> None:
-        """A keyless block learns its key (a later store carried its tokens): index its copies."""
-        block.key = key
-        for medium, n in block.copies.items():
-            self._hold(tier_of(medium), key, (w.pod, w.dp_rank), n)
+    def _adopt_elsewhere(self, w: _Worker, h: int, key: int) -> None:
+        """Keyless copies of ``h`` in other media (offload events carry no tokens) get its key."""
+        for medium, blocks in w.media.items():
+            if blocks.get(h) == ORPHAN:
+                blocks[h] = key
+                w.orphans -= 1
+                for _ in range(1 + w.extra.get((medium, h), 0)):
+                    self._hold(tier_of(medium), key, w)
 
     def _remove(self, w: _Worker, ev: BlockRemoved) -> Applied:
         removed = unknown = 0
+        blocks = w.media.get(ev.medium)
+        tier = tier_of(ev.medium)
         for h in ev.block_hashes:
-            block = w.blocks.get(h)
-            n = block.copies.get(ev.medium, 0) if block is not None else 0
-            if block is None or n == 0:
+            key = blocks.get(h) if blocks is not None else None
+            if key is None:
                 unknown += 1
                 continue
             removed += 1
-            if n == 1:
-                del block.copies[ev.medium]
+            n = w.extra.get((ev.medium, h), 0)
+            if n:
+                if n == 1:
+                    del w.extra[(ev.medium, h)]
+                else:
+                    w.extra[(ev.medium, h)] = n - 1
             else:
-                block.copies[ev.medium] = n - 1
-            if block.key is not None:
-                self._hold(tier_of(ev.medium), block.key, (w.pod, w.dp_rank), -1)
-            if not block.copies:
-                del w.blocks[h]
+                del blocks[h]  # type: ignore[union-attr]
+                w.orphans -= key == ORPHAN
+            if key != ORPHAN:
+                self._release(tier, key, w)
         return Applied(removed=removed, unknown_removals=unknown)
 
-    def _hold(self, tier: str, key: int, worker: tuple[str, int], delta: int) -> None:
+    def _hold(self, tier: str, key: int, w: _Worker) -> None:
         holders = self._holders[tier]
-        per_key = holders.get(key)
-        if per_key is None:
-            per_key = holders[key] = {}
-        n = per_key.get(worker, 0) + delta
-        if n > 0:
-            per_key[worker] = n
+        mask = holders.get(key, 0)
+        if mask & w.bit:
+            d = (tier, key, w.slot)
+            self._dups[d] = self._dups.get(d, 0) + 1
         else:
-            per_key.pop(worker, None)
-            if not per_key:
-                del holders[key]
+            holders[key] = mask | w.bit if mask else w.bit  # a lone holder shares its bit object
+
+    def _release(self, tier: str, key: int, w: _Worker) -> None:
+        d = (tier, key, w.slot)
+        n = self._dups.get(d)
+        if n:
+            if n == 1:
+                del self._dups[d]
+            else:
+                self._dups[d] = n - 1
+            return
+        holders = self._holders[tier]
+        mask = holders.get(key, 0) & ~w.bit
+        if mask:
+            holders[key] = mask
+        else:
+            holders.pop(key, None)
 
     # -- pods ----------------------------------------------------------------------------------
-    def clear_pod(self, pod: str) -> None:
-        """Forget every block of every rank of ``pod`` (AllBlocksCleared, restart, removal)."""
-        for wid in [wid for wid in self._workers if wid[0] == pod]:
+    def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
+        """Forget every block of ``pod`` (all ranks, or one) — AllBlocksCleared, restart, removal."""
+        for wid in [wid for wid in self._workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             w = self._workers.pop(wid)
-            for block in w.blocks.values():
-                if block.key is None:
-                    continue
-                for medium, n in block.copies.items():
-                    self._hold(tier_of(medium), block.key, wid, -n)
+            for medium, blocks in w.media.items():
+                holders, tier = self._holders[tier_of(medium)], tier_of(medium)
+                for key in blocks.values():
+                    if key == ORPHAN:
+                        continue
+                    mask = holders.get(key, 0) & ~w.bit
+                    if mask:
+                        holders[key] = mask
+                    else:
+                        holders.pop(key, None)
+                    self._dups.pop((tier, key, w.slot), None)
+            self._slots[w.slot] = None
 
     def pods(self) -> list[str]:
         return sorted({pod for pod, _ in self._workers})
@@ -189,80 +249,93 @@ class PreciseIndex:
         for (p, _), w in self._workers.items():
             if p != pod:
                 continue
-            for block in w.blocks.values():
-                for medium, n in block.copies.items():
-                    out[tier_of(medium)] += n
-                out["orphans"] += block.key is None
+            for medium, blocks in w.media.items():
+                out[tier_of(medium)] += len(blocks)
+            for (medium, _), n in w.extra.items():
+                out[tier_of(medium)] += n
+            out["orphans"] += w.orphans
         return out
 
     def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
-        """Per dp_rank: engine hash -> key (None for orphans). For tests and /dump."""
-        return {
-            rank: {h: b.key for h, b in w.blocks.items()}
-            for (p, rank), w in self._workers.items()
-            if p == pod
-        }
+        """Per dp_rank: engine hash -> key (None for orphans), all media. For tests and /dump."""
+        out: dict[int, dict[int, int | None]] = {}
+        for (p, rank), w in self._workers.items():
+            if p == pod:
+                merged = out.setdefault(rank, {})
+                for blocks in w.media.values():
+                    merged.update({h: None if k == ORPHAN else k for h, k in blocks.items()})
+        return out
 
     # -- queries -------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
         """Longest prefix of ``keys`` held by each pod (only pods with a match ≥ 1 are listed)."""
-        allowed = set(pods) if pods is not None else None
-        gpu = self._walk(keys, [self._holders["gpu"]], allowed)
-        if not gpu and not self._holders["cpu"] and not self._holders["disk"]:
+        allowed = (1 << len(self._slots)) - 1 if pods is None else self._mask_of(pods)
+        if not allowed:
             return {}
-        cpu = self._walk(keys, [self._holders["gpu"], self._holders["cpu"]], allowed)
-        disk = self._walk(keys, [self._holders[t] for t in TIERS], allowed)
-        return _per_pod(gpu, cpu, disk)
+        gpu = _walk(keys, self._holders["gpu"], None, allowed)
+        if not self._holders["cpu"] and not self._holders["disk"]:
+            return self._per_pod(gpu, gpu, gpu) if gpu else {}
+        cpu = _walk(keys, self._holders["gpu"], [self._holders["cpu"]], allowed)
+        disk = _walk(keys, self._holders["gpu"], [self._holders["cpu"], self._holders["disk"]], allowed)
+        return self._per_pod(gpu, cpu, disk)
 
-    @staticmethod
-    def _walk(
-        keys: Sequence[int],
-        tiers: list[dict[int, dict[tuple[str, int], int]]],
-        allowed: set[str] | None,
-    ) -> dict[tuple[str, int], int]:
-        depth: dict[tuple[str, int], int] = {}
-        if not keys:
-            return depth
-        active = _holders_of(keys[0], tiers)
-        if allowed is not None:
-            active = {w for w in active if w[0] in allowed}
-        for i in range(1, len(keys)):
-            if not active:
-                break
-            here = _holders_of(keys[i], tiers)
-            nxt = active & here
-            for w in active - nxt:
-                depth[w] = i
-            active = nxt
-        for w in active:
-            depth[w] = len(keys) if active else 0
-        return depth
+    def _mask_of(self, pods: Iterable[str]) -> int:
+        wanted = set(pods)
+        mask = 0
+        for (pod, _), w in self._workers.items():
+            if pod in wanted:
+                mask |= w.bit
+        return mask
 
-
-def _holders_of(key: int, tiers: list[dict[int, dict[tuple[str, int], int]]]) -> set[tuple[str, int]]:
-    if len(tiers) == 1:
-        h = tiers[0].get(key)
-        return set(h) if h else set()
-    out: set[tuple[str, int]] = set()
-    for t in tiers:
-        h = t.get(key)
-        if h:
-            out.update(h)
-    return out
+    def _per_pod(self, gpu: dict[int, int], cpu: dict[int, int], disk: dict[int, int]) -> dict[str, PodMatch]:
+        out: dict[str, PodMatch] = {}
+        for slot, d in disk.items():
+            w = self._slots[slot]
+            assert w is not None
+            g, c = gpu.get(slot, 0), cpu.get(slot, 0)
+            prev = out.get(w.pod)
+            if prev is None:
+                out[w.pod] = PodMatch(g, c, d, {w.rank: g})
+            else:
+                prev.dp[w.rank] = g
+                out[w.pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), prev.dp)
+        return out
 
 
-def _per_pod(
-    gpu: dict[tuple[str, int], int],
-    cpu: dict[tuple[str, int], int],
-    disk: dict[tuple[str, int], int],
-) -> dict[str, PodMatch]:
-    out: dict[str, PodMatch] = {}
-    for pod in {w[0] for w in disk}:
-        dp = {rank: n for (p, rank), n in gpu.items() if p == pod}
-        out[pod] = PodMatch(
-            gpu=max(dp.values(), default=0),
-            cpu=max((n for (p, _), n in cpu.items() if p == pod), default=0),
-            disk=max((n for (p, _), n in disk.items() if p == pod), default=0),
-            dp=dp,
-        )
-    return out
+def _walk(keys: Sequence[int], gpu: dict[int, int], others: list[dict[int, int]] | None, allowed: int) -> dict[int, int]:
+    """Depth (in blocks) of the longest prefix each worker slot holds, for slots with depth ≥ 1.
+
+    ``acc[i]`` is the mask of slots holding the first i keys: one C-level pass. Each step only
+    clears bits, so ``acc`` is non-increasing as integers and the places where it changes are
+    found by bisection: the Python work is O(distinct depths × log n), not O(n)."""
+    if others:
+        masks: Iterable[int] = [_union(k, gpu, others) for k in keys]
+    else:
+        masks = map(gpu.get, keys, repeat(0))
+    acc = list(accumulate(masks, and_, initial=allowed))
+    depth: dict[int, int] = {}
+    hi, seen = len(acc), 0
+    while hi > 1:
+        value = acc[hi - 1]
+        if not value:
+            hi = bisect_left(acc, 0, 0, hi, key=neg)  # first all-zero prefix
+            continue
+        for slot in _bits(value & ~seen):
+            depth[slot] = hi - 1
+        seen = value
+        hi = bisect_left(acc, -value, 0, hi, key=neg)
+    return depth
+
+
+def _union(key: int, gpu: dict[int, int], others: list[dict[int, int]]) -> int:
+    held = gpu.get(key, 0)
+    for t in others:
+        held |= t.get(key, 0)
+    return held
+
+
+def _bits(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low

@@ -72,7 +72,7 @@ class PodAnswer:
     approx: ApproxAnswer | None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"precise": None, "approx": None}
         if self.precise is not None:
             p = self.precise
             out["precise"] = {"blocks": p.blocks(self.pod), "tokens": p.blocks(self.pod) * p.block_size,

@@ -1,0 +1,319 @@
+"""End-to-end measurements over ZeroMQ and HTTP, and the subprocesses they use.
+
+- ``publish``: binds one PUB socket per replica on tcp://127.0.0.1 (random ports, SNDHWM large),
+  prints the endpoints as one JSON line, sends every message of the workload as fast as the
+  sockets allow when a line arrives on stdin, prints ``sent``, and exits at the next line / EOF.
+- ``http-client``: sequential keep-alive requests to ``/query``, ``/query_by_hash`` (and
+  ``/v1/score`` for kvindex), plus ``GET /health`` as the HTTP round-trip baseline; prints JSON
+  with latencies and the matched tokens per instance for every query.
+- ``kvindex_e2e`` runs a real ``kvindex.daemon.Daemon`` (one engine lane per replica) in this
+  process; ``reference_e2e`` is the plain pyzmq + msgpack + dict loop on the same bytes.
+Only 127.0.0.1 addresses are ever used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import BLOCK_SIZE, MODEL, Workload, latency_summary, rss_bytes  # noqa: E402
+
+from kvindex import keys as K  # noqa: E402
+from kvindex.config import Config  # noqa: E402
+from kvindex.workload import read_messages, seq_frame  # noqa: E402
+
+HWM = 10_000_000
+HERE = Path(__file__).resolve().parent
+
+
+# -- publisher (runs in its own process) ----------------------------------------------------------
+def publish(path: Path) -> None:
+    """The publisher process: bind, report endpoints, wait for 'go', send everything."""
+    messages = [(t.encode(), seq_frame(s), p) for t, s, p in read_messages(path)]
+    topics = list(dict.fromkeys(t for t, _, _ in messages))
+    ctx = zmq.Context()
+    socks = {}
+    for t in topics:
+        s = ctx.socket(zmq.PUB)
+        s.setsockopt(zmq.SNDHWM, HWM)
+        s.bind("tcp://127.0.0.1:*")
+        socks[t] = s
+    eps = [socks[t].getsockopt(zmq.LAST_ENDPOINT).decode() for t in topics]
+    print(json.dumps({"topics": [t.decode() for t in topics], "endpoints": eps}), flush=True)
+    sys.stdin.readline()
+    t0 = time.perf_counter()
+    for topic, seq, payload in messages:
+        socks[topic].send_multipart([topic, seq, payload])
+    print(json.dumps({"sent": len(messages), "seconds": time.perf_counter() - t0}), flush=True)
+    sys.stdin.readline()
+    for s in socks.values():
+        s.close(linger=1000)
+    ctx.term()
+
+
+class Publisher:
+    """Handle on a publisher subprocess."""
+
+    def __init__(self, path: Path, prefix: list[str] | None = None) -> None:
+        cmd = [*(prefix or []), sys.executable, str(HERE / "e2e.py"), "publish", "--workload", str(path)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        info = json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
+        self.topics: list[str] = info["topics"]
+        self.endpoints: list[str] = info["endpoints"]
+
+    def go(self) -> None:
+        """Start sending."""
+        self.proc.stdin.write("go\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def sent(self) -> dict:
+        """Blocks until the publisher has written every message; its own timing."""
+        return json.loads(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Let the publisher exit; kill it if it does not."""
+        try:
+            self.proc.stdin.write("quit\n")  # type: ignore[union-attr]
+            self.proc.stdin.close()  # type: ignore[union-attr]
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- reference consumer ---------------------------------------------------------------------------
+def reference_e2e(wl: Workload, timeout: float = 300.0) -> dict:
+    """Plain loop: one SUB socket connected to every publisher, msgpack, per-replica dicts."""
+    pub = Publisher(wl.path)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, HWM)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    for ep in pub.endpoints:
+        sub.connect(ep)
+    time.sleep(1.0)  # connections and subscriptions propagate
+    try:
+        pub.go()
+        out = _reference_loop(sub, wl, timeout)
+        out["publisher"] = pub.sent()
+        return out
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        pub.close()
+
+
+def _reference_loop(sub: zmq.Socket, wl: Workload, timeout: float) -> dict:
+    """Receive, check seq, decode and apply until every message arrived; first-to-last timing."""
+    held: dict[bytes, dict[int, int]] = {}
+    last: dict[bytes, int] = {}
+    gaps = got = 0
+    total = len(wl.messages)
+    sub.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+    unpack = msgpack.unpackb
+    t_first = 0.0
+    while got < total:
+        topic, seq8, payload = sub.recv_multipart()
+        if not got:
+            t_first = time.perf_counter()
+        seq = int.from_bytes(seq8, "big")
+        gaps += seq != last.get(topic, -1) + 1
+        last[topic] = seq
+        d = held.setdefault(topic, {})
+        for ev in unpack(payload)[1]:
+            hs = ev["block_hashes"]
+            if ev["type"] == "BlockStored":
+                for h in hs:
+                    d[h] = d.get(h, 0) + 1
+            else:
+                for h in hs:
+                    n = d.get(h, 0) - 1
+                    if n > 0:
+                        d[h] = n
+                    else:
+                        d.pop(h, None)
+        got += 1
+    secs = time.perf_counter() - t_first
+    return {"messages": got, "gaps": gaps, "seconds": secs, "blocks_per_s": wl.block_ops / secs}
+
+
+# -- kvindex daemon ---------------------------------------------------------------------------------
+def daemon_config(endpoints: list[str]) -> "Config":
+    """One engine lane per publisher endpoint; pods are "1".."N" (the Dynamo worker ids)."""
+    from kvindex.config import EngineConfig
+
+    engines = tuple(EngineConfig(endpoint=ep, pod=str(i + 1), model=MODEL, block_size=BLOCK_SIZE)
+                    for i, ep in enumerate(endpoints))
+    return Config(host="127.0.0.1", port=0, engines=engines, rcvhwm=HWM)
+
+
+async def wait_connected(daemon, count: int, timeout: float = 20.0) -> None:
+    """Until every lane's SUB socket is connected, then a little for subscriptions to land."""
+    deadline = time.monotonic() + timeout
+    while sum(1 for lane in daemon.fleet.lanes().values() if lane.state.connected_peers) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError("kvindex lanes did not connect")
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(1.0)
+
+
+def _streams(daemon) -> list:
+    """Every stream of every lane."""
+    return [st for lane in daemon.fleet.lanes().values() for st in lane.state.streams.values()]
+
+
+def record_first_apply(daemon) -> dict[str, float]:
+    """Wraps each lane's ``_apply`` until its first call, to stamp the first message applied.
+
+    The wrapper removes itself on that first call, so it costs nothing afterwards.
+    """
+    first: dict[str, float] = {}
+    for key, lane in daemon.fleet.lanes().items():
+        original = lane._apply
+
+        def once(st, seq, batch, _lane=lane, _key=key, _orig=original) -> None:  # noqa: ANN001
+            first[_key] = time.time()
+            del _lane._apply
+            return _orig(st, seq, batch)
+
+        lane._apply = once
+    return first
+
+
+async def wait_ingested(daemon, first: dict[str, float], total: int, timeout: float) -> dict:
+    """Polls the lanes' streams (10 ms) until ``total`` messages are applied, or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while sum(st.batches for st in _streams(daemon)) < total and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    sts = _streams(daemon)
+    t_last = max(st.last_applied or 0.0 for st in sts)
+    return {"messages": sum(st.batches for st in sts), "expected_messages": total,
+            "gaps": sum(st.gaps for st in sts), "unsynced": sum(not st.synced for st in sts),
+            "restarts": sum(st.restarts for st in sts), "seconds": t_last - min(first.values(), default=t_last)}
+
+
+async def kvindex_e2e(wl: Workload, queries_file: Path, repeat: int, timeout: float = 300.0) -> dict:
+    """Publisher process -> Daemon lanes; then the HTTP client process against the daemon."""
+    from kvindex.daemon import Daemon
+
+    pub = Publisher(wl.path)
+    daemon = Daemon(daemon_config(pub.endpoints))
+    await daemon.start()
+    try:
+        await wait_connected(daemon, len(pub.endpoints))
+        first = record_first_apply(daemon)
+        rss0 = rss_bytes()
+        pub.go()
+        ingest = await wait_ingested(daemon, first, len(wl.messages), timeout)
+        ingest["blocks_per_s"] = wl.block_ops / ingest["seconds"]
+        ingest["rss_delta_bytes"] = rss_bytes() - rss0
+        ingest["publisher"] = await asyncio.to_thread(pub.sent)
+        http = await http_client_async(f"http://127.0.0.1:{daemon.port}", "kvindex", queries_file, repeat)
+        return {"ingest": ingest, "http": http}
+    finally:
+        await daemon.stop()
+        pub.close()
+
+
+# -- HTTP client (runs in its own process) ----------------------------------------------------------
+async def http_client_async(url: str, flavor: str, queries_file: Path, repeat: int, prefix: list[str] | None = None) -> dict:
+    """Runs the ``http-client`` subprocess and returns its JSON."""
+    cmd = [*(prefix or []), sys.executable, str(HERE / "e2e.py"), "http-client", "--url", url,
+           "--flavor", flavor, "--queries", str(queries_file), "--repeat", str(repeat)]
+    proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"http client exited {proc.returncode}")
+    return json.loads(out)
+
+
+def _bodies(flavor: str, token_ids: list[int]) -> dict[str, bytes]:
+    """Pre-encoded request bodies per endpoint for one query."""
+    local = [h - (1 << 64) if h >= 1 << 63 else h for h in K.local_hashes(token_ids, BLOCK_SIZE)]
+    out = {"/query": {"token_ids": token_ids, "model_name": MODEL},
+           "/query_by_hash": {"block_hashes": local, "model_name": MODEL}}
+    if flavor == "kvindex":
+        out["/v1/score"] = {"model": MODEL, "token_ids": token_ids}
+    return {k: json.dumps(v).encode() for k, v in out.items()}
+
+
+def _matched(endpoint: str, doc: dict) -> dict[str, int]:
+    """Matched tokens per instance (max over dp ranks), non-zero only."""
+    if endpoint == "/v1/score":
+        return {p: v["precise"]["tokens"] for p, v in doc["pods"].items() if v["precise"]["tokens"]}
+    return {str(i): max(r.values()) for i, r in doc["scores"].items() if r and max(r.values())}
+
+
+async def _match_pass(s, url: str, bodies: list[dict[str, bytes]]) -> dict[str, list[dict[str, int]]]:
+    """One untimed request per query and endpoint: matched tokens per instance."""
+    hdr = {"Content-Type": "application/json"}
+    out: dict[str, list[dict[str, int]]] = {ep: [] for ep in bodies[0]}
+    for b in bodies:
+        for ep, data in b.items():
+            async with s.post(url + ep, data=data, headers=hdr) as r:
+                out[ep].append(_matched(ep, json.loads(await r.read())))
+    return out
+
+
+async def _timed_pass(s, url: str, bodies: list[dict[str, bytes]], times: dict[str, list[float]]) -> None:
+    """Each query on each endpoint, then GET /health; appends wall seconds per request."""
+    hdr = {"Content-Type": "application/json"}
+    for b in bodies:
+        for ep, data in b.items():
+            t0 = time.perf_counter()
+            async with s.post(url + ep, data=data, headers=hdr) as r:
+                await r.read()
+            times.setdefault(ep, []).append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        async with s.get(url + "/health") as r:
+            await r.read()
+        times.setdefault("GET /health", []).append(time.perf_counter() - t0)
+
+
+async def _run_client(url: str, flavor: str, queries: list[dict], repeat: int) -> dict:
+    """Matched tokens right after ingest and again after the timed passes (they must agree)."""
+    import aiohttp
+
+    bodies = [_bodies(flavor, q["token_ids"]) for q in queries]
+    times: dict[str, list[float]] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        first = await _match_pass(s, url, bodies)
+        for _ in range(max(1, repeat // len(bodies))):
+            await _timed_pass(s, url, bodies, times)
+        final = await _match_pass(s, url, bodies)
+    return {"latency": {ep: latency_summary(t) for ep, t in times.items()}, "matched": final,
+            "matched_first": first, "changed_after_ingest": sum(a != b for ep in final for a, b in zip(first[ep], final[ep]))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Subprocess entry points: ``publish`` and ``http-client``."""
+    p = argparse.ArgumentParser(description="end-to-end benchmark children (publisher, HTTP client)")
+    p.add_argument("what", choices=["publish", "http-client"])
+    p.add_argument("--workload", type=Path)
+    p.add_argument("--url")
+    p.add_argument("--flavor", choices=["kvindex", "dynamo"], default="kvindex")
+    p.add_argument("--queries", type=Path)
+    p.add_argument("--repeat", type=int, default=200)
+    a = p.parse_args(argv)
+    if a.what == "publish":
+        publish(a.workload)
+    else:
+        queries = json.loads(a.queries.read_text())
+        print(json.dumps(asyncio.run(_run_client(a.url, a.flavor, queries, a.repeat))))
+
+
+if __name__ == "__main__":
+    main()

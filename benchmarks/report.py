@@ -1,0 +1,129 @@
+"""The benchmark's text table, rendered from the result document (see run.py)."""
+
+from __future__ import annotations
+
+Row = tuple[str, str, str, str, str, str]
+HEAD: Row = ("metric", "kvindex", "baseline", "kv/base", "Dynamo", "kv/Dynamo")
+
+
+def _k(x: float | None) -> str:
+    """Thousands, e.g. 1,234k."""
+    return "-" if x is None else f"{x / 1000:,.0f}k"
+
+
+def _us(x: float | None) -> str:
+    """Microseconds."""
+    return "-" if x is None else (f"{x:,.0f}µs" if x >= 10 else f"{x:.1f}µs")
+
+
+def _r(a: float | None, b: float | None) -> str:
+    """a / b with two decimals, "-" when either is missing."""
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def _ingest_rows(r: dict) -> list[Row]:
+    """In-process and end-to-end ingest rows."""
+    ip, ref, kv = r["ingest_inproc"], r["e2e_reference"], r["e2e_kvindex"]
+    dyn = r.get("dynamo", {}).get("ingest") if "error" not in r.get("dynamo", {}) else None
+    d = dyn["blocks_per_s"] if dyn else None
+    gaps = f" gaps={kv['gaps']} unsynced={kv['unsynced']} msgs={kv['messages']}/{kv['expected_messages']}"
+    return [
+        ("ingest in-process blocks/s", _k(ip["kvindex_blocks_per_s"]), _k(ip["reference_blocks_per_s"]),
+         _r(ip["kvindex_blocks_per_s"], ip["reference_blocks_per_s"]), "-", "-"),
+        ("ingest e2e ZMQ blocks/s" + gaps, _k(kv["blocks_per_s"]), _k(ref["blocks_per_s"]),
+         _r(kv["blocks_per_s"], ref["blocks_per_s"]), _k(d), _r(kv["blocks_per_s"], d)),
+    ]
+
+
+def _query_rows(r: dict) -> list[Row]:
+    """In-process lookup rows (p50, p99)."""
+    q = r["query_inproc"]
+    rows: list[Row] = []
+    for p in ("p50_us", "p99_us"):
+        rows.append((f"lookup in-process 512 blocks {p[:3]} (mismatch={q['depth_mismatches']})",
+                     _us(q["kvindex"][p]), _us(q["reference"][p]), _r(q["kvindex"][p], q["reference"][p]), "-", "-"))
+    return rows
+
+
+def _http_rows(r: dict) -> list[Row]:
+    """HTTP endpoint rows against the GET /health round trip and Dynamo."""
+    lat = r["http_kvindex"]["latency"]
+    dyn = r.get("dynamo", {}).get("http", {}).get("latency", {})
+    base = lat["GET /health"]["p50_us"]
+    rows: list[Row] = []
+    for ep in ("/query", "/query_by_hash", "/v1/score"):
+        for p in ("p50_us", "p99_us"):
+            d = dyn.get(ep, {}).get(p)
+            rows.append((f"HTTP {ep} {p[:3]}", _us(lat[ep][p]), _us(base) + " health",
+                         _r(lat[ep][p], base), _us(d), _r(lat[ep][p], d)))
+    return rows
+
+
+def _check_rows(r: dict) -> list[Row]:
+    """Matched-token checks and process RSS growth."""
+    rows: list[Row] = []
+    for ep, c in r["match_check"].items():
+        if not isinstance(c, dict) or "vs_expected_mismatches" not in c:
+            label = {"dynamo_vs_expected": "Dynamo: mismatches vs expected (last pass)",
+                     "dynamo_first_pass_vs_expected": "Dynamo: mismatches vs expected (right after ingest)"}.get(ep)
+            if label:
+                rows.append((label, "-", "-", "-", " ".join(f"{k}={v}" for k, v in c.items()), "-"))
+            elif ep == "kvindex_answers_changed_after_ingest":
+                d = r["match_check"].get("dynamo_answers_changed_after_ingest", "-")
+                rows.append(("answers that changed after the first pass", str(c), "-", "-", str(d), "-"))
+            continue
+        rows.append((f"matched tokens {ep}: mismatches vs expected / vs Dynamo", str(c["vs_expected_mismatches"]),
+                     "-", "-", str(c.get("vs_dynamo_mismatches", "-")), "-"))
+    kv = r["e2e_kvindex"]["rss_bytes_per_entry"]
+    d = r.get("dynamo", {}).get("ingest", {}).get("rss_bytes_per_entry")
+    rows.append(("process RSS growth per entry during e2e ingest", f"{kv:.0f}B", "-", "-",
+                 "-" if d is None else f"{d:.0f}B", _r(kv, d)))
+    return rows
+
+
+def _global_rows(doc: dict) -> list[Row]:
+    """Approximate-index and RSS-per-entry rows."""
+    rows: list[Row] = []
+    for pods, a in doc["approx"].items():
+        rows.append((f"approx hash+record+score 8KB p50, {pods} pods", _us(a["record_plus_score_p50_us"]),
+                     _us(a["reference_xxh64_slices"]["p50_us"]) + " xxh64", f"{a['ratio_vs_reference']:.1f}", "-", "-"))
+    for n, row in doc["rss"].items():
+        kv, ref = row["kvindex"], row["reference"]
+        rows.append((f"RSS per (block, pod) entry, {kv['entries'] / 1e6:.2f}M entries, {kv['pods']} pods",
+                     f"{kv['bytes_per_entry']:.0f}B", f"{ref['bytes_per_entry']:.0f}B",
+                     f"{row['ratio_vs_reference']:.2f}", "-", "-"))
+    return rows
+
+
+def _table(rows: list[Row]) -> str:
+    """Aligned text table; the first row is the header."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEAD))]
+    lines = []
+    for n, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)))
+        if n == 0:
+            lines.append("-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def render(doc: dict) -> str:
+    """Machine header, then one table per replica count and one for approx/RSS."""
+    m = doc["machine"]
+    pk = ", ".join(f"{k} {v}" for k, v in m["packages"].items() if v)
+    g = m.get("git") or {}
+    tree = f"git {g.get('commit')}" + (f" + uncommitted {', '.join(g['modified'])}" if g.get("modified") else "")
+    out = [f"machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}; {pk}; {tree}",
+           f"Dynamo: {doc['dynamo']['status']}" + (f" ({doc['dynamo'].get('reason')})" if doc["dynamo"].get("reason") else "")]
+    for n, r in doc["replicas"].items():
+        w = r["workload"]
+        out.append(f"\n== {n} replicas: {w['batches']:,} batches, {w['block_ops']:,} block-ops "
+                   f"({w['block_removed']:,} removed), {w['entries_held']:,} entries held at the end")
+        dyn = r.get("dynamo", {})
+        if "error" in dyn:
+            out.append(f"Dynamo failed: {dyn['error']}")
+        out.append(_table([HEAD, *_ingest_rows(r), *_query_rows(r), *_http_rows(r), *_check_rows(r)]))
+    out.append("\n== approximate index and memory")
+    out.append(_table([HEAD, *_global_rows(doc)]))
+    out.append(f"\ntotal {doc['seconds']:.0f}s; baselines: plain-Python dict per replica (ingest, lookup, RSS), "
+               "pyzmq+msgpack loop (e2e), GET /health (HTTP), XXH64 slices (approx)")
+    return "\n".join(out)

@@ -1,0 +1,188 @@
+"""kvindex benchmark: one command, every figure next to a baseline measured in the same run.
+
+For each replica count (``--replicas 8,64``) it generates (or reuses, cached under
+benchmarks/results/workloads/) a deterministic vLLM-wire-format workload with
+benchmarks/gen_workload.py (design-load shape: 26k blocks per replica, tenants with 2k-token
+system prompts, multi-turn chats, round-robin routing so several pods hold deep prefixes), then:
+
+  ingest (in-process)   decode + PreciseIndex.apply, blocks/s     vs msgpack + dict per replica
+  ingest (end to end)   publisher process -> ZeroMQ tcp -> Daemon  vs plain pyzmq + msgpack + dicts
+  lookup (in-process)   PreciseIndex.match, 512 blocks, p50/p99   vs walking the per-replica dicts
+  HTTP                  /query, /query_by_hash, /v1/score          vs GET /health round trip
+  approximate           hash + record + score of an 8 KB prompt   vs XXH64 of its 64-byte slices
+  memory                RSS per (block, pod) entry, 1M and 5M      vs dict per replica (fresh process)
+
+With ai-dynamo-runtime importable by --dynamo-python (default: this Python), Dynamo's standalone
+indexer runs on the same bytes and queries inside a private network namespace (it binds 0.0.0.0),
+and each figure gets a kvindex/Dynamo ratio plus a check that both match the same tokens.
+Results: benchmarks/results/<timestamp>.json and a table on stdout. No assertion on timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import e2e  # noqa: E402
+import inproc  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command line; --smoke shrinks every size."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", default="8,64", help="comma-separated replica counts (default 8,64)")
+    p.add_argument("--blocks", type=int, default=1_200_000, help="block-ops per workload (default 1.2M)")
+    p.add_argument("--queries", type=int, default=16, help="distinct 8k-token queries (default 16)")
+    p.add_argument("--repeat", type=int, default=2000, help="timed in-process lookups per replica count")
+    p.add_argument("--http-repeat", type=int, default=400, help="timed HTTP requests per endpoint")
+    p.add_argument("--max-entries", type=int, default=5_000_000, help="largest RSS fill (1M and this)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (< 30 s), for CI")
+    p.add_argument("--no-dynamo", action="store_true", help="skip the Dynamo comparison")
+    p.add_argument("--dynamo-python", default=sys.executable,
+                   help="Python with ai-dynamo-runtime==1.6.1 installed (default: this one)")
+    p.add_argument("--dynamo-threads", type=int, default=2, help="Dynamo indexer --threads (default 2)")
+    p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/<timestamp>.json)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.replicas, a.blocks, a.queries, a.repeat, a.http_repeat = "2,8", 20_000, 4, 100, 20
+        a.max_entries = min(a.max_entries, 100_000)
+    a.replica_counts = [int(x) for x in a.replicas.split(",") if x.strip()]
+    return a
+
+
+def dynamo_status(args: argparse.Namespace) -> str | None:
+    """None when Dynamo can run; otherwise why not."""
+    if args.no_dynamo:
+        return "--no-dynamo given"
+    probe = subprocess.run([args.dynamo_python, "-c", "import dynamo.indexer"], capture_output=True)
+    if probe.returncode:
+        return (f"ai-dynamo-runtime is not importable by {args.dynamo_python} "
+                "(pip install ai-dynamo-runtime==1.6.1, or pass --dynamo-python)")
+    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode:
+        return "cannot create a private network namespace (unshare -n) to hide its 0.0.0.0 port"
+    return None
+
+
+def run_dynamo(args: argparse.Namespace, wl: common.Workload, queries_file: Path) -> dict:
+    """The Dynamo side in a fresh network namespace (see dynamo_peer.py)."""
+    cmd = ["unshare", "-n", sys.executable, str(HERE / "dynamo_peer.py"), "--workload", str(wl.path),
+           "--replicas", str(wl.replicas), "--dynamo-python", args.dynamo_python,
+           "--threads", str(args.dynamo_threads), "--queries", str(queries_file), "--repeat", str(args.http_repeat)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    ing = out["ingest"]
+    ing["blocks_per_s"] = wl.block_ops / ing["seconds"] if ing["seconds"] > 0 else 0.0
+    return out
+
+
+def entries_held(wl: common.Workload) -> int:
+    """(block, pod) entries held at the end of the workload."""
+    return sum(s["held_blocks"] for s in wl.sidecar["replica_state"])
+
+
+def compare_matches(kv: dict, dyn: dict | None, queries: list[dict]) -> dict:
+    """Per endpoint: queries where kvindex differs from the generator's truth, and from Dynamo."""
+    truth = [{str(i + 1): b * common.BLOCK_SIZE for i, b in enumerate(q["expected"]) if b} for q in queries]
+    out = {}
+    for ep, answers in kv["matched"].items():
+        row = {"vs_expected_mismatches": sum(a != t for a, t in zip(answers, truth))}
+        if dyn is not None and ep in dyn["matched"]:
+            row["vs_dynamo_mismatches"] = sum(a != d for a, d in zip(answers, dyn["matched"][ep]))
+        out[ep] = row
+    out["kvindex_answers_changed_after_ingest"] = kv.get("changed_after_ingest", 0)
+    if dyn is not None:
+        out["dynamo_vs_expected"] = {ep: sum(a != t for a, t in zip(ans, truth)) for ep, ans in dyn["matched"].items()}
+        out["dynamo_first_pass_vs_expected"] = {ep: sum(a != t for a, t in zip(ans, truth))
+                                                for ep, ans in dyn.get("matched_first", {}).items()}
+        out["dynamo_answers_changed_after_ingest"] = dyn.get("changed_after_ingest", 0)
+    return out
+
+
+def run_replicas(args: argparse.Namespace, n: int, dyn_reason: str | None) -> dict:
+    """Every per-replica-count measurement."""
+    wl = common.workload(n, args.blocks)
+    queries = common.pick_queries(wl, args.queries)
+    qfile = common.RESULTS / f"queries_r{n}.json"
+    qfile.write_text(json.dumps(queries))
+    res: dict = {"workload": {"file": wl.path.name, **{k: wl.sidecar["stats"][k] for k in
+                 ("batches", "block_stored", "block_removed", "block_ops", "hit_rate")},
+                 "entries_held": entries_held(wl)}}
+    res["ingest_inproc"], index, held = inproc.ingest(wl)
+    res["query_inproc"] = inproc.query(wl, index, held, queries, args.repeat)
+    del index, held
+    res["e2e_reference"] = e2e.reference_e2e(wl)
+    kv = asyncio.run(e2e.kvindex_e2e(wl, qfile, args.http_repeat))
+    kv["ingest"]["ratio_vs_reference"] = kv["ingest"]["blocks_per_s"] / res["e2e_reference"]["blocks_per_s"]
+    kv["ingest"]["rss_bytes_per_entry"] = kv["ingest"]["rss_delta_bytes"] / max(1, res["workload"]["entries_held"])
+    res["e2e_kvindex"] = kv["ingest"]
+    res["http_kvindex"] = kv["http"]
+    dyn = None
+    if dyn_reason is None:
+        dyn = run_dynamo(args, wl, qfile)
+        res["dynamo"] = dyn
+        if "error" in dyn:
+            dyn = None
+        else:
+            dyn["ingest"]["rss_bytes_per_entry"] = dyn["ingest"]["rss_delta_bytes"] / max(1, res["workload"]["entries_held"])
+    res["match_check"] = compare_matches(kv["http"], dyn["http"] if dyn else None, queries)
+    return res
+
+
+def run_rss(args: argparse.Namespace) -> dict:
+    """RSS per entry for kvindex and the reference, each in a fresh subprocess."""
+    sizes = sorted({min(1_000_000, args.max_entries), args.max_entries})
+    pods = {1_000_000: 64}
+    out = {}
+    for n in sizes:
+        row = {}
+        for impl in ("kvindex", "reference"):
+            cmd = [sys.executable, str(HERE / "inproc.py"), "rss", "--impl", impl, "--entries", str(n),
+                   "--pods", str(pods.get(n, 64 if n <= 1_000_000 else 200))]
+            row[impl] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        row["ratio_vs_reference"] = row["kvindex"]["bytes_per_entry"] / row["reference"]["bytes_per_entry"]
+        out[str(n)] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run everything, write the JSON, print the table; returns the result document."""
+    args = parse_args(argv)
+    t0 = time.time()
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    dyn_reason = dynamo_status(args)
+    if dyn_reason:
+        print(f"Dynamo comparison skipped: {dyn_reason}", file=sys.stderr)
+    doc: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": common.machine(),
+                 "args": {k: v for k, v in vars(args).items() if k != "out"},
+                 "dynamo": {"status": "skipped", "reason": dyn_reason} if dyn_reason else {"status": "ran"},
+                 "replicas": {}}
+    for n in args.replica_counts:
+        print(f"... {n} replicas", file=sys.stderr, flush=True)
+        doc["replicas"][str(n)] = run_replicas(args, n, dyn_reason)
+    doc["approx"] = {str(p): inproc.approx(p, args.repeat) for p in (8, 64)}
+    doc["rss"] = run_rss(args)
+    doc["seconds"] = time.time() - t0
+    out = args.out or common.RESULTS / (time.strftime("%Y%m%dT%H%M%S") + ".json")
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    import report
+
+    print(report.render(doc))
+    print(f"\nresults: {out}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()

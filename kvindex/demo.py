@@ -1,0 +1,447 @@
+"""``kvindex demo``: a whole fleet in one process — simulated engines, traffic, a router, kvindex.
+
+Parts, all in one event loop, all started and stopped by ``Demo``:
+- N ``Replica``s: a ``SimulatedCache`` (vLLM's prefix-cache semantics, block size 16) whose
+  admissions' events are encoded in vLLM's map dialect and published by a ``FakeEngine`` (PUB plus
+  a ROUTER replay endpoint) bound on ``tcp://127.0.0.1:<free port>``, topic ``kv@sim-<i>@<model>``,
+  seq counting from 0, one batch per admission that produced events.
+- a ``Workload`` (tenants with long shared system prompts, multi-turn chats, one-off prompts);
+- a ``Router`` that talks to kvindex over real HTTP, as a router sidecar would;
+- the kvindex ``Daemon``, subscribed to every replica (drift re-checked every 2 s).
+
+Routing rule (an approximate, Kthena-style router; the precise index is only observed):
+    value(pod) = approx_score(pod) - LOAD_WEIGHT * recent_share(pod)
+where ``approx_score`` is kvindex's ``/v1/score`` ``pods[pod].approx.score`` (Kthena's 0..100 prefix
+score from the router's own decisions) and ``recent_share`` is the pod's percentage (0..100) of the
+requests routed in the last ``LOAD_WINDOW`` seconds. The highest value wins; ties go to the pod
+with fewer recent requests, then to the lower pod name. A request is served synchronously (one in
+flight at a time), so the recent-request count is the load signal.
+
+Invariants:
+- Every task, socket and context opened here is closed by ``Demo.close()`` (idempotent, safe after
+  a partial start); SIGINT / SIGTERM only set the stop event, so a stop is always clean.
+- The router reports a decision only after its engine admitted the request, with the engine's own
+  ``cached_tokens``. The engine's events for that admission are published right after the report,
+  so kvindex's per-decision predictions (``/v1/decisions``, the drift hit rates) are computed on the
+  state the request met when it was routed — the state ``/v1/score`` saw — and "predicted vs
+  actual" compares like with like. (Reported after its own events, a request would find its own
+  blocks and the precise "prediction" would always be ~1.)
+- Requests are sequential, and before scoring request i+1 the demo waits (at most 2 s) until
+  kvindex has applied every batch published so far, so kvindex's score-time precise tokens equal
+  the engine's ``cached_tokens``: a busy machine's event lag would otherwise show up as precise
+  mispredictions (real fleets do lag; ``kvindex_ingest_lag_seconds`` measures it). ``Router.exact``
+  counts the requests where they were equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+
+from kvindex.config import Config, EngineConfig
+from kvindex.daemon import Daemon
+from kvindex.drift import DriftSettings
+from kvindex.engine_sim import Admission, SimulatedCache, encode_batch
+from kvindex.record import FakeEngine
+from kvindex.workload import Request, Workload
+
+log = logging.getLogger("kvindex.demo")
+
+BLOCK_SIZE = 16
+LOAD_WEIGHT = 0.5
+LOAD_WINDOW = 10.0
+SUMMARY_EVERY = 2.0
+DEFAULT_CACHE_BLOCKS = 256  # small enough that the default traffic makes every engine evict within seconds
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    replicas: int = 3
+    tenants: int = 8
+    cache_blocks: int = DEFAULT_CACHE_BLOCKS
+    rate: float = 10.0
+    duration: float | None = None  # None: until stopped
+    host: str = "127.0.0.1"
+    port: int = 8080
+    seed: int = 0
+    quiet: bool = False
+    model: str = "demo-model"
+
+
+@dataclass(slots=True)
+class DemoReport:
+    """What a run did, for the final summary and for tests."""
+
+    exit_code: int = 0
+    url: str = ""
+    requests: int = 0
+    decisions: int = 0
+    exact: int = 0  # requests whose score-time precise tokens equalled the engine's cached_tokens
+    elapsed: float = 0.0
+    replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> engine-side counters
+    pods: list[dict[str, Any]] = field(default_factory=list)  # kvindex /v1/pods at the end
+    drift: dict[str, Any] = field(default_factory=dict)  # kvindex /v1/drift at the end
+
+
+class Replica:
+    """One simulated engine: its block cache and its KV-event publisher."""
+
+    def __init__(self, i: int, model: str, cache_blocks: int, ctx: zmq.asyncio.Context) -> None:
+        self.pod = f"sim-{i}"
+        self.topic = f"kv@{self.pod}@{model}".encode()
+        self.cache = SimulatedCache(cache_blocks, BLOCK_SIZE)
+        self.engine = FakeEngine("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", context=ctx)
+        self.seq = 0
+        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "stored": 0, "evicted": 0, "batches": 0,
+                      "held": 0}
+
+    def admit(self, token_ids: tuple[int, ...]) -> Admission:
+        """Prefill the prompt (the engine's answer carries ``cached_tokens``); events are held until ``publish``."""
+        adm = self.cache.admit(token_ids)
+        s = self.stats
+        s["requests"] += 1
+        s["prompt_tokens"] += adm.prompt_tokens
+        s["cached_tokens"] += adm.cached_tokens
+        for ev in adm.events:
+            s["evicted" if ev["type"] == "BlockRemoved" else "stored"] += len(ev.get("block_hashes", ()))
+        s["held"] = self.cache.physical_blocks()
+        return adm
+
+    async def publish(self, adm: Admission) -> None:
+        """Publish one admission's events as one vLLM batch (nothing when it produced none)."""
+        if adm.events:
+            payload = encode_batch(adm.events, time.time())
+            await self.engine.publish((self.topic, self.seq.to_bytes(8, "big"), payload))
+            self.seq += 1
+            self.stats["batches"] += 1
+
+
+class Router:
+    """Scores with kvindex, picks a pod (see the module docstring), sends, reports the decision."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, replicas: dict[str, Replica],
+                 clock: Callable[[], float] = time.monotonic,
+                 settle: Callable[[], Awaitable[None]] | None = None) -> None:
+        self._session = session
+        self._settle = settle
+        self._url = base_url
+        self._model = model
+        self._replicas = replicas
+        self._clock = clock
+        self._recent: deque[tuple[float, str]] = deque()
+        self.decisions = 0
+        self.exact = 0  # requests whose score-time precise tokens equalled the engine's cached_tokens
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self._session.post(self._url + path, json=body) as r:
+            data = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"kvindex {path} answered {r.status}: {data}")
+            return data
+
+    def _recent_counts(self) -> dict[str, int]:
+        now = self._clock()
+        while self._recent and self._recent[0][0] < now - LOAD_WINDOW:
+            self._recent.popleft()
+        counts = dict.fromkeys(self._replicas, 0)
+        for _, pod in self._recent:
+            counts[pod] += 1
+        return counts
+
+    def pick(self, scores: dict[str, float]) -> str:
+        """The pod maximising approx_score - LOAD_WEIGHT * recent_share (ties: less loaded, then name)."""
+        counts = self._recent_counts()
+        total = sum(counts.values()) or 1
+        value = {p: scores.get(p, 0) - LOAD_WEIGHT * 100.0 * counts[p] / total for p in self._replicas}
+        return min(self._replicas, key=lambda p: (-value[p], counts[p], p))
+
+    async def handle(self, req: Request) -> str:
+        """Route one request end to end; return the pod that served it."""
+        if self._settle is not None:
+            await self._settle()
+        body = {"model": self._model, "prompt": req.text}
+        ids = list(req.token_ids)
+        scored = await self._post("/v1/score", {**body, "token_ids": ids, "pods": list(self._replicas)})
+        pod = self.pick({p: a.get("approx", {}).get("score", 0) for p, a in scored["pods"].items()})
+        self._recent.append((self._clock(), pod))
+        replica = self._replicas[pod]
+        adm = replica.admit(req.token_ids)
+        self.exact += scored["pods"][pod].get("precise", {}).get("tokens") == adm.cached_tokens
+        try:
+            await self._post("/v1/decisions", {"pod": pod, "request": body, "token_ids": ids,
+                                               "cached_tokens": adm.cached_tokens, "prompt_tokens": adm.prompt_tokens})
+            self.decisions += 1
+        finally:
+            await replica.publish(adm)  # see the module docstring: events after the report
+        return pod
+
+
+def _fmt_rate(x: Any) -> str:
+    return "    -" if x is None else f"{x:5.2f}"
+
+
+def summary_table(pods: list[dict[str, Any]], drift: dict[str, Any], replicas: dict[str, dict[str, int]]) -> str:
+    """The compact per-pod table the demo prints (kvindex's view plus the engines' own counters)."""
+    head = (f"{'pod':<8} {'conn':<6} {'blocks':>6} {'believed':>8} {'stale':>5} {'unseen':>6} {'reqs':>5} "
+            f"{'evicted':>7}   hit rate: {'approx':>6} {'precise':>7} {'actual':>6}")
+    lines = [head, "-" * len(head)]
+    per_pod = drift.get("pods", {})
+    for v in pods:
+        d, r = per_pod.get(v["pod"], {}), replicas.get(v["pod"], {})
+        conn = ("up" if v.get("connected") else "down") + ("" if v.get("synced", True) else "!")
+        lines.append(f"{v['pod']:<8} {conn:<6} {v['blocks']['gpu']:>6} {v['approx_entries']:>8} {d.get('stale', 0):>5} "
+                     f"{d.get('unseen', 0):>6} {r.get('requests', 0):>5} {r.get('evicted', 0):>7}             "
+                     f"{_fmt_rate(d.get('approx_hit_rate')):>6} {_fmt_rate(d.get('precise_hit_rate')):>7} "
+                     f"{_fmt_rate(d.get('actual_hit_rate')):>6}")
+    o = drift.get("overall", {})
+    lines.append(f"all: {o.get('decisions', 0)} decisions in the last {drift.get('window_seconds', 0):.0f} s; "
+                 f"hit rate approx {_fmt_rate(o.get('approx_hit_rate')).strip()} precise "
+                 f"{_fmt_rate(o.get('precise_hit_rate')).strip()} actual {_fmt_rate(o.get('actual_hit_rate')).strip()}"
+                 f"  (blocks = engine blocks kvindex holds; believed = router's entries; '!' = unsynced)")
+    return "\n".join(lines)
+
+
+class Demo:
+    """Owns every part of the demo; ``start()``, then ``run(stop)``, then always ``close()``."""
+
+    def __init__(self, opts: DemoOptions, out: Callable[[str], None] | None = None) -> None:
+        self.opts = opts
+        self.out = out or (lambda s: print(s, flush=True))
+        self.ctx = zmq.asyncio.Context()
+        self.replicas: dict[str, Replica] = {}
+        self.daemon: Daemon | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.router: Router | None = None
+        self.report = DemoReport()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._stopping = False
+        self._closed = False
+
+    @property
+    def api(self) -> str:
+        assert self.daemon is not None and self.daemon.port is not None
+        host = self.opts.host if self.opts.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.daemon.port}"
+
+    async def start(self) -> None:
+        o = self.opts
+        for i in range(o.replicas):
+            rep = Replica(i, o.model, o.cache_blocks, self.ctx)
+            self.replicas[rep.pod] = rep
+            await rep.engine.start()
+        engines = tuple(EngineConfig(r.engine.endpoint, replay=r.engine.replay_address, model=o.model,
+                                     block_size=BLOCK_SIZE) for r in self.replicas.values())
+        self.daemon = Daemon(Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2)))
+        await self.daemon.start()
+        self.session = aiohttp.ClientSession()
+        self.router = Router(self.session, self.api, o.model, self.replicas, settle=self._settled)
+        self.report.url = f"http://{o.host}:{self.daemon.port}/"
+        await self._wait_ready()
+
+    async def _settled(self, timeout: float = 2.0) -> None:
+        """Until kvindex has applied every batch published so far (at most ``timeout``): see the
+        module docstring. Reads the lanes' applied seq in-process; a router elsewhere cannot."""
+        assert self.daemon is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            applied = {st.pod: st.last_seq for lane in self.daemon.fleet.lanes().values()
+                       for st in lane.state.streams.values()}
+            if all(r.seq == 0 or applied.get(p) == r.seq - 1 for p, r in self.replicas.items()):
+                return
+            await asyncio.sleep(0.002)
+
+    async def _wait_ready(self, timeout: float = 10.0) -> None:
+        """Until every engine's publisher is connected (kvindex's /readyz), plus the slow-joiner grace."""
+        assert self.session is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            async with self.session.get(self.api + "/readyz") as r:
+                if r.status == 200:
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            log.warning("engines not all connected after %.0f s; starting anyway (replay will catch up)", timeout)
+        await asyncio.sleep(0.3)  # let SUB subscriptions reach the PUB sockets; a missed batch is replayed anyway
+
+    async def _traffic(self) -> None:
+        assert self.router is not None
+        o, loop = self.opts, asyncio.get_running_loop()
+        workload = Workload(o.seed, tenants=o.tenants, system_tokens=1024, turn_tokens=(16, 128),
+                            answer_tokens=(32, 192), max_turns=6, conversations_per_tenant=3)
+        next_t = loop.time()
+        while not self._stopping:
+            await self.router.handle(workload.next_request())
+            self.report.requests += 1
+            next_t = max(next_t + 1.0 / o.rate, loop.time() - 1.0)  # catch up at most 1 s of backlog
+            delay = next_t - loop.time()
+            if delay > 0 and not self._stopping:
+                await asyncio.sleep(delay)
+
+    async def _snapshot(self) -> None:
+        assert self.session is not None
+        async with self.session.get(self.api + "/v1/pods") as r:
+            self.report.pods = (await r.json())["pods"]
+        async with self.session.get(self.api + "/v1/drift") as r:
+            self.report.drift = await r.json()
+        self.report.replicas = {p: dict(r.stats) for p, r in self.replicas.items()}
+
+    async def _live(self, t0: float) -> None:
+        tty = sys.stdout.isatty()
+        while True:
+            await asyncio.sleep(SUMMARY_EVERY)
+            await self._snapshot()
+            table = summary_table(self.report.pods, self.report.drift, self.report.replicas)
+            head = f"kvindex demo: {time.monotonic() - t0:5.1f} s, {self.report.requests} requests; dashboard {self.report.url}"
+            self.out(("\x1b[H\x1b[J" if tty else "\n") + head + "\n" + table)
+
+    async def run(self, stop: asyncio.Event) -> DemoReport:
+        o, t0 = self.opts, time.monotonic()
+        self.out(f"kvindex demo: {o.replicas} simulated engines, {o.tenants} tenants, {o.rate:g} req/s. "
+                 f"Dashboard: {self.report.url}  (Ctrl-C stops)")
+        traffic = asyncio.create_task(self._traffic(), name="demo traffic")
+        enders = [traffic, asyncio.create_task(stop.wait(), name="demo stop")]
+        if o.duration is not None:
+            enders.append(asyncio.create_task(asyncio.sleep(o.duration), name="demo duration"))
+        self._tasks = list(enders)
+        if not o.quiet:
+            self._tasks.append(asyncio.create_task(self._live(t0), name="demo live summary"))
+        await asyncio.wait(enders, return_when=asyncio.FIRST_COMPLETED)
+        self._stopping = True  # let the request in flight finish: its decision and events stay paired
+        await asyncio.wait([traffic], timeout=5.0)
+        if traffic.done() and not traffic.cancelled() and traffic.exception() is not None:
+            log.error("demo traffic failed: %r", traffic.exception())
+            self.report.exit_code = 1
+        await self._cancel_tasks()
+        self.report.elapsed = time.monotonic() - t0
+        self.report.decisions = self.router.decisions if self.router else 0
+        self.report.exact = self.router.exact if self.router else 0
+        await self._final_summary()
+        return self.report
+
+    async def _caught_up(self, timeout: float = 3.0) -> None:
+        """Until kvindex has applied every batch the engines published (so the summary is final)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await self._snapshot()
+            seen = {v["pod"]: v.get("last_seq") for v in self.report.pods}
+            if all(r.seq == 0 or seen.get(p) == r.seq - 1 for p, r in self.replicas.items()):
+                return
+            await asyncio.sleep(0.05)
+
+    async def _final_summary(self) -> None:
+        assert self.session is not None
+        await self._caught_up()
+        async with self.session.get(self.api + "/v1/drift?recheck=1") as r:
+            await r.read()
+        await self._snapshot()
+        rep = self.report
+        self.out(f"\nkvindex demo finished: {rep.requests} requests in {rep.elapsed:.1f} s, {rep.decisions} decisions "
+                 f"recorded, {sum(r['evicted'] for r in rep.replicas.values())} blocks evicted by the engines; kvindex's "
+                 f"precise score equalled the engine's cached_tokens for {rep.exact}/{rep.decisions}\n"
+                 + summary_table(rep.pods, rep.drift, rep.replicas))
+
+    async def _cancel_tasks(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def close(self) -> None:
+        """Stop everything this demo started, in reverse order (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._cancel_tasks()
+        if self.session is not None:
+            await self.session.close()
+        if self.daemon is not None:
+            await self.daemon.stop()
+        for rep in self.replicas.values():
+            await rep.engine.close()
+        self.ctx.term()
+
+
+async def run_demo(opts: DemoOptions, stop: asyncio.Event | None = None,
+                   out: Callable[[str], None] | None = None) -> DemoReport:
+    """Run the demo until ``stop`` is set, ``opts.duration`` elapses or the traffic fails."""
+    demo = Demo(opts, out)
+    try:
+        await demo.start()
+        return await demo.run(stop or asyncio.Event())
+    finally:
+        await demo.close()
+
+
+# -- command line ----------------------------------------------------------------------------
+DESCRIPTION = """Run a whole fleet in one process, nothing else to install: N simulated vLLM engine
+replicas (a block cache with vLLM's prefix-caching semantics and LRU eviction, publishing real
+vLLM KV events over ZeroMQ on loopback, with a replay endpoint), a traffic generator (tenants with
+long shared system prompts, multi-turn chats, one-off prompts), an approximate prefix-cache router
+(Kthena-style score from its own decisions, minus a load penalty) that sends each request and
+reports the decision and the engine's cached_tokens, and kvindex itself.
+
+Open the dashboard URL it prints. Every 2 s the terminal shows, per pod: blocks the engine holds
+(kvindex's precise index), entries the router believes (approximate index), stale beliefs (the
+engine evicted what the router thinks is there), unseen prefixes, and the hit rate the router
+predicted (approx), kvindex predicted (precise) and the engine actually reported. The caches are
+small on purpose so that engines evict and the router's beliefs drift. Ctrl-C stops cleanly."""
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+    return parse
+
+
+def add_demo_parser(sub: Any) -> None:
+    """Register ``kvindex demo`` on the CLI's subparsers."""
+    d = sub.add_parser("demo", help="everything simulated in one process: engines, traffic, router, kvindex, dashboard",
+                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--replicas", type=_positive(int), default=3, help="simulated engine replicas (default 3)")
+    d.add_argument("--tenants", type=_positive(int), default=8, help="tenants, each with its own long system prompt (default 8)")
+    d.add_argument("--cache-blocks", type=_positive(int), default=DEFAULT_CACHE_BLOCKS,
+                   help=f"KV-cache blocks per engine, 16 tokens each (default {DEFAULT_CACHE_BLOCKS}: small, so engines evict)")
+    d.add_argument("--rate", type=_positive(float), default=10.0, help="requests per second (default 10)")
+    d.add_argument("--duration", type=_positive(float), help="stop after this many seconds and print a final summary "
+                   "(default: run until Ctrl-C)")
+    d.add_argument("--host", default="127.0.0.1", help="kvindex HTTP bind address (default 127.0.0.1)")
+    d.add_argument("--port", type=int, default=8080, help="kvindex HTTP port (default 8080; 0 picks a free one)")
+    d.add_argument("--seed", type=int, default=0, help="traffic seed (default 0): the same seed sends the same requests")
+    d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
+
+
+async def demo_main(args: argparse.Namespace) -> int:
+    """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
+    opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks, rate=args.rate,
+                       duration=args.duration, host=args.host, port=args.port, seed=args.seed, quiet=args.quiet)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("kvindex").setLevel(logging.WARNING)  # keep the terminal for the table
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        report = await run_demo(opts, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+    return report.exit_code
