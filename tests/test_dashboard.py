@@ -103,17 +103,14 @@ def request_body(r: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-async def test_dashboard_shows_the_pods_and_the_api_figures(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
-    chromium()  # fail first and clearly when the browser is missing
+async def feed(h: Any, engine: Any) -> dict[str, int]:
+    """Publish the capture, posting 40 decisions at the times they were sent; two drift re-checks.
+    Returns the last seq per pod, all applied."""
     captured = load_capture(CAPTURE / "events.jsonl")
-    meta = json.loads((CAPTURE / "meta.json").read_text())
-    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
-    h = await make_harness(Config(engines=(engine_config(engine),), drift=DriftSettings(recheck_seconds=3600)))
-    await h.wait_connected()
+    reqs = sorted(json.loads((CAPTURE / "meta.json").read_text())["requests"], key=lambda r: r["t_sent"])
     last: dict[str, int] = {}
-    reqs = sorted(meta["requests"], key=lambda r: r["t_sent"])
     pos = 0
-    for r in reqs[:40]:  # decisions interleaved with the events recorded before each request was sent
+    for r in reqs[:40]:
         while pos < len(captured) and captured[pos].t < r["t_sent"]:
             await engine.publish(captured[pos].frames)
             last[captured[pos].frames[0].decode().split("@")[1]] = int.from_bytes(captured[pos].frames[1], "big")
@@ -130,17 +127,11 @@ async def test_dashboard_shows_the_pods_and_the_api_figures(make_harness: Any, m
     for pod, seq in last.items():
         await h.wait_seq(pod, seq)
     await h.get("/v1/drift?recheck=1")
+    return last
 
-    status, page = await h.get("/")
-    assert status == 200 and b"<svg" in page
-    assert b"<script src" not in page and b"<link" not in page and b"https://" not in page  # offline: nothing fetched
-    _, pods = await h.get("/v1/pods")
-    _, drift = await h.get("/v1/drift")
-    _, history = await h.get("/v1/drift/history")
-    assert len(history["points"]) == 2 and pods["pods"]
 
-    dom = Dom()
-    dom.feed(await run_chromium(h.url + "/", "--dump-dom"))
+def check_page(dom: Dom, pods: dict[str, Any], drift: dict[str, Any], last: dict[str, int]) -> None:
+    """The rendered page shows exactly the API's figures."""
     assert int(dom.body.get("data-refreshes") or 0) >= 1, "the page never rendered the API's data"
     assert set(dom.rows) == {v["pod"] for v in pods["pods"]} == {"127.0.0.1:8000", "127.0.0.1:8001"}
     for view in pods["pods"]:
@@ -158,6 +149,26 @@ async def test_dashboard_shows_the_pods_and_the_api_figures(make_harness: Any, m
     assert dom.shapes["chart-hits"].get("rect", 0) == 6  # approx, precise, actual per pod
     for chart in ("chart-stale", "chart-unseen", "chart-blocks", "chart-hitrate"):
         assert dom.shapes[chart].get("path", 0) >= 1, (chart, dom.shapes[chart])
+
+
+async def test_dashboard_shows_the_pods_and_the_api_figures(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    chromium()  # fail first and clearly when the browser is missing
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
+    h = await make_harness(Config(engines=(engine_config(engine),), drift=DriftSettings(recheck_seconds=3600)))
+    await h.wait_connected()
+    last = await feed(h, engine)
+
+    status, page = await h.get("/")
+    assert status == 200 and b"<svg" in page
+    assert b"<script src" not in page and b"<link" not in page and b"https://" not in page  # offline: nothing fetched
+    _, pods = await h.get("/v1/pods")
+    _, drift = await h.get("/v1/drift")
+    _, history = await h.get("/v1/drift/history")
+    assert len(history["points"]) == 2 and pods["pods"]
+
+    dom = Dom()
+    dom.feed(await run_chromium(h.url + "/", "--dump-dom"))
+    check_page(dom, pods, drift, last)
 
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
