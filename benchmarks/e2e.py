@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -283,6 +284,20 @@ async def _timed_pass(s, url: str, bodies: list[dict[str, bytes]], times: dict[s
         times.setdefault("GET /health", []).append(time.perf_counter() - t0)
 
 
+SERVER_METRIC = re.compile(r'^(?:kvindex_query_duration_seconds|dynamo_kvindexer_request_duration_seconds)'
+                           r'_(sum|count)\{[^}]*endpoint="([^"]+)"[^}]*\}\s+(\S+)', re.M)
+
+
+def server_means(text: str) -> dict[str, float]:
+    """Mean server-side seconds per endpoint from the server's own latency histogram, in µs.
+
+    kvindex observes before serialising the answer; Dynamo's covers its whole handler."""
+    acc: dict[str, dict[str, float]] = {}
+    for kind, ep, value in SERVER_METRIC.findall(text):
+        acc.setdefault(ep, {})[kind] = acc.get(ep, {}).get(kind, 0.0) + float(value)
+    return {ep: v["sum"] / v["count"] * 1e6 for ep, v in acc.items() if v.get("count")}
+
+
 async def _run_client(url: str, flavor: str, queries: list[dict], repeat: int) -> dict:
     """Matched tokens right after ingest and again after the timed passes (they must agree)."""
     import aiohttp
@@ -294,7 +309,9 @@ async def _run_client(url: str, flavor: str, queries: list[dict], repeat: int) -
         for _ in range(max(1, repeat // len(bodies))):
             await _timed_pass(s, url, bodies, times)
         final = await _match_pass(s, url, bodies)
-    return {"latency": {ep: latency_summary(t) for ep, t in times.items()}, "matched": final,
+        async with s.get(url + "/metrics") as r:
+            server = server_means(await r.text())
+    return {"latency": {ep: latency_summary(t) for ep, t in times.items()}, "matched": final, "server_mean_us": server,
             "matched_first": first, "changed_after_ingest": sum(a != b for ep in final for a, b in zip(first[ep], final[ep]))}
 
 

@@ -12,6 +12,8 @@ subprocess the RSS figure comes from (prints one JSON line).
 
 from __future__ import annotations
 
+from array import array
+
 import argparse
 import gc
 import json
@@ -191,7 +193,7 @@ def _fill_events(entries: int, pods: int) -> Iterator[tuple[str, BlockStored]]:
     """
     for g in range(max(1, entries // (PROMPT_BLOCKS * 2))):
         base = g * PROMPT_BLOCKS
-        tokens = tuple(range(base * BLOCK_SIZE, (base + PROMPT_BLOCKS) * BLOCK_SIZE))
+        tokens = array("I", range(base * BLOCK_SIZE, (base + PROMPT_BLOCKS) * BLOCK_SIZE))
         for pod in (g % pods, (g + pods // 2) % pods):
             hashes = tuple((1 << 63) + base + b for b in range(PROMPT_BLOCKS))
             yield f"pod-{pod}", BlockStored(hashes, None, tokens, BLOCK_SIZE)

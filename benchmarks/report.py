@@ -56,6 +56,12 @@ def _http_rows(r: dict) -> list[Row]:
             d = dyn.get(ep, {}).get(p)
             rows.append((f"HTTP {ep} {p[:3]}", _us(lat[ep][p]), _us(base) + " health",
                          _r(lat[ep][p], base), _us(d), _r(lat[ep][p], d)))
+    kv_srv = r["http_kvindex"].get("server_mean_us", {})
+    dyn_srv = r.get("dynamo", {}).get("http", {}).get("server_mean_us", {})
+    for ep in ("/query", "/query_by_hash", "/v1/score"):
+        if ep in kv_srv:
+            rows.append((f"HTTP {ep} server-side mean (own histogram)", _us(kv_srv[ep]), "-", "-",
+                         _us(dyn_srv.get(ep)), _r(kv_srv[ep], dyn_srv.get(ep))))
     return rows
 
 

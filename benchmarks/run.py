@@ -65,11 +65,18 @@ def dynamo_status(args: argparse.Namespace) -> str | None:
     """None when Dynamo can run; otherwise why not."""
     if args.no_dynamo:
         return "--no-dynamo given"
-    probe = subprocess.run([args.dynamo_python, "-c", "import dynamo.indexer"], capture_output=True)
+    try:
+        probe = subprocess.run([args.dynamo_python, "-c", "import dynamo.indexer"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {args.dynamo_python}: {exc}"
     if probe.returncode:
         return (f"ai-dynamo-runtime is not importable by {args.dynamo_python} "
                 "(pip install ai-dynamo-runtime==1.6.1, or pass --dynamo-python)")
-    if subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode:
+    try:
+        isolated = subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        isolated = False
+    if not isolated:
         return "cannot create a private network namespace (unshare -n) to hide its 0.0.0.0 port"
     return None
 

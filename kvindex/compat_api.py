@@ -160,15 +160,28 @@ def _scores(answer: PreciseAnswer) -> dict[str, Any]:
     scores = {pod: {str(rank): n * bs for rank, n in m.dp.items() if n} for pod, m in answer.matches.items()}
     instances = {pod: {"longest_matched": m.gpu * bs, "gpu": m.gpu * bs, "dp": {str(r): n * bs for r, n in m.dp.items()},
                        "cpu": m.cpu * bs, "disk": m.disk * bs} for pod, m in answer.matches.items()}
-    depth = max((m.gpu for m in answer.matches.values()), default=0)
-    frequencies = [sum(1 for m in answer.matches.values() for n in m.dp.values() if n > i) for i in range(depth)]
+    frequencies = _frequencies([n for m in answer.matches.values() for n in m.dp.values()])
     return {"scores": {p: s for p, s in scores.items() if s}, "frequencies": frequencies, "instances": instances}
+
+
+def _frequencies(depths: list[int]) -> list[int]:
+    """``out[i]`` = how many workers hold at least i+1 blocks: suffix sums of a depth histogram."""
+    if not depths:
+        return []
+    hist = [0] * (max(depths) + 1)
+    for d in depths:
+        hist[d] += 1
+    out, running = [], 0
+    for count in reversed(hist[1:]):
+        running += count
+        out.append(running)
+    return out[::-1]
 
 
 async def query(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
-    body = await read_body(request, allow_msgpack=True)
+    body = await read_body(request, allow_msgpack=True, go=False)
     model = get_str(body, "model_name")
     assert model is not None
     token_ids = svc.query.check_token_ids(body.get("token_ids"))
@@ -182,7 +195,7 @@ async def query(request: web.Request) -> web.Response:
 async def query_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
-    body = await read_body(request, allow_msgpack=True)
+    body = await read_body(request, allow_msgpack=True, go=False)
     model = get_str(body, "model_name")
     assert model is not None
     if body.get("cache_salt") is not None:

@@ -2,7 +2,9 @@
 
 Invariants:
 - A decision is validated whole before anything changes; then, in this order, both indexes are
-  asked what they predicted for the decided pod, the decision is recorded into the approximate
+  asked what they predicted for the decided pod (the precise side answers what the router's last
+  ``/v1/score`` of the same prompt saw, when there was one in the last 30 s: by the time a
+  decision is reported the engine has usually published the request's own blocks), the decision is recorded into the approximate
   index (as the router does after a successful response), and it joins the drift sample.
 - Unknown pods are accepted: a decision is how a router tells kvindex about a pod.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from kvindex.drift import Decision, DriftAudit
@@ -27,7 +30,7 @@ class _Ready:
 
     pod: str
     model: str
-    token_ids: list[int] | None
+    token_ids: Sequence[int] | None
     hashes: tuple[int, ...] | None
     cached_tokens: int | None
     prompt_tokens: int | None
@@ -89,7 +92,11 @@ class Decisions:
 
     def _commit(self, r: _Ready) -> dict[str, Any]:
         q, pod = self._query, r.pod
-        precise = q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt) if r.token_ids is not None else None
+        precise, scored = None, False
+        if r.token_ids is not None:
+            precise = q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt)
+            recalled = q.scores.recall(r.model, r.token_ids, pod, precise)
+            precise, scored = (recalled, True) if recalled is not None else (precise, False)
         approx = q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
         prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else precise.prompt_tokens if precise else None
         answer = PodAnswer(pod, precise, approx).to_json()
@@ -110,6 +117,7 @@ class Decisions:
         if approx is not None:
             answer["approx"]["ratio"] = round(decision.approx, 6)
         answer.update(pod=pod, model=r.model, prompt_tokens=prompt_tokens,
+                      precise_from="score" if scored else "decision",
                       actual={"cached_tokens": cached, "ratio": round(actual, 6)} if actual is not None else None,
                       errors={"approx": _r(decision.approx_error), "precise": _r(decision.precise_error)}
                       if actual is not None else None)

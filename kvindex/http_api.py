@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote
 
 import msgpack
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -100,7 +101,9 @@ def require_token(request: web.Request) -> None:
         raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
 
 
-async def read_body(request: web.Request, *, allow_msgpack: bool = False) -> dict[str, Any]:
+async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bool = True) -> dict[str, Any]:
+    """The body as a dict. ``go``: decode JSON as Go does (for bodies whose text the approximate
+    index renders); otherwise the plain fast decoder (token ids, hashes)."""
     raw = await request.read()
     if allow_msgpack and request.content_type == MSGPACK:
         try:
@@ -109,8 +112,8 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False) -> dic
             raise ApiError("body is not valid msgpack", field="body", reason="malformed") from None
     else:
         try:
-            body = go_json_loads(raw)
-        except RenderError:
+            body = go_json_loads(raw) if go else msgspec.json.decode(raw)
+        except (RenderError, msgspec.DecodeError):
             raise ApiError("body is not valid JSON", field="body", reason="malformed") from None
     if not isinstance(body, dict):
         raise ApiError("body must be a JSON object", field="body", reason="malformed")
@@ -226,6 +229,7 @@ async def score(request: web.Request) -> web.Response:
     if token_ids is not None:
         precise = q.precise(model, token_ids, pods, get_str(body, "lora_name", required=False),
                             get_str(body, "cache_salt", required=False))
+        q.scores.remember(model, token_ids, pods, precise)
     candidates = q.candidates(pods, precise)
     approx = q.approx_answer(model, body, candidates)
     if precise is None and approx is None:

@@ -25,15 +25,35 @@ import zmq
 import zmq.asyncio
 
 from kvindex.config import EngineConfig
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Decoder, EventBatch, Frame
+from kvindex.events import DecodeError, Decoder, EventBatch, Frame
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
-from kvindex.precise import PreciseIndex
+from kvindex.precise import Applied, PreciseIndex
 from kvindex.transport import Malformed, ReplayError, Subscriber, fetch_replay
 
 log = logging.getLogger("kvindex.ingest")
 
-EVENT_TYPE = {BlockStored: "BlockStored", BlockRemoved: "BlockRemoved", AllBlocksCleared: "AllBlocksCleared"}
+
+class StreamCounters:
+    """A stream's labelled metric children, resolved once: the hot path only adds numbers."""
+
+    def __init__(self, m: Metrics, pod: str) -> None:
+        self.stored_events = m.events_applied.labels(pod, "BlockStored")
+        self.removed_events = m.events_applied.labels(pod, "BlockRemoved")
+        self.cleared_events = m.events_applied.labels(pod, "AllBlocksCleared")
+        self.stored = m.blocks_stored.labels(pod)
+        self.removed = m.blocks_removed.labels(pod)
+        self.orphans = m.orphan_blocks.labels(pod)
+        self.unknown = m.unknown_removals.labels(pod)
+        self.lag = m.lag_seconds.labels(pod)
+
+    def add(self, done: Applied) -> None:
+        for counter, n in ((self.stored_events, done.stored_events), (self.removed_events, done.removed_events),
+                           (self.cleared_events, done.cleared), (self.stored, done.stored),
+                           (self.removed, done.removed), (self.orphans, done.orphans),
+                           (self.unknown, done.unknown_removals)):
+            if n:
+                counter.inc(n)
 
 
 @dataclass(slots=True)
@@ -43,6 +63,7 @@ class Stream:
     topic: str
     pod: str
     model: str
+    counters: StreamCounters
     last_seq: int | None = None
     expect_from: int | None = 0  # seq a complete history starts at; None: accept any baseline
     synced: bool = True
@@ -222,37 +243,28 @@ class EngineLane:
             return None
 
     def _apply(self, st: Stream, seq: int, batch: EventBatch) -> None:
-        m = self._metrics
         rank = self.engine.dp_rank if self.engine.dp_rank is not None else batch.dp_rank
         for reason in batch.skipped:
             self._reject(st.pod, reason, "skipped an event or field")
-        for ev in batch.events:
-            done = self._index.apply(st.pod, st.model, rank, ev)
-            m.events_applied.labels(st.pod, EVENT_TYPE[type(ev)]).inc()
-            if done.stored:
-                m.blocks_stored.labels(st.pod).inc(done.stored)
-            if done.removed:
-                m.blocks_removed.labels(st.pod).inc(done.removed)
-            if done.orphans:
-                m.orphan_blocks.labels(st.pod).inc(done.orphans)
-            if done.unknown_removals:
-                m.unknown_removals.labels(st.pod).inc(done.unknown_removals)
-            if done.block_size_mismatch:
-                self._reject(st.pod, "block_size_mismatch", "block size differs from the model's")
-            if done.cleared:
-                self._mark_synced(st, "AllBlocksCleared")
+        done = self._index.apply_batch(st.pod, st.model, rank, batch.events)
+        st.counters.add(done)
+        if done.block_size_mismatch:
+            self._reject(st.pod, "block_size_mismatch", "block size differs from the model's")
+        if done.cleared:
+            self._mark_synced(st, "AllBlocksCleared")
         st.last_seq = seq
         st.batches += 1
         now = time.time()
         st.last_applied = now
-        m.lag_seconds.labels(st.pod).set(max(0.0, now - batch.ts))
+        st.counters.lag.set(max(0.0, now - batch.ts))
 
     def _stream(self, topic: str) -> Stream:
         st = self.state.streams.get(topic)
         if st is None:
             pod, model = split_topic(topic)
-            st = Stream(topic=topic, pod=self.engine.pod or pod or self.engine.endpoint,
-                        model=self.engine.model or model or "unknown", expect_from=self._first_seq)
+            pod_id = self.engine.pod or pod or self.engine.endpoint
+            st = Stream(topic=topic, pod=pod_id, model=self.engine.model or model or "unknown",
+                        expect_from=self._first_seq, counters=StreamCounters(self._metrics, pod_id))
             if self.engine.block_size:
                 self._index.set_block_size(st.model, self.engine.block_size)
             self.state.streams[topic] = st

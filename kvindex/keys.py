@@ -40,12 +40,18 @@ def root_key(model: str, lora_name: str | None = None, cache_salt: str | None = 
     return _xxh3(data)
 
 
-def local_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Per-block local hashes of every full block of ``token_ids``."""
-    full = len(token_ids) // block_size * block_size
-    data = array("I", token_ids[:full]).tobytes()
+def packed(token_ids: Sequence[int]) -> memoryview:
+    """Token ids as u32 little-endian bytes (no copy when they already are an ``array("I")``)."""
+    arr = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
+    return memoryview(arr).cast("B")
+
+
+def local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    """Per-block local hashes of the full blocks of ``token_ids`` (at most ``limit`` blocks)."""
+    data = packed(token_ids)
     width = 4 * block_size
-    return [_xxh3(data[i : i + width], LOCAL_SEED) for i in range(0, len(data), width)]
+    n = len(data) // width if limit is None else min(limit, len(data) // width)
+    return [_xxh3(data[i : i + width], LOCAL_SEED) for i in range(0, n * width, width)]
 
 
 def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
@@ -57,6 +63,6 @@ def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
     return keys
 
 
-def prompt_keys(root: int, token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained keys of every full block of a prompt."""
-    return chain_keys(root, local_hashes(token_ids, block_size))
+def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    """Chained keys of the full blocks of a prompt (at most ``limit`` blocks)."""
+    return chain_keys(root, local_hashes(token_ids, block_size, limit))

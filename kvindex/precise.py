@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import and_, neg
+from typing import NamedTuple
 
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -57,20 +58,21 @@ class _Worker:
         return None if key is None or key == ORPHAN else key
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Applied:
-    """What one event did: copies stored/removed, orphans kept, removals of unknown hashes."""
+    """What a batch of events did (counts), filled in as it is applied."""
 
-    stored: int = 0
+    stored: int = 0  # block copies
     removed: int = 0
-    orphans: int = 0
+    orphans: int = 0  # stores kept without a key
     unknown_removals: int = 0
-    block_size_mismatch: bool = False
-    cleared: bool = False
+    block_size_mismatch: int = 0  # BlockStored events whose block size differs from the model's
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared: int = 0  # AllBlocksCleared events
 
 
-@dataclass(frozen=True, slots=True)
-class PodMatch:
+class PodMatch(NamedTuple):
     """Longest matched prefix of one pod, in blocks. ``dp`` per rank; tiers cumulative."""
 
     gpu: int
@@ -98,14 +100,25 @@ class PreciseIndex:
 
     # -- events --------------------------------------------------------------------------------
     def apply(self, pod: str, model: str, dp_rank: int, event: KVEvent) -> Applied:
-        if isinstance(event, BlockStored):
-            return self._store(self._worker(pod, dp_rank), model, event)
-        if isinstance(event, BlockRemoved):
-            return self._remove(self._worker(pod, dp_rank), event)
-        if isinstance(event, AllBlocksCleared):
-            self.clear_pod(pod)
-            return Applied(cleared=True)
-        raise TypeError(f"not a KV event: {type(event).__name__}")
+        return self.apply_batch(pod, model, dp_rank, (event,))
+
+    def apply_batch(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> Applied:
+        """Apply one engine batch in order; one worker lookup, one result for the batch."""
+        done = Applied()
+        w: _Worker | None = None
+        for ev in events:
+            t = type(ev)
+            if t is BlockRemoved:
+                self._remove(w or (w := self._worker(pod, dp_rank)), ev, done)  # type: ignore[arg-type]
+            elif t is BlockStored:
+                self._store(w or (w := self._worker(pod, dp_rank)), model, ev, done)  # type: ignore[arg-type]
+            elif t is AllBlocksCleared:
+                self.clear_pod(pod)
+                done.cleared += 1
+                w = None
+            else:
+                raise TypeError(f"not a KV event: {t.__name__}")
+        return done
 
     def _worker(self, pod: str, dp_rank: int) -> _Worker:
         w = self._workers.get((pod, dp_rank))
@@ -131,10 +144,9 @@ class PreciseIndex:
             parent = w.key_of(ev.parent_hash)
         if parent is None:
             return [], False
-        n = min(len(ev.block_hashes), len(ev.token_ids) // bs)
-        return K.prompt_keys(parent, ev.token_ids[: n * bs], bs), False
+        return K.prompt_keys(parent, ev.token_ids, bs, limit=len(ev.block_hashes)), False
 
-    def _store(self, w: _Worker, model: str, ev: BlockStored) -> Applied:
+    def _store(self, w: _Worker, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(w, model, ev)
         medium = ev.medium
         blocks = w.media.get(medium)
@@ -163,7 +175,10 @@ class PreciseIndex:
                 orphans += 1
             else:
                 self._hold(tier, key, w)
-        return Applied(stored=len(ev.block_hashes), orphans=orphans, block_size_mismatch=mismatch)
+        done.stored_events += 1
+        done.stored += len(ev.block_hashes)
+        done.orphans += orphans
+        done.block_size_mismatch += mismatch
 
     def _adopt_elsewhere(self, w: _Worker, h: int, key: int) -> None:
         """Keyless copies of ``h`` in other media (offload events carry no tokens) get its key."""
@@ -174,7 +189,7 @@ class PreciseIndex:
                 for _ in range(1 + w.extra.get((medium, h), 0)):
                     self._hold(tier_of(medium), key, w)
 
-    def _remove(self, w: _Worker, ev: BlockRemoved) -> Applied:
+    def _remove(self, w: _Worker, ev: BlockRemoved, done: Applied) -> None:
         removed = unknown = 0
         blocks = w.media.get(ev.medium)
         tier = tier_of(ev.medium)
@@ -195,7 +210,9 @@ class PreciseIndex:
                 w.orphans -= key == ORPHAN
             if key != ORPHAN:
                 self._release(tier, key, w)
-        return Applied(removed=removed, unknown_removals=unknown)
+        done.removed_events += 1
+        done.removed += removed
+        done.unknown_removals += unknown
 
     def _hold(self, tier: str, key: int, w: _Worker) -> None:
         holders = self._holders[tier]
@@ -274,7 +291,7 @@ class PreciseIndex:
             return {}
         gpu = _walk(keys, self._holders["gpu"], None, allowed)
         if not self._holders["cpu"] and not self._holders["disk"]:
-            return self._per_pod(gpu, gpu, gpu) if gpu else {}
+            return self._per_pod_gpu(gpu)
         cpu = _walk(keys, self._holders["gpu"], [self._holders["cpu"]], allowed)
         disk = _walk(keys, self._holders["gpu"], [self._holders["cpu"], self._holders["disk"]], allowed)
         return self._per_pod(gpu, cpu, disk)
@@ -286,6 +303,19 @@ class PreciseIndex:
             if pod in wanted:
                 mask |= w.bit
         return mask
+
+    def _per_pod_gpu(self, gpu: dict[int, int]) -> dict[str, PodMatch]:
+        out: dict[str, PodMatch] = {}
+        for slot, g in gpu.items():
+            w = self._slots[slot]
+            prev = out.get(w.pod)  # type: ignore[union-attr]
+            if prev is None:
+                out[w.pod] = PodMatch(g, g, g, {w.rank: g})  # type: ignore[union-attr]
+            else:
+                prev.dp[w.rank] = g  # type: ignore[union-attr]
+                if g > prev.gpu:
+                    out[w.pod] = PodMatch(g, g, g, prev.dp)  # type: ignore[union-attr]
+        return out
 
     def _per_pod(self, gpu: dict[int, int], cpu: dict[int, int], disk: dict[int, int]) -> dict[str, PodMatch]:
         out: dict[str, PodMatch] = {}

@@ -13,15 +13,24 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+import xxhash
 
 from kvindex import keys as K
 from kvindex.approx import ApproxIndex
 from kvindex.precise import PodMatch, PreciseIndex
 from kvindex.render import RenderError
 from kvindex.tokenize import Tokenizer
+
+
+_TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
 
 
 def cacheable_tokens(token_ids: Sequence[int]) -> int:
@@ -91,11 +100,45 @@ class PodAnswer:
         return round(self.approx.ratio(self.pod) - self.precise.ratio(self.pod), 6)
 
 
+class ScoreMemory:
+    """The precise answers of recent ``/v1/score`` calls, so a decision reported after the request
+    was served is judged by what kvindex predicted *before* it (by then the engine has usually
+    published the request's own blocks, and a fresh lookup would predict a full hit).
+
+    Bounded: at most ``size`` answers, each forgotten after ``ttl`` seconds; keyed by model, key
+    root and an XXH3 of the prompt's token ids; only per-pod depths are kept, never the keys.
+    """
+
+    def __init__(self, size: int = 4096, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._size, self._ttl, self._clock = size, ttl, clock
+        self._entries: OrderedDict[tuple[str, int, int], tuple[float, frozenset[str] | None, dict[str, PodMatch]]] = OrderedDict()
+
+    @staticmethod
+    def _key(model: str, root: int, token_ids: Sequence[int]) -> tuple[str, int, int]:
+        return model, root, xxhash.xxh3_64_intdigest(K.packed(token_ids))
+
+    def remember(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None, answer: PreciseAnswer) -> None:
+        key = self._key(model, answer.root, token_ids)
+        self._entries[key] = (self._clock(), None if pods is None else frozenset(pods), dict(answer.matches))
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
+
+    def recall(self, model: str, token_ids: Sequence[int], pod: str, answer: PreciseAnswer) -> PreciseAnswer | None:
+        """``answer`` with ``pod``'s match as the last score saw it, or None if none did."""
+        entry = self._entries.get(self._key(model, answer.root, token_ids))
+        if entry is None or self._clock() - entry[0] > self._ttl or (entry[1] is not None and pod not in entry[1]):
+            return None
+        then = entry[2].get(pod)
+        return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, {pod: then} if then else {}, answer.root)
+
+
 class QueryService:
     def __init__(self, index: PreciseIndex, approx: ApproxIndex,
                  tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int) -> None:
         self.index = index
         self.approx = approx
+        self.scores = ScoreMemory()
         self._tokenizer_for = tokenizer_for
         self._max_token_ids = max_token_ids
 
@@ -115,7 +158,7 @@ class QueryService:
         keys = K.chain_keys(K.root_key(model), local_hashes)
         return PreciseAnswer(bs, len(keys) * bs, tuple(keys), self.index.match(keys, pods))
 
-    async def token_ids_for(self, model: str, body: dict[str, Any]) -> list[int] | None:
+    async def token_ids_for(self, model: str, body: dict[str, Any]) -> Sequence[int] | None:
         """Token ids from the body, or from the model's tokenizer; None when neither exists."""
         if "token_ids" in body:
             return self.check_token_ids(body["token_ids"])
@@ -130,13 +173,15 @@ class QueryService:
             raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
 
-    def check_token_ids(self, value: Any) -> list[int]:
-        if not isinstance(value, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in value):
-            raise QueryError("token_ids must be an array of unsigned 32-bit integers", field="token_ids")
-        if len(value) > self._max_token_ids:
+    def check_token_ids(self, value: Any) -> array:
+        """Token ids as a packed ``array("I")``; validated in C (no bools, floats, negatives)."""
+        if isinstance(value, list) and len(value) > self._max_token_ids:
             raise QueryError(f"token_ids has {len(value)} entries; the limit is {self._max_token_ids}",
                              field="token_ids", status=413, reason="too_large")
-        return value
+        try:
+            return array("I", msgspec.convert(value, _TOKEN_IDS))
+        except msgspec.ValidationError:
+            raise QueryError("token_ids must be an array of unsigned 32-bit integers", field="token_ids") from None
 
     def approx_hashes(self, model: str, body: dict[str, Any]) -> tuple[int, ...] | None:
         """What the router hashes for this body; None when it has nothing the router would hash."""

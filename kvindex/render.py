@@ -29,6 +29,9 @@ from decimal import Decimal
 from typing import Any
 
 _SURROGATES = re.compile("[\ud800-\udfff]")
+# what makes the plain decoder differ from Go's: surrogate escapes, a negative zero, huge integers
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_NEGATIVE_ZERO = re.compile(r"-0(?![.0-9eE])")
 _KTHENA_TEXT_TYPES = frozenset({"text", "input_text", "output_text"})
 _GO_HTML_ESCAPES = (
     ("<", "\\u003c"),
@@ -98,15 +101,27 @@ def go_json_loads(data: bytes | str) -> Any:
     Raises ``RenderError("malformed JSON: ...")``.
     """
     text = data.decode("utf-8", "surrogateescape") if isinstance(data, (bytes, bytearray)) else data
+    scrub = bool(_SURROGATES.search(text) or _ESCAPED_SURROGATE.search(text))
+    exact_ints = bool(_NEGATIVE_ZERO.search(text))
     try:
-        value = json.loads(
-            text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant, parse_int=_go_int
-        )
+        value = _loads(text, scrub, exact_ints)
+    except RenderError:
+        raise
+    except ValueError as exc:
+        if exact_ints or "limit" not in str(exc):
+            raise RenderError(f"malformed JSON: {exc}") from None
+        value = _loads(text, scrub, True)  # an integer past Python's digit limit: Go keeps it
+    # the common case (no surrogates anywhere) skips the walk over every value: bodies carry
+    # token arrays of thousands of integers
+    return _scrub_tree(value) if scrub else value
+
+
+def _loads(text: str, scrub: bool, exact_ints: bool) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_pairs_hook if scrub else None,
+                          parse_constant=_reject_constant, parse_int=_go_int if exact_ints else None)
     except RecursionError:
         raise RenderError("malformed JSON: nesting too deep") from None
-    except ValueError as exc:
-        raise RenderError(f"malformed JSON: {exc}") from None
-    return _scrub_tree(value)
 
 
 # --- Kthena main ----------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from kvindex import keys as K
@@ -13,7 +15,7 @@ TOKENS = list(range(100, 116))  # 4 blocks of 4
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw) -> BlockStored:
-    return BlockStored(block_hashes=tuple(hashes), parent_hash=parent, token_ids=tuple(tokens), block_size=BS, **kw)
+    return BlockStored(block_hashes=tuple(hashes), parent_hash=parent, token_ids=array("I", tokens), block_size=BS, **kw)
 
 
 def keys_of(tokens: list[int], model: str = "m", lora: str | None = None, salt: str | None = None) -> list[int]:
@@ -73,7 +75,7 @@ def test_orphans_are_kept_for_removal_but_never_match(idx: PreciseIndex) -> None
 
 
 def test_block_size_mismatch_is_an_orphan(idx: PreciseIndex) -> None:
-    ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=tuple(TOKENS[:8]), block_size=8)
+    ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=array("I", TOKENS[:8]), block_size=8)
     done = idx.apply("a", "m", 0, ev)
     assert done.block_size_mismatch and done.orphans == 1
 
