@@ -17,7 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import and_, neg
@@ -70,6 +70,17 @@ class Applied:
     stored_events: int = 0
     removed_events: int = 0
     cleared: int = 0  # AllBlocksCleared events
+
+
+class Entry(NamedTuple):
+    """One held engine hash, as exported and loaded (snapshots, peer recovery)."""
+
+    pod: str
+    dp_rank: int
+    medium: str
+    hash: int
+    key: int | None
+    copies: int
 
 
 class PodMatch(NamedTuple):
@@ -282,6 +293,34 @@ class PreciseIndex:
                 for blocks in w.media.values():
                     merged.update({h: None if k == ORPHAN else k for h, k in blocks.items()})
         return out
+
+    # -- state out and in (snapshots, peers) ----------------------------------------------------
+    def block_sizes(self) -> dict[str, int]:
+        return dict(self._block_size)
+
+    def export_entries(self) -> Iterator[Entry]:
+        """Every held engine hash: (pod, dp_rank, medium, hash, key or None, copies)."""
+        for (pod, rank), w in self._workers.items():
+            for medium, blocks in w.media.items():
+                for h, key in blocks.items():
+                    yield Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + w.extra.get((medium, h), 0))
+
+    def load_entries(self, entries: Iterable[Entry]) -> int:
+        """Add exported entries (to an index that does not hold them yet); returns how many."""
+        n = 0
+        for e in entries:
+            w = self._worker(e.pod, e.dp_rank)
+            blocks = w.media.setdefault(e.medium, {})
+            blocks[e.hash] = ORPHAN if e.key is None else e.key
+            if e.copies > 1:
+                w.extra[(e.medium, e.hash)] = e.copies - 1
+            if e.key is None:
+                w.orphans += 1
+            else:
+                for _ in range(e.copies):
+                    self._hold(tier_of(e.medium), e.key, w)
+            n += 1
+        return n
 
     # -- queries -------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:

@@ -132,3 +132,21 @@ def test_clear_pod_leaves_no_inverted_entries(idx: PreciseIndex) -> None:
     idx.clear_pod("a")
     idx.clear_pod("b")
     assert idx.pods() == [] and all(not h for h in idx._holders.values())
+
+
+def test_export_and_load_reproduce_the_index(idx: PreciseIndex) -> None:
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
+    idx.apply("a", "m", 1, stored([3], 999, TOKENS[4:8]))
+    idx.apply("b", "m", 0, stored([1, 2, 3], None, TOKENS[:12], medium="CPU"))
+    copy = PreciseIndex()
+    copy.set_block_size("m", BS)
+    assert copy.load_entries(idx.export_entries()) == 6
+    assert sorted(copy.export_entries()) == sorted(idx.export_entries())
+    ks = keys_of(TOKENS)
+    assert copy.match(ks) == idx.match(ks)
+    for pod in ("a", "b"):
+        assert copy.blocks_held(pod) == idx.blocks_held(pod)
+    copy.apply("a", "m", 0, BlockRemoved((1,)))
+    copy.apply("a", "m", 0, BlockRemoved((1,)))
+    assert depth(copy, "a", ks) == 0
