@@ -185,10 +185,10 @@ def record_first_apply(daemon) -> dict[str, float]:
     for key, lane in daemon.fleet.lanes().items():
         original = lane._apply
 
-        def once(st, seq, batch, _lane=lane, _key=key, _orig=original) -> None:  # noqa: ANN001
+        def once(*args, _lane=lane, _key=key, _orig=original) -> None:  # noqa: ANN001
             first[_key] = time.time()
             del _lane._apply
-            return _orig(st, seq, batch)
+            return _orig(*args)
 
         lane._apply = once
     return first

@@ -20,12 +20,10 @@ flight at a time), so the recent-request count is the load signal.
 Invariants:
 - Every task, socket and context opened here is closed by ``Demo.close()`` (idempotent, safe after
   a partial start); SIGINT / SIGTERM only set the stop event, so a stop is always clean.
-- The router reports a decision only after its engine admitted the request, with the engine's own
-  ``cached_tokens``. The engine's events for that admission are published right after the report,
-  so kvindex's per-decision predictions (``/v1/decisions``, the drift hit rates) are computed on the
-  state the request met when it was routed — the state ``/v1/score`` saw — and "predicted vs
-  actual" compares like with like. (Reported after its own events, a request would find its own
-  blocks and the precise "prediction" would always be ~1.)
+- The router reports a decision only after its engine admitted the request (and published its
+  events, as a real engine does), with the engine's own ``cached_tokens``. kvindex judges the
+  decision by what its ``/v1/score`` of the same prompt predicted before the request, so
+  "predicted vs actual" compares like with like.
 - Requests are sequential, and before scoring request i+1 the demo waits (at most 2 s) until
   kvindex has applied every batch published so far, so kvindex's score-time precise tokens equal
   the engine's ``cached_tokens``: a busy machine's event lag would otherwise show up as precise
@@ -178,13 +176,11 @@ class Router:
         self._recent.append((self._clock(), pod))
         replica = self._replicas[pod]
         adm = replica.admit(req.token_ids)
-        self.exact += scored["pods"][pod].get("precise", {}).get("tokens") == adm.cached_tokens
-        try:
-            await self._post("/v1/decisions", {"pod": pod, "request": body, "token_ids": ids,
-                                               "cached_tokens": adm.cached_tokens, "prompt_tokens": adm.prompt_tokens})
-            self.decisions += 1
-        finally:
-            await replica.publish(adm)  # see the module docstring: events after the report
+        self.exact += (scored["pods"][pod].get("precise") or {}).get("tokens") == adm.cached_tokens
+        await replica.publish(adm)
+        await self._post("/v1/decisions", {"pod": pod, "request": body, "token_ids": ids,
+                                           "cached_tokens": adm.cached_tokens, "prompt_tokens": adm.prompt_tokens})
+        self.decisions += 1
         return pod
 
 
