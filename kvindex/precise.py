@@ -164,32 +164,48 @@ class PreciseIndex:
         if blocks is None:
             blocks = w.media[medium] = {}
         tier = tier_of(medium)
+        holders, bit, single = self._holders[tier], w.bit, len(w.media) == 1
+        hashes = ev.block_hashes
         orphans = 0
-        for i, h in enumerate(ev.block_hashes):
+        for i, h in enumerate(hashes):
             key = keys[i] if i < len(keys) else w.key_of(h)
-            old = blocks.get(h)
-            if old is None:
-                blocks[h] = ORPHAN if key is None else key
-                w.orphans += key is None
-                if key is not None and len(w.media) > 1:
-                    self._adopt_elsewhere(w, h, key)
-            else:
-                copies = w.extra[(medium, h)] = w.extra.get((medium, h), 0) + 1
-                if old == ORPHAN and key is not None:  # a keyless hash learns its key:
-                    blocks[h] = key  # index the copies it already had
-                    w.orphans -= 1
-                    for _ in range(copies):
-                        self._hold(tier, key, w)
+            if key is not None and single and h not in blocks:  # the common case, inlined
+                blocks[h] = key
+                mask = holders.get(key, 0)
+                if not mask:
+                    holders[key] = bit  # a lone holder shares its bit object
+                elif not mask & bit:
+                    holders[key] = mask | bit
                 else:
-                    key = None if old == ORPHAN else old
-            if key is None:
-                orphans += 1
+                    self._hold(tier, key, w)  # counts the duplicate
             else:
-                self._hold(tier, key, w)
+                orphans += self._store_one(w, medium, tier, blocks, h, key)
         done.stored_events += 1
-        done.stored += len(ev.block_hashes)
+        done.stored += len(hashes)
         done.orphans += orphans
         done.block_size_mismatch += mismatch
+
+    def _store_one(self, w: _Worker, medium: str, tier: str, blocks: dict[int, int], h: int, key: int | None) -> int:
+        """One stored copy, any case (repeat copies, orphans, other media); returns 1 if keyless."""
+        old = blocks.get(h)
+        if old is None:
+            blocks[h] = ORPHAN if key is None else key
+            w.orphans += key is None
+            if key is not None and len(w.media) > 1:
+                self._adopt_elsewhere(w, h, key)
+        else:
+            copies = w.extra[(medium, h)] = w.extra.get((medium, h), 0) + 1
+            if old == ORPHAN and key is not None:  # a keyless hash learns its key:
+                blocks[h] = key  # index the copies it already had
+                w.orphans -= 1
+                for _ in range(copies):
+                    self._hold(tier, key, w)
+            else:
+                key = None if old == ORPHAN else old
+        if key is None:
+            return 1
+        self._hold(tier, key, w)
+        return 0
 
     def _adopt_elsewhere(self, w: _Worker, h: int, key: int) -> None:
         """Keyless copies of ``h`` in other media (offload events carry no tokens) get its key."""
