@@ -22,6 +22,7 @@ import zmq.asyncio
 from kvindex.events import Frame
 
 END_SEQ = b"\xff" * 8
+DRAIN_BURST = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +70,20 @@ class Subscriber:
             self._sock.connect(endpoint)
 
     async def messages(self) -> AsyncIterator[Frame | Malformed]:
+        """Every message, in order. After each wake-up the socket is drained without awaiting
+        (non-blocking reads of what is already queued), yielding the event loop to other tasks
+        (HTTP queries) every ``DRAIN_BURST`` messages."""
+        drain = zmq.Socket.shadow(self._sock.underlying)
         while True:
-            parts = await self._sock.recv_multipart(copy=True)
-            yield parse_message(parts)
+            yield parse_message(await self._sock.recv_multipart())
+            for _ in range(DRAIN_BURST):
+                try:
+                    parts = drain.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                yield parse_message(parts)
+            else:
+                await asyncio.sleep(0)
 
     def close(self) -> None:
         self.monitor.close(linger=0)
