@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat
+from itertools import accumulate, repeat, takewhile
 from operator import and_, neg
 from typing import NamedTuple
 
@@ -397,14 +397,11 @@ def _walk(keys: Sequence[int], gpu: dict[int, int], others: list[dict[int, int]]
         masks: Iterable[int] = [_union(k, gpu, others) for k in keys]
     else:
         masks = map(gpu.get, keys, repeat(0))
-    acc = list(accumulate(masks, and_, initial=allowed))
+    acc = list(takewhile(bool, accumulate(masks, and_, initial=allowed)))  # stops when nobody is left
     depth: dict[int, int] = {}
     hi, seen = len(acc), 0
     while hi > 1:
         value = acc[hi - 1]
-        if not value:
-            hi = bisect_left(acc, 0, 0, hi, key=neg)  # first all-zero prefix
-            continue
         for slot in _bits(value & ~seen):
             depth[slot] = hi - 1
         seen = value
