@@ -40,7 +40,6 @@ from kvindex.events import (
 )
 
 MASK64 = (1 << 64) - 1
-U32 = 1 << 32
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                  "medium", "lora_name", "extra_keys", "group_idx")
@@ -152,25 +151,29 @@ class VllmDecoder:
         if not 0 <= rank < 1 << 16:
             return None
         events: list[KVEvent] = []
+        removed: list[int] = []  # a run of removals of one (medium, group), merged into one event
+        where: tuple[str, int] = (GPU, 0)
         for w in wire.events:
             if type(w) is _MapRemoved or type(w) is _ArrayRemoved:
                 hashes = _plain_hashes(w.block_hashes)
-                medium = w.medium.upper() if w.medium else GPU
-                group = w.group_idx or 0
-                last = events[-1] if events else None
-                if hashes is None or not hashes:
+                if not hashes:
                     return None
-                if type(last) is BlockRemoved and last.medium == medium and last.group_idx == group:
-                    events[-1] = BlockRemoved(last.block_hashes + hashes, medium, group)
-                else:
-                    events.append(BlockRemoved(hashes, medium, group))
-            elif type(w) is _MapStored or type(w) is _ArrayStored:
-                ev = _typed_stored(w)
-                if ev is None:
-                    return None
-                events.append(ev)
-            else:
-                events.append(AllBlocksCleared())
+                here = (w.medium.upper() if w.medium else GPU, w.group_idx or 0)
+                if removed and here != where:
+                    events.append(BlockRemoved(tuple(removed), *where))
+                    removed = []
+                removed.extend(hashes)
+                where = here
+                continue
+            if removed:
+                events.append(BlockRemoved(tuple(removed), *where))
+                removed = []
+            ev = _typed_stored(w) if type(w) is _MapStored or type(w) is _ArrayStored else AllBlocksCleared()
+            if ev is None:
+                return None
+            events.append(ev)
+        if removed:
+            events.append(BlockRemoved(tuple(removed), *where))
         return EventBatch(ts=wire.ts, events=tuple(events), dp_rank=rank)
 
     def _decode_generic(self, payload: bytes) -> EventBatch:

@@ -113,3 +113,12 @@ def test_batch_level_garbage(payload: bytes, reason: str) -> None:
     with pytest.raises(DecodeError) as e:
         VllmDecoder().decode(payload)
     assert e.value.reason == reason
+
+
+def test_runs_of_removals_are_merged_in_order() -> None:
+    ev = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": TOK[:16], "block_size": 16}
+    rm = [{"type": "BlockRemoved", "block_hashes": [h], "medium": m} for h, m in ((1, "GPU"), (2, "GPU"), (3, "CPU"))]
+    batch = VllmDecoder().decode(pack([0, [rm[0], rm[1], ev, rm[0], rm[2], {"type": "BlockRemoved", "block_hashes": [4],
+                                                                             "medium": "CPU"}], 0]))
+    assert batch.events == (BlockRemoved((1, 2)), BlockStored((7,), None, array("I", TOK[:16]), 16),
+                            BlockRemoved((1,)), BlockRemoved((3, 4), "CPU"))
