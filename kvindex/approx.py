@@ -156,15 +156,19 @@ def _model_settings(name: str, base: Mapping[str, Any], table: Any) -> ApproxSet
 # --- hashing ---------------------------------------------------------------------------------
 
 
-def kthena_hashes(model: str, rendered: str, settings: ApproxSettings) -> list[int]:
+def kthena_hashes(model: str, rendered: str, settings: ApproxSettings, cache_salt: str = "") -> list[int]:
     """Kthena's block hashes: ``h_i = XXH64(decimal(h_{i-1}) || block_i)``, ``h_0 = XXH64(model)``.
 
     Blocks are byte slices of the UTF-8 prompt (a character may straddle two blocks); the last
     may be short; at most ``max_blocks_to_match``; an empty prompt gives ``[]``.
+    kvindex's one extension: a non-empty ``cache_salt`` is mixed into the seed
+    (``h_0 = XXH64(model || 0x00 || salt)``) so salted tenants never match each other; Kthena
+    ignores the salt, and an unsalted request hashes exactly as Kthena does.
     """
     data, size = go_utf8(rendered), settings.block_size_to_hash
     count = min(-(-len(data) // size), settings.max_blocks_to_match)
-    prev = xxhash.xxh64_intdigest(go_utf8(model))
+    seed = go_utf8(model) + (b"\x00" + go_utf8(cache_salt) if cache_salt else b"")
+    prev = xxhash.xxh64_intdigest(seed)
     out: list[int] = []
     for start in range(0, count * size, size):
         prev = xxhash.xxh64_intdigest(b"%d" % prev + data[start : start + size])
@@ -386,6 +390,7 @@ class ApproxIndex:
         self._config = config
         self._user_on_evict = on_evict
         self.evictions = 0
+        self.on_record: Callable[[str, str, Sequence[int]], None] | None = None  # the write-ahead log
         self._kthena = _KthenaStore(self._evicted)
         self._gie = _GieStore(self._evicted)
 
@@ -410,20 +415,23 @@ class ApproxIndex:
     def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
         """Render ``body`` per the model's personality and hash it. Raises ``RenderError``.
 
-        GIE seeds with ``body["cache_salt"]`` when it is a string.
+        Both personalities seed with ``body["cache_salt"]`` when it is a string (GIE does; for
+        Kthena it is kvindex's extension, see ``kthena_hashes``).
         """
         settings = self._config.for_model(model)
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        salt = salt if isinstance(salt, str) else ""
         if settings.personality == GIE_V1_5:
-            salt = body.get("cache_salt") if isinstance(body, dict) else None
-            salt = salt if isinstance(salt, str) else ""
             return gie_hashes(model, render_gie(body), settings, salt)
-        return kthena_hashes(model, render_kthena(body), settings)
+        return kthena_hashes(model, render_kthena(body), settings, salt)
 
     def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
         """Record that ``pod`` served a request with these block hashes (evicts synchronously)."""
         settings = self._config.for_model(model)
         store = self._gie if settings.personality == GIE_V1_5 else self._kthena
         store.record(pod, model, hashes, settings)
+        if self.on_record is not None:
+            self.on_record(pod, model, hashes)
 
     def match(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
         """Matched blocks for every candidate pod (0 for misses), in the order given.
@@ -472,3 +480,67 @@ class ApproxIndex:
     def entries(self, pod: str | None = None) -> int:
         """Sum of LRU lengths (Kthena's entries gauge), both personalities; one pod if given."""
         return self._kthena.entries(pod) + self._gie.entries(pod)
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything the index holds: per personality, each pod's LRU in recency order (oldest
+        first) with its capacity, GIE's stale beliefs, and the eviction counter."""
+        return {"kthena": _export_kthena(self._kthena), "gie": _export_gie(self._gie), "evictions": self.evictions}
+
+    def load_state(self, state: Mapping[str, Any]) -> int:
+        """Replace the index's contents with an ``export_state()``; returns the entries loaded.
+        Raises ``ValueError`` (nothing changed) when ``state`` is not that shape."""
+        try:
+            kthena, gie = _KthenaStore(self._evicted), _GieStore(self._evicted)
+            _load_kthena(kthena, state.get("kthena") or {})
+            _load_gie(gie, state.get("gie") or {})
+            evictions = int(state.get("evictions", 0))
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not an approximate index state: {exc!r}") from None
+        self._kthena, self._gie, self.evictions = kthena, gie, evictions
+        return self.entries()
+
+
+# --- state out and in (snapshots, peers) ------------------------------------------------------
+# Shape (plain lists and dicts, msgpack/JSON friendly), every LRU oldest first:
+# {"kthena": {pod: {"capacity": c, "keys": [[hash, model], ...]}},
+#  "gie": {pod: {"capacity": c, "keys": [hash, ...], "stale": [hash, ...]}}, "evictions": n}
+
+
+def _export_kthena(store: _KthenaStore) -> dict[str, Any]:
+    return {pod: {"capacity": lru.capacity, "keys": [[h, m] for h, m in lru]} for pod, lru in store._lrus.items()}
+
+
+def _export_gie(store: _GieStore) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pod in set(store._lrus) | set(store._stale):
+        lru = store._lrus.get(pod)
+        out[pod] = {"capacity": lru.capacity if lru is not None else 0, "keys": list(lru or ()),
+                    "stale": list(store._stale.get(pod, ()))}
+    return out
+
+
+def _load_kthena(store: _KthenaStore, pods: Mapping[str, Any]) -> None:
+    for pod, saved in pods.items():
+        lru: _LRU[tuple[int, str]] = _LRU(int(saved["capacity"]))
+        for h, model in saved["keys"]:
+            lru._keys[(int(h), str(model))] = None
+            store._index.setdefault(str(model), {}).setdefault(int(h), set()).add(str(pod))
+        store._lrus[str(pod)] = lru
+
+
+def _load_gie(store: _GieStore, pods: Mapping[str, Any]) -> None:
+    for pod, saved in pods.items():
+        pod = str(pod)
+        if saved["capacity"]:
+            lru: _LRU[int] = _LRU(int(saved["capacity"]))
+            for h in saved["keys"]:
+                lru._keys[int(h)] = None
+                store._index.setdefault(int(h), set()).add(pod)
+            store._lrus[pod] = lru
+        if saved["stale"]:
+            stale: OrderedDict[int, None] = OrderedDict()
+            for h in saved["stale"]:
+                stale[int(h)] = None
+                store._index.setdefault(int(h), set()).add(pod)
+            store._stale[pod] = stale
+

@@ -49,8 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=None, help="HTTP port (default 8080; 0 picks a free one)")
     s.add_argument("--config", type=Path, help="TOML file: [server], [[engines]], [models.\"<name>\"], [approx], [drift]")
     s.add_argument("--engine", action="append", default=[], metavar="SPEC", help=ENGINE_HELP)
-    s.add_argument("--token-file", type=Path, help="bearer token required by mutating endpoints (also "
-                   "$KVINDEX_TOKEN)")
+    s.add_argument("--token-file", type=Path, help="bearer token required by mutating endpoints and GET /v1/state "
+                   "(also $KVINDEX_TOKEN)")
+    s.add_argument("--state-dir", type=Path, help="keep state across restarts in DIR: a snapshot of both indexes, "
+                   "every stream's seq watermark and /register registrations, plus a write-ahead log of everything "
+                   "applied since; on start kvindex loads both, then asks each engine's replay endpoint for what it "
+                   "missed (default: memory only)")
+    s.add_argument("--snapshot-seconds", type=float, metavar="S", help="with --state-dir: write a snapshot every S "
+                   "seconds (and on SIGTERM), then start a new write-ahead log segment (default 60)")
+    s.add_argument("--fsync", choices=("always", "interval", "never"), help="with --state-dir: when the write-ahead "
+                   "log is fsynced. Every record reaches the OS at once, so a killed kvindex loses nothing; fsync "
+                   "decides what a power loss can take: always (per record, slowest), interval (every second, the "
+                   "default), never (the OS decides)")
+    s.add_argument("--peer", metavar="URL", help="before serving, load the state of the running kvindex at URL "
+                   "(its GET /v1/state) so this replica starts warm; if it cannot be reached kvindex logs why and "
+                   "starts empty (or from --state-dir)")
 
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -77,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(args: argparse.Namespace) -> Config:
     base = config_from_toml(load_toml(args.config)) if args.config else Config()
-    return with_overrides(base, host=args.host, port=args.port, engines=args.engine)
+    return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
+                          snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer)
 
 
 def read_token(path: Path | None) -> str | None:

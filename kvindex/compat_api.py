@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,23 @@ class Registration:
     def lane_key(self) -> str:
         return f"register:{self.instance_id}:{self.dp_rank}"
 
+    def to_json(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "model": self.model, "group": self.group,
+                "block_size": self.block_size, "dp_rank": self.dp_rank, "endpoint": self.engine.endpoint,
+                "replay": self.engine.replay}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Registration:
+        """A saved registration (snapshot, write-ahead log); ``ValueError`` if malformed."""
+        try:
+            iid, model, group = str(d["instance_id"]), str(d["model"]), str(d["group"])
+            block_size, dp_rank = int(d["block_size"]), int(d["dp_rank"])
+            engine = EngineConfig(endpoint=str(d["endpoint"]), pod=iid, model=model, block_size=block_size,
+                                  dp_rank=dp_rank, replay=d.get("replay") if isinstance(d.get("replay"), str) else None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"saved registration {d!r} is malformed: {exc}") from None
+        return cls(iid, model, group, block_size, dp_rank, engine)
+
 
 class Registrations:
     """Engines added at runtime; each owns one lane in the fleet."""
@@ -49,6 +67,18 @@ class Registrations:
     def __init__(self) -> None:
         self.by_key: dict[tuple[str, int], Registration] = {}
         self.block_sizes: dict[tuple[str, str], int] = {}
+        self.on_change: Callable[[str, Registration], None] | None = None  # ("add" | "remove", reg)
+
+    def add(self, reg: Registration) -> None:
+        self.by_key[(reg.instance_id, reg.dp_rank)] = reg
+        self.block_sizes.setdefault((reg.model, reg.group), reg.block_size)
+        if self.on_change is not None:
+            self.on_change("add", reg)
+
+    def remove(self, reg: Registration) -> None:
+        del self.by_key[(reg.instance_id, reg.dp_rank)]
+        if self.on_change is not None:
+            self.on_change("remove", reg)
 
     def matching(self, instance_id: str | None = None, model: str | None = None,
                  group: str | None = None, dp_rank: int | None = None) -> list[Registration]:
@@ -99,9 +129,8 @@ async def register(request: web.Request) -> web.Response:
     except ConfigError as exc:
         raise ApiError(str(exc), field="endpoint", reason="bad_field") from None
     reg = Registration(iid, model, group, block_size, dp_rank, engine)
+    regs.add(reg)
     services(request).fleet.add(reg.lane_key, engine)
-    regs.by_key[(iid, dp_rank)] = reg
-    regs.block_sizes.setdefault((model, group), block_size)
     return web.json_response({"status": "registered", "instance_id": iid, "dp_rank": dp_rank}, status=201)
 
 
@@ -119,7 +148,7 @@ async def unregister(request: web.Request) -> web.Response:
     svc = services(request)
     for reg in found:
         await svc.fleet.remove(reg.lane_key)
-        del regs.by_key[(reg.instance_id, reg.dp_rank)]
+        regs.remove(reg)
         svc.query.index.clear_pod(iid, reg.dp_rank)
     if not regs.matching(iid):
         await svc.pods.remove(iid)

@@ -20,6 +20,7 @@ from kvindex.approx import ApproxConfig, ApproxSettings
 from kvindex.drift import DriftSettings
 
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
+FSYNC_POLICIES = ("always", "interval", "never")
 TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
 
 
@@ -80,6 +81,18 @@ class Config:
     max_token_ids: int = 1 << 20
     replay_timeout: float = 2.0
     rcvhwm: int = 1_000_000
+    state_dir: Path | None = None  # snapshots + write-ahead log; None: state lives in memory only
+    snapshot_seconds: float = 60.0
+    fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
+    peer: str | None = None  # base URL of a running kvindex whose state is loaded before serving
+
+    def __post_init__(self) -> None:
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"fsync {self.fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
+        if not self.snapshot_seconds > 0:
+            raise ConfigError("snapshot_seconds must be > 0")
+        if self.peer is not None and not self.peer.startswith(("http://", "https://")):
+            raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex")
 
     def model(self, name: str) -> ModelConfig:
         return self.models.get(name) or self.models.get("*") or ModelConfig()
@@ -141,23 +154,42 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
     except ValueError as exc:
         raise ConfigError(f"[approx]: {exc}") from None
     drift = _drift(doc.get("drift", {}))
-    return Config(
-        host=str(server.get("host", Config.host)),
-        port=int(server.get("port", Config.port)),
-        engines=engines,
-        models=models,
-        approx=approx,
-        drift=drift,
-    )
+    state = doc.get("state", {})
+    unknown = set(state) - {"dir", "snapshot_seconds", "fsync", "peer"}
+    if unknown:
+        raise ConfigError(f"[state]: unknown key(s): {', '.join(sorted(unknown))}")
+    try:
+        return Config(
+            host=str(server.get("host", "127.0.0.1")),
+            port=int(server.get("port", 8080)),
+            engines=engines,
+            models=models,
+            approx=approx,
+            drift=drift,
+            state_dir=Path(state["dir"]) if state.get("dir") else None,
+            snapshot_seconds=float(state.get("snapshot_seconds", 60.0)),
+            fsync=str(state.get("fsync", "interval")),
+            peer=_opt_str(state.get("peer")),
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"[state]/[server]: {exc}") from None
 
 
-def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str]) -> Config:
+def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
+                   state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
+                   peer: str | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
         host=host if host is not None else cfg.host,
         port=port if port is not None else cfg.port,
         engines=cfg.engines + extra,
+        state_dir=state_dir if state_dir is not None else cfg.state_dir,
+        snapshot_seconds=snapshot_seconds if snapshot_seconds is not None else cfg.snapshot_seconds,
+        fsync=fsync if fsync is not None else cfg.fsync,
+        peer=peer if peer is not None else cfg.peer,
     )
 
 

@@ -47,6 +47,7 @@ class Services:
     decisions: Decisions
     drift: DriftAudit
     token: str | None = None  # bearer token for mutating endpoints
+    state: Callable[[], Awaitable[bytes]] | None = None  # the snapshot format, for GET /v1/state
 
 
 SERVICES = web.AppKey("services", Services)
@@ -82,9 +83,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPRequestEntityTooLarge:
         err = ApiError(f"body exceeds {svc.config.max_body_bytes} bytes", field="body", status=413, reason="too_large")
     except web.HTTPNotFound:
-        err = ApiError(f"no route {request.method} {request.path}", status=404, reason="no_route")
-    except web.HTTPMethodNotAllowed:
-        err = ApiError(f"{request.method} not allowed on {request.path}", status=405, reason="bad_method")
+        err = ApiError(f"no route {request.method} {request.raw_path}", status=404, reason="no_route")
+    except web.HTTPMethodNotAllowed:  # raw_path: as sent (percent-encoded), so the message stays one line
+        err = ApiError(f"{request.method} not allowed on {request.raw_path}", status=405, reason="bad_method")
     svc.metrics.http_rejections.labels(endpoint_label(request), err.reason_label).inc()
     return web.Response(status=err.status_code, text=err.text, content_type="application/json")
 
@@ -299,6 +300,16 @@ async def drift_history(request: web.Request) -> web.Response:
     return web.json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
 
 
+async def state(request: web.Request) -> web.Response:
+    """Everything kvindex holds, in the snapshot format (``kvindex/state.py``): what ``--peer`` loads.
+    Bulk data: guarded by the bearer token when one is configured."""
+    require_token(request)
+    svc = services(request)
+    if svc.state is None:
+        raise ApiError("state export is not available", status=503, reason="unavailable")
+    return web.Response(body=await svc.state(), content_type="application/x-kvindex-state")
+
+
 def make_app(svc: Services, extra_routes: list[web.RouteDef] | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
@@ -317,6 +328,7 @@ def make_app(svc: Services, extra_routes: list[web.RouteDef] | None = None) -> w
         web.post("/v1/approx/explain", explain),
         web.get("/v1/drift", drift),
         web.get("/v1/drift/history", drift_history),
+        web.get("/v1/state", state),
     ])
     if extra_routes:
         app.add_routes(extra_routes)

@@ -11,6 +11,10 @@ Invariants:
   past the dialect's first seq means kvindex joined mid-stream: recovered the same way.
 - A pod is *unsynced* when a gap could not be filled (no replay endpoint, history gone, replay
   failed). It becomes synced again on AllBlocksCleared, an engine restart, or an explicit resync.
+- Restored state (snapshot, write-ahead log, peer) enters only before ``run()``: ``restore_streams``
+  seeds the seq state, ``apply_logged``/``resync_logged`` re-apply logged changes through the same
+  decode and apply (no network); ``run()`` first asks the replay endpoint for everything after
+  each restored watermark, then subscribes. Every applied batch goes to ``journal`` when set.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -121,12 +126,18 @@ class EngineLane:
         self._settings = settings
         self._burst = burst
         self._lock = asyncio.Lock()
+        self._restored: set[str] = set()
+        self.key = engine.name  # the fleet's key for this lane (set by Fleet.add)
+        # the write-ahead log: .batch(lane key, topic, seq, payload) after each applied batch,
+        # .resync(lane key, pod) when an operator's resync clears a pod
+        self.journal: Any = None
         if engine.model and engine.block_size:
             index.set_block_size(engine.model, engine.block_size)
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         e = self.engine
+        await self._catch_up()
         sub = Subscriber(self._ctx, e.endpoint, bind=e.bind, rcvhwm=self._settings.rcvhwm)
         monitor = asyncio.create_task(self._monitor(sub), name=f"monitor {e.endpoint}")
         log.info("engine %s: %s %s (dialect %s, replay %s)", e.name, "bound" if e.bind else "connected to",
@@ -160,7 +171,7 @@ class EngineLane:
         stream = self._stream(msg.topic)
         batch = self._decode(stream, msg)
         if batch is not None:
-            await self._sequence(stream, msg.seq, batch)
+            await self._sequence(stream, msg.seq, batch, msg.payload)
 
     async def resync(self, pod: str) -> bool:
         """Operator's resync: clear the pod, replay the engine's history if it can, mark synced."""
@@ -168,17 +179,74 @@ class EngineLane:
             streams = [s for s in self.state.streams.values() if s.pod == pod]
             if not streams:
                 return False
-            self._index.clear_pod(pod)
+            self._resync_reset(pod, streams)
+            if self.journal is not None:
+                self.journal.resync(self.key, pod)
             for st in streams:
-                st.last_seq = None
-                st.expect_from = None  # without a replay, the next batch is the new baseline
                 if self.engine.replay:
                     await self._recover(st, self._first_seq, None)
                 self._mark_synced(st, "resync requested")
             return True
 
+    def _resync_reset(self, pod: str, streams: list[Stream]) -> None:
+        self._index.clear_pod(pod)
+        for st in streams:
+            st.last_seq = None
+            st.expect_from = None  # without a replay, the next batch is the new baseline
+
+    # -- restored state (snapshot, write-ahead log, peer) ----------------------------------------
+    def restore_streams(self, saved: list[dict[str, Any]]) -> None:
+        """Before ``run()``: seed streams with saved seq state (``topic``, ``last_seq``,
+        ``expect_from``, ``synced``, ``unsynced_reason`` and the counters); ``run()`` then asks
+        the replay endpoint for everything after each restored watermark before subscribing."""
+        for d in saved:
+            st = self._stream(str(d["topic"]))
+            for name in ("last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays", "restarts", "batches"):
+                if name in d:
+                    setattr(st, name, d[name])
+            self._restored.add(st.topic)
+
+    def apply_logged(self, topic: str, seq: int, payload: bytes) -> None:
+        """Re-apply a batch this lane applied before (write-ahead log replay, no network): the same
+        decode and apply; a seq that went back is the restart it was; a gap is the unsynced
+        stretch it was (the live lane could not fill it either)."""
+        st = self._stream(topic)
+        batch = self._decode(st, Frame(topic, seq, payload))
+        if batch is None:
+            return
+        if st.last_seq is not None and seq <= st.last_seq:
+            self._restarted(st, seq)
+        if st.last_seq is None:
+            if st.expect_from is not None and seq > st.expect_from:
+                self._mark_unsynced(st, "history_lost", st.expect_from, seq)
+        elif seq > st.last_seq + 1:
+            st.gaps += 1
+            self._mark_unsynced(st, "history_lost", st.last_seq + 1, seq)
+        self._apply(st, seq, batch, payload)
+
+    def resync_logged(self, pod: str) -> None:
+        """Re-apply an operator's resync from the write-ahead log (the batches it replayed follow)."""
+        streams = [s for s in self.state.streams.values() if s.pod == pod]
+        self._resync_reset(pod, streams)
+        for st in streams:
+            self._mark_synced(st, "resync requested")
+
+    async def _catch_up(self) -> None:
+        """Restored streams: apply the engine's batches after the watermark (history gone:
+        unsynced; seq gone back: the next live batch shows the restart)."""
+        restored, self._restored = self._restored, set()
+        if not self.engine.replay:
+            return
+        async with self._lock:
+            for topic in restored:
+                st = self.state.streams[topic]
+                if st.last_seq is not None:
+                    log.info("pod %s: restored at seq %d, asking %s for what followed", st.pod, st.last_seq,
+                             self.engine.replay)
+                    await self._recover(st, st.last_seq + 1, None)
+
     # -- seq -----------------------------------------------------------------------------------
-    async def _sequence(self, st: Stream, seq: int, batch: EventBatch) -> None:
+    async def _sequence(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
         if st.last_seq is not None and seq <= st.last_seq:
             if not batch.events:  # nothing usable: not evidence enough to drop a pod's state
                 self._reject(st.pod, "backward_seq_without_events", f"seq {seq} went back but carries no usable event")
@@ -192,7 +260,7 @@ class EngineLane:
             self._metrics.seq_gaps.labels(st.pod).inc()
             log.warning("pod %s: seq gap, expected %d got %d", st.pod, st.last_seq + 1, seq)
             await self._recover(st, st.last_seq + 1, seq)
-        self._apply(st, seq, batch)
+        self._apply(st, seq, batch, payload)
 
     def _restarted(self, st: Stream, seq: int) -> None:
         st.restarts += 1
@@ -227,7 +295,7 @@ class EngineLane:
             if batch is None:
                 broken = True
                 break
-            self._apply(st, frame.seq, batch)
+            self._apply(st, frame.seq, batch, frame.payload)
             expected += 1
         complete = not broken and (expected == stop if stop is not None else result.complete)
         self._metrics.replays.labels(st.pod, "ok" if complete else "history_lost").inc()
@@ -242,7 +310,7 @@ class EngineLane:
             self._reject(st.pod, exc.reason, f"undecodable payload (seq {frame.seq})")
             return None
 
-    def _apply(self, st: Stream, seq: int, batch: EventBatch) -> None:
+    def _apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
         rank = self.engine.dp_rank if self.engine.dp_rank is not None else batch.dp_rank
         for reason in batch.skipped:
             self._reject(st.pod, reason, "skipped an event or field")
@@ -257,6 +325,8 @@ class EngineLane:
         now = time.time()
         st.last_applied = now
         st.counters.lag.set(max(0.0, now - batch.ts))
+        if self.journal is not None:
+            self.journal.batch(self.key, st.topic, seq, payload)
 
     def _stream(self, topic: str) -> Stream:
         st = self.state.streams.get(topic)
@@ -293,14 +363,19 @@ class EngineLane:
 class Fleet:
     """Owns the lanes: starts, stops and lists them. The only place lane tasks live."""
 
-    def __init__(self, make_lane: Callable[[EngineConfig], EngineLane]) -> None:
+    def __init__(self, make_lane: Callable[[EngineConfig], EngineLane],
+                 on_add: Callable[[str, EngineLane], None] | None = None) -> None:
         self._make_lane = make_lane
+        self._on_add = on_add  # called before the lane's task starts (journal, restored streams)
         self._lanes: dict[str, tuple[EngineLane, asyncio.Task[None]]] = {}
 
     def add(self, key: str, engine: EngineConfig) -> EngineLane:
         if key in self._lanes:
             raise KeyError(key)
         lane = self._make_lane(engine)
+        lane.key = key
+        if self._on_add is not None:
+            self._on_add(key, lane)
         task = asyncio.create_task(self._run(lane), name=f"lane {key}")
         self._lanes[key] = (lane, task)
         return lane

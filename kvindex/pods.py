@@ -6,6 +6,7 @@ it from both indexes and the drift sample (the engine lane, if any, keeps runnin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvindex.approx import ApproxIndex
@@ -20,6 +21,7 @@ class PodDirectory:
         self._fleet = fleet
         self._index = index
         self._approx = approx
+        self.on_remove: Callable[[str], None] | None = None  # the write-ahead log
 
     def views(self) -> list[dict[str, Any]]:
         views: dict[str, dict[str, Any]] = {}
@@ -60,4 +62,6 @@ class PodDirectory:
         self._index.clear_pod(pod)
         self._approx.remove_pod(pod)
         self._drift.forget_pod(pod)
+        if self.on_remove is not None:
+            self.on_remove(pod)
         return known

@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -59,15 +60,24 @@ class Subscriber:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int) -> None:
         self.endpoint = endpoint
         self._sock = ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        # monitor before connecting, or an instant ipc/loopback connection is missed
-        self.monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        if bind:
-            self._sock.bind(endpoint)
-        else:
-            self._sock.connect(endpoint)
+        self.monitor: zmq.asyncio.Socket | None = None
+        try:
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+            # monitor before connecting, or an instant ipc/loopback connection is missed. A unique
+            # address: pyzmq's default names it after the socket's fd, which a closed socket's
+            # lingering inproc endpoint may still hold ("Address already in use" under churn)
+            self.monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+                addr=f"inproc://kvindex-monitor-{uuid.uuid4().hex}")
+            if bind:
+                self._sock.bind(endpoint)
+            else:
+                self._sock.connect(endpoint)
+        except BaseException:
+            self.close()
+            raise
 
     async def messages(self) -> AsyncIterator[Frame | Malformed]:
         """Every message, in order. After each wake-up the socket is drained without awaiting
@@ -86,7 +96,12 @@ class Subscriber:
                 await asyncio.sleep(0)
 
     def close(self) -> None:
-        self.monitor.close(linger=0)
+        if self.monitor is not None:
+            try:  # stop the monitor from the monitored side first, or libzmq may never reap either socket
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.monitor.close(linger=0)
         self._sock.close(linger=0)
 
 

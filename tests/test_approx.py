@@ -481,8 +481,8 @@ def test_gie_cache_salt_seeds_chain() -> None:
     assert len(plain) == len(salted) == 3 and plain[0] != salted[0]
     assert salted == gie_hashes("m", b"x" * 200, ApproxSettings.defaults(GIE_V1_5), "tenant-a")
     assert index.hash_request("m", {**body, "cache_salt": 5}) == plain
-    kthena = ApproxIndex(ApproxConfig())
-    assert kthena.hash_request("m", {**body, "cache_salt": "s"}) == kthena.hash_request("m", body)
+    kthena = ApproxIndex(ApproxConfig())  # kvindex's extension: Kthena's seed takes the salt too
+    assert kthena.hash_request("m", {**body, "cache_salt": "s"}) != kthena.hash_request("m", body)
 
 
 def test_gie_hash_truncation_and_block_rules() -> None:
@@ -734,3 +734,17 @@ def test_gie_and_kthena_stores_are_separate() -> None:
     assert not index.believes("p", "other-kthena-model", 1)
     assert index.score("g", [1, 2], ["p"]) == {"p": 1.0}
     assert index.score("k", [1, 2], ["p"]) == {"p": 100}
+
+
+@pytest.mark.parametrize("personality", ["kthena", "gie-v1.5"])
+def test_salted_tenants_never_match_each_other(personality: str) -> None:
+    index = ApproxIndex(ApproxConfig(ApproxSettings.defaults(personality), {}))
+    prompt = "x" * 300
+    body = {"model": "m", "prompt": prompt}
+    plain = index.hash_request("m", body)
+    salted = index.hash_request("m", {**body, "cache_salt": "tenant-a"})
+    other = index.hash_request("m", {**body, "cache_salt": "tenant-b"})
+    assert len({tuple(plain), tuple(salted), tuple(other)}) == 3
+    index.record("p", "m", salted)
+    assert index.match("m", other, ["p"]) == {"p": 0} and index.match("m", plain, ["p"]) == {"p": 0}
+    assert index.match("m", salted, ["p"])["p"] == len(salted)

@@ -1,0 +1,161 @@
+"""Snapshots: both indexes, every stream's seq watermark and the registrations, in one file.
+
+Format (also what ``GET /v1/state`` streams): ``[header length: u32 big-endian][header: msgpack
+map][body: msgpack map]``. The header is ``{"format": "kvindex-state", "version": 1, "created":
+<unix time>, "wal_from": <first write-ahead log segment not covered>, "body_len": n, "body_crc":
+<crc32 of the body>}``. The body::
+
+    {"precise": {"block_sizes": {model: n}, "entries": [[pod, dp_rank, medium, hash, key|nil, copies], ...]},
+     "approx": <ApproxIndex.export_state()>,
+     "streams": {lane_key: [{"topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason",
+                             "gaps", "replays", "restarts", "batches"}, ...]},
+     "registrations": [{"instance_id", "model", "group", "block_size", "dp_rank", "endpoint", "replay"}, ...]}
+
+Invariants:
+- ``decode`` refuses (``StateError``, one clear line) anything that is not a complete snapshot of a
+  version it knows: foreign bytes, a future version, a truncated or corrupted body. Nothing is
+  loaded from a refused snapshot; the caller starts empty.
+- ``write_atomic`` writes a temp file in the same directory, fsyncs it, renames it over the old
+  snapshot and fsyncs the directory: a reader sees the old snapshot or the new one, never half.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvindex.precise import Entry
+
+FORMAT = "kvindex-state"
+VERSION = 1
+SNAPSHOT_NAME = "state.snap"
+STREAM_FIELDS = ("topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays",
+                 "restarts", "batches")
+
+
+class StateError(ValueError):
+    """A snapshot that cannot be used; the message says why in one line."""
+
+
+@dataclass(slots=True)
+class State:
+    block_sizes: dict[str, int] = field(default_factory=dict)
+    entries: list[Entry] = field(default_factory=list)
+    approx: dict[str, Any] = field(default_factory=dict)
+    streams: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    registrations: list[dict[str, Any]] = field(default_factory=list)
+    wal_from: int = 0
+    created: float = 0.0
+
+
+def stream_state(st: Any) -> dict[str, Any]:
+    """The saved part of an ``ingest.Stream``."""
+    return {name: getattr(st, name) for name in STREAM_FIELDS}
+
+
+def encode(state: State) -> bytes:
+    body = msgpack.packb({
+        "precise": {"block_sizes": state.block_sizes, "entries": [list(e) for e in state.entries]},
+        "approx": state.approx,
+        "streams": state.streams,
+        "registrations": state.registrations,
+    }, use_bin_type=True)
+    header = msgpack.packb({"format": FORMAT, "version": VERSION, "created": state.created or time.time(),
+                            "wal_from": state.wal_from, "body_len": len(body), "body_crc": zlib.crc32(body)})
+    return len(header).to_bytes(4, "big") + header + body
+
+
+def read_header(data: bytes) -> tuple[dict[str, Any], int]:
+    """The header and the body's offset; ``StateError`` unless this is a kvindex snapshot we can read."""
+    if len(data) < 4:
+        raise StateError(f"not a kvindex snapshot ({len(data)} bytes)")
+    n = int.from_bytes(data[:4], "big")
+    if n > 4096 or len(data) < 4 + n:
+        raise StateError("not a kvindex snapshot (no valid header)")
+    try:
+        header = msgpack.unpackb(data[4:4 + n], raw=False)
+    except Exception:
+        raise StateError("not a kvindex snapshot (header is not msgpack)") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise StateError(f"not a kvindex snapshot (format {header.get('format') if isinstance(header, dict) else None!r})")
+    version = header.get("version")
+    if version != VERSION:
+        raise StateError(f"snapshot version {version!r} is not supported (this kvindex reads version {VERSION})")
+    for k in ("body_len", "body_crc", "wal_from"):
+        if type(header.get(k)) is not int:
+            raise StateError(f"snapshot header lacks {k}")
+    return header, 4 + n
+
+
+def decode(data: bytes) -> State:
+    header, at = read_header(data)
+    body_bytes = data[at:]
+    if len(body_bytes) != header["body_len"]:
+        raise StateError(f"snapshot is truncated or padded: body has {len(body_bytes)} bytes, header says "
+                         f"{header['body_len']}")
+    if zlib.crc32(body_bytes) != header["body_crc"]:
+        raise StateError("snapshot body fails its CRC (corrupted)")
+    try:
+        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False)
+        precise = body["precise"]
+        entries = [_entry(e) for e in precise["entries"]]
+        block_sizes = {str(m): int(n) for m, n in precise["block_sizes"].items()}
+        approx = body["approx"]
+        streams = {str(k): [_stream(d) for d in v] for k, v in body["streams"].items()}
+        regs = [dict(r) for r in body["registrations"]]
+        if not isinstance(approx, dict):
+            raise TypeError("approx")
+    except StateError:
+        raise
+    except Exception as exc:
+        raise StateError(f"snapshot body is malformed: {type(exc).__name__}: {exc}") from None
+    return State(block_sizes, entries, approx, streams, regs, header["wal_from"], float(header.get("created", 0)))
+
+
+def _entry(e: Any) -> Entry:
+    pod, rank, medium, h, key, copies = e
+    if not (isinstance(pod, str) and isinstance(medium, str) and type(rank) is int and type(h) is int
+            and (key is None or type(key) is int) and type(copies) is int and copies >= 1):
+        raise StateError(f"snapshot entry {e!r} is malformed")
+    return Entry(pod, rank, medium, h, key, copies)
+
+
+def _stream(d: Any) -> dict[str, Any]:
+    if not isinstance(d, dict) or not isinstance(d.get("topic"), str):
+        raise StateError("snapshot stream without a topic")
+    return {k: d[k] for k in STREAM_FIELDS if k in d}
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_file(path: Path) -> State | None:
+    """The snapshot at ``path``; None when there is none; ``StateError`` when it cannot be used."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StateError(f"cannot read {path}: {exc.strerror}") from None
+    return decode(data)
