@@ -24,7 +24,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BLOCK_SIZE, MODEL, Workload  # noqa: E402
+from common import BLOCK_SIZE, MODEL  # noqa: E402
 from e2e import Publisher, http_client_async  # noqa: E402
 
 from kvindex.workload import read_messages  # noqa: E402

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import pytest
 
 from kvindex.config import Config
 from kvindex.keys import local_hashes

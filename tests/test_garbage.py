@@ -319,7 +319,7 @@ async def test_bad_events_in_a_good_batch_are_skipped_and_counted(loaded: Fixtur
 
 @pytest.mark.parametrize("event", [{"type": "BlockUpdated"}, 42, {"type": "BlockStored", "block_hashes": ["x"]}])
 async def test_unusable_batch_at_a_restart_seq_keeps_state(loaded: Fixture, event: Any) -> None:
-    f, h = loaded, loaded.h
+    f = loaded
     before = f.state()
     await f.send([TOPIC, seq8(0), msgpack.packb([1.7e9, [event], 0])])
     await f.settle()

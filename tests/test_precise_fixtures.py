@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from kvindex.record import Captured, load_capture
-from tests.conftest import FIXTURES, engine_config, ipc_endpoint, wait_for
+from tests.conftest import FIXTURES, engine_config, ipc_endpoint
 from kvindex.config import Config
 
 CAPTURES = ["small", "small_bytes_hashes", "reset_restart", "two_engines"]

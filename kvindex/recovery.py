@@ -1,0 +1,281 @@
+"""State that outlives the process: snapshots, the write-ahead log, peers, recovery on start.
+
+Invariants:
+- Before any lane starts, ``restore()`` loads the local snapshot (or, with no local state, a
+  peer's ``/v1/state``) and re-applies the write-ahead log through lanes that are not running yet,
+  using the lanes' own decode-and-apply path: the state is exactly what it was at the last logged
+  batch, even after SIGKILL. A corrupt, foreign or future snapshot is refused (kept aside) and
+  kvindex starts empty rather than wrong.
+- From then on everything that changes either index is logged (engine batches, resyncs,
+  decisions, pod removals, registrations); ``snapshot()`` captures without awaiting (consistent
+  with the log), starts a new log segment and drops the segments it covers.
+- Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
+  engine's replay endpoint for what followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvindex import compat_api
+from kvindex import state as snapshots
+from kvindex.approx import ApproxIndex
+from kvindex.config import Config, EngineConfig
+from kvindex.ingest import EngineLane, Fleet
+from kvindex.pods import PodDirectory
+from kvindex.precise import PreciseIndex
+from kvindex.state import State, StateError
+from kvindex.wal import WriteAheadLog, fsync_and_close, read_from
+
+log = logging.getLogger("kvindex.recovery")
+_NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
+_REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be used
+
+
+class Recovery:
+    """Snapshots and the write-ahead log of one daemon; inert without a state dir or a peer."""
+
+    def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: Fleet,
+                 pods: PodDirectory, registrations: compat_api.Registrations,
+                 make_lane: Callable[[EngineConfig], EngineLane], token: str | None) -> None:
+        self.config = config
+        self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
+        self.registrations = registrations
+        self._make_lane = make_lane
+        self._token = token
+        self._snapshot_lock = asyncio.Lock()
+        self.wal: WriteAheadLog | None = None
+        self._restored_streams: dict[str, list[dict[str, Any]]] = {}
+        self.restored_from: str | None = None  # "state-dir", "peer" or None (started empty)
+
+    @property
+    def state_dir(self) -> Path | None:
+        return self.config.state_dir
+
+    def _capture(self) -> State:
+        """Everything a snapshot holds, copied now (no await: consistent with the log)."""
+        streams = {key: [snapshots.stream_state(st) for st in lane.state.streams.values()]
+                   for key, lane in self.fleet.lanes().items()}
+        return State(block_sizes=self.index.block_sizes(), entries=list(self.index.export_entries()),
+                     approx=self.approx.export_state(), streams=streams,
+                     registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
+
+    async def state_bytes(self) -> bytes:
+        """The snapshot format, for ``GET /v1/state`` (peer recovery)."""
+        state = self._capture()
+        return await asyncio.to_thread(snapshots.encode, state)
+
+    async def snapshot(self) -> None:
+        """Write a snapshot, start a new log segment, drop the segments it covers."""
+        if self.config.state_dir is None or self.wal is None:
+            return
+        async with self._snapshot_lock:
+            state = self._capture()
+            state.wal_from = self.wal.rotate()
+            data = await asyncio.to_thread(snapshots.encode, state)
+            await asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME, data)
+            self.wal.drop_before(state.wal_from)
+            log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", len(state.entries),
+                     self.approx.entries(), len(data))
+
+    async def snapshot_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.snapshot_seconds)
+            try:
+                await self.snapshot()
+            except Exception as exc:  # the timer must outlive a failed snapshot (disk full, ...)
+                log.error("snapshot failed: %s: %s (the write-ahead log keeps everything)", type(exc).__name__, exc)
+
+    async def fsync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            fd = self.wal.begin_sync() if self.wal is not None else None
+            if fd is not None:
+                try:
+                    await asyncio.to_thread(fsync_and_close, fd)
+                except OSError as exc:
+                    log.error("write-ahead log fsync failed: %s", exc)
+
+    def _load_local(self) -> State | None:
+        d = self.config.state_dir
+        assert d is not None
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / snapshots.SNAPSHOT_NAME
+        try:
+            st = snapshots.read_file(path)
+        except StateError as exc:
+            aside = path.with_name(f"{path.name}.refused-{int(time.time())}")
+            path.rename(aside)
+            log.error("state: refusing snapshot %s: %s; starting EMPTY (the file is kept as %s, its write-ahead "
+                      "log is not replayed)%s", path, exc, aside.name, "; trying the peer" if self.config.peer else "")
+            return _REFUSED
+        return st
+
+    async def _load_peer(self, url: str) -> State | None:
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+                async with session.get(url.rstrip("/") + "/v1/state", headers=headers) as r:
+                    if r.status != 200:
+                        raise StateError(f"answered HTTP {r.status}: {(await r.text())[:200]}")
+                    data = await r.read()
+            return snapshots.decode(data)
+        except (aiohttp.ClientError, TimeoutError, OSError, StateError) as exc:
+            log.error("peer %s: cannot load its state (%s: %s); starting empty", url, type(exc).__name__, exc)
+            return None
+
+    def _install(self, st: State) -> None:
+        for model, n in st.block_sizes.items():
+            self.index.set_block_size(model, n)
+        self.index.load_entries(st.entries)
+        try:
+            self.approx.load_state(st.approx)
+        except ValueError as exc:
+            log.error("state: approximate index not restored: %s", exc)
+        for d in st.registrations:
+            try:
+                self.registrations.add(compat_api.Registration.from_json(d))
+            except ValueError as exc:
+                log.error("state: %s", exc)
+        self._restored_streams = {k: list(v) for k, v in st.streams.items()}
+
+    def _engine_for(self, key: str) -> EngineConfig | None:
+        for engine in self.config.engines:
+            if key == f"config:{engine.name}":
+                return engine
+        for reg in self.registrations.by_key.values():
+            if reg.lane_key == key:
+                return reg.engine
+        return None
+
+    def _replay_log(self, first: int) -> int:
+        """Re-apply the write-ahead log's records through lanes that are not running yet."""
+        assert self.config.state_dir is not None
+        lanes: dict[str, EngineLane] = {}
+        n = skipped = 0
+        for rec in read_from(self.config.state_dir, first):
+            try:
+                applied = self._replay_record(rec, lanes)
+            except (IndexError, TypeError, ValueError, KeyError) as exc:
+                applied = False
+                log.warning("write-ahead log: skipping a malformed record: %s", exc)
+            n += applied
+            skipped += not applied
+        for key, lane in lanes.items():
+            self._restored_streams[key] = [snapshots.stream_state(st) for st in lane.state.streams.values()]
+        if n or skipped:
+            log.info("write-ahead log: re-applied %d records (%d skipped)", n, skipped)
+        return n
+
+    def _replay_record(self, rec: list[Any], lanes: dict[str, EngineLane]) -> bool:
+        """One record: b(atch), r(esync), d(ecision), x (pod removed), g (registration)."""
+        kind = rec[0]
+        if kind in ("b", "r"):
+            lane = lanes.get(rec[1]) or self._replay_lane(rec[1], lanes)
+            if lane is None:
+                return False
+            if kind == "b":
+                lane.apply_logged(rec[2], rec[3], rec[4])
+            else:
+                lane.resync_logged(rec[2])
+        elif kind == "d":
+            self.approx.record(rec[1], rec[2], rec[3])
+        elif kind == "x":
+            self.index.clear_pod(rec[1])
+            self.approx.remove_pod(rec[1])
+        elif kind == "g":
+            self._replay_registration(rec[1], compat_api.Registration.from_json(rec[2]), lanes)
+        else:
+            return False
+        return True
+
+    def _replay_lane(self, key: str, lanes: dict[str, EngineLane]) -> EngineLane | None:
+        engine = self._engine_for(key)
+        if engine is None:
+            return None
+        lane = lanes[key] = self._make_lane(engine)
+        lane.key = key
+        lane.restore_streams(self._restored_streams.get(key, []))
+        return lane
+
+    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, EngineLane]) -> None:
+        if kind == "add":
+            self.registrations.add(reg)
+        elif (reg.instance_id, reg.dp_rank) in self.registrations.by_key:
+            self.registrations.remove(reg)
+            self.index.clear_pod(reg.instance_id, reg.dp_rank)
+            self._restored_streams.pop(reg.lane_key, None)
+            lanes.pop(reg.lane_key, None)
+
+    async def restore(self) -> None:
+        """Local state first (snapshot + log); else the peer's; else empty."""
+        st: State | None = None
+        refused = False
+        if self.config.state_dir is not None:
+            st = self._load_local()
+            refused = st is _REFUSED
+            if refused:
+                st = None
+            elif st is not None:
+                self.restored_from = "state-dir"
+        local_log = (self.config.state_dir is not None and st is None and not refused
+                     and any(True for _ in read_from(self.config.state_dir, 0)))
+        if st is None and not local_log and self.config.peer:
+            st = await self._load_peer(self.config.peer)
+            if st is not None:
+                self.restored_from = "peer"
+                st.wal_from = _NO_LOG  # the peer's log is not ours
+        if st is not None:
+            self._install(st)
+        if self.config.state_dir is not None:
+            first = st.wal_from if st is not None else _NO_LOG if refused else 0
+            if self._replay_log(first) and self.restored_from is None:
+                self.restored_from = "state-dir"
+            self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync)
+            self._journal_on()
+            await self.snapshot()
+        if self.restored_from:
+            log.info("state restored from %s: %d pods, %d approximate entries", self.restored_from,
+                     len(self.index.pods()), self.approx.entries())
+
+    def _journal_on(self) -> None:
+        wal = self.wal
+        assert wal is not None
+        self.approx.on_record = lambda pod, model, hashes: wal.append(["d", pod, model, list(hashes)])
+        self.pods.on_remove = lambda pod: wal.append(["x", pod])
+        self.registrations.on_change = lambda kind, reg: wal.append(["g", kind, reg.to_json()])
+
+    def lane_added(self, key: str, lane: EngineLane) -> None:
+        saved = self._restored_streams.pop(key, None)
+        if saved:
+            lane.restore_streams(saved)
+        if self.wal is not None:
+            lane.journal = _LaneJournal(self.wal)
+
+    def close(self) -> None:
+        """After the lanes stopped: what they applied after the last snapshot is in the log."""
+        if self.wal is not None:
+            self.wal.close()
+            self.wal = None
+
+
+class _LaneJournal:
+    """What a lane logs: applied batches and operator resyncs."""
+
+    __slots__ = ("_wal",)
+
+    def __init__(self, wal: WriteAheadLog) -> None:
+        self._wal = wal
+
+    def batch(self, key: str, topic: str, seq: int, payload: bytes) -> None:
+        self._wal.append(["b", key, topic, seq, payload])
+
+    def resync(self, key: str, pod: str) -> None:
+        self._wal.append(["r", key, pod])
