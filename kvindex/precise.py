@@ -316,10 +316,13 @@ class PreciseIndex:
 
     def export_entries(self) -> Iterator[Entry]:
         """Every held engine hash: (pod, dp_rank, medium, hash, key or None, copies)."""
-        for (pod, rank), w in self._workers.items():
-            for medium, blocks in w.media.items():
-                for h, key in blocks.items():
-                    yield Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + w.extra.get((medium, h), 0))
+        return entries_of(self.frozen_copy())
+
+    def frozen_copy(self) -> list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]:
+        """A point-in-time copy of every worker's maps: C-level dict copies, fast enough for the
+        event loop; ``entries_of`` turns it into entries anywhere (e.g. in a thread)."""
+        return [(w.pod, w.rank, medium, blocks.copy(), w.extra.copy())
+                for w in self._workers.values() for medium, blocks in w.media.items()]
 
     def load_entries(self, entries: Iterable[Entry]) -> int:
         """Add exported entries (to an index that does not hold them yet); returns how many."""
@@ -385,6 +388,12 @@ class PreciseIndex:
                 prev.dp[w.rank] = g
                 out[w.pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), prev.dp)
         return out
+
+
+def entries_of(copy: list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]) -> Iterator[Entry]:
+    for pod, rank, medium, blocks, extra in copy:
+        for h, key in blocks.items():
+            yield Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0))
 
 
 def _walk(keys: Sequence[int], gpu: dict[int, int], others: list[dict[int, int]] | None, allowed: int) -> dict[int, int]:
