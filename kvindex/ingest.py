@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from kvindex.precise import Applied, PreciseIndex
 from kvindex.transport import Malformed, ReplayError, Subscriber, fetch_replay
 
 log = logging.getLogger("kvindex.ingest")
+MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
 
 
 class StreamCounters:
@@ -78,6 +80,9 @@ class Stream:
     restarts: int = 0
     batches: int = 0
     last_applied: float | None = None  # wall clock
+    ranks: set[int] = field(default_factory=set)  # dp ranks this stream's batches carried
+    replayed: dict[int, int] = field(default_factory=dict)  # seq -> CRC of batches a replay applied
+                                                             # ahead of the live socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,10 +173,16 @@ class EngineLane:
         if isinstance(msg, Malformed):
             self._reject(self.engine.name, msg.reason, "malformed message")
             return
-        stream = self._stream(msg.topic)
-        batch = self._decode(stream, msg)
-        if batch is not None:
-            await self._sequence(stream, msg.seq, batch, msg.payload)
+        stream = self.state.streams.get(msg.topic)
+        batch = self._decode(stream.pod if stream else self.engine.name, msg)
+        if batch is None:
+            return  # garbage creates no stream, no pod, no metric series
+        if stream is None:
+            if len(self.state.streams) >= MAX_TOPICS:
+                self._reject(self.engine.name, "too_many_topics", f"more than {MAX_TOPICS} topics on one publisher")
+                return
+            stream = self._stream(msg.topic)
+        await self._sequence(stream, msg.seq, batch, msg.payload)
 
     async def resync(self, pod: str) -> bool:
         """Operator's resync: clear the pod, replay the engine's history if it can, mark synced."""
@@ -188,9 +199,18 @@ class EngineLane:
                 self._mark_synced(st, "resync requested")
             return True
 
+    def _clear_stream(self, st: Stream) -> None:
+        """Forget the blocks of the dp ranks this stream feeds (other ranks have their own streams);
+        a stream that has not applied a batch since it was restored clears the whole pod."""
+        if not st.ranks:
+            self._index.clear_pod(st.pod)
+        for rank in st.ranks:
+            self._index.clear_pod(st.pod, rank)
+        st.replayed.clear()
+
     def _resync_reset(self, pod: str, streams: list[Stream]) -> None:
-        self._index.clear_pod(pod)
         for st in streams:
+            self._clear_stream(st)
             st.last_seq = None
             st.expect_from = None  # without a replay, the next batch is the new baseline
 
@@ -211,7 +231,7 @@ class EngineLane:
         decode and apply; a seq that went back is the restart it was; a gap is the unsynced
         stretch it was (the live lane could not fill it either)."""
         st = self._stream(topic)
-        batch = self._decode(st, Frame(topic, seq, payload))
+        batch = self._decode(st.pod, Frame(topic, seq, payload))
         if batch is None:
             return
         if st.last_seq is not None and seq <= st.last_seq:
@@ -247,6 +267,11 @@ class EngineLane:
 
     # -- seq -----------------------------------------------------------------------------------
     async def _sequence(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
+        if st.replayed:
+            if st.replayed.get(seq) == zlib.crc32(payload):
+                return  # already applied from the replay that ran ahead of the socket
+            if st.last_seq is not None and seq > st.last_seq:
+                st.replayed.clear()  # live again
         if st.last_seq is not None and seq <= st.last_seq:
             if not batch.events:  # nothing usable: not evidence enough to drop a pod's state
                 self._reject(st.pod, "backward_seq_without_events", f"seq {seq} went back but carries no usable event")
@@ -267,7 +292,7 @@ class EngineLane:
         self._metrics.restarts.labels(st.pod).inc()
         log.warning("pod %s: seq went back from %d to %d: engine restarted, clearing its blocks",
                     st.pod, st.last_seq, seq)
-        self._index.clear_pod(st.pod)
+        self._clear_stream(st)
         st.last_seq = None
         st.expect_from = self._first_seq
         self._mark_synced(st, "engine restarted")
@@ -291,11 +316,13 @@ class EngineLane:
                 continue
             if stop is not None and frame.seq >= stop:
                 break
-            batch = self._decode(st, frame) if frame.seq == expected else None
+            batch = self._decode(st.pod, frame) if frame.seq == expected else None
             if batch is None:
                 broken = True
                 break
             self._apply(st, frame.seq, batch, frame.payload)
+            if stop is None:  # ahead of the live socket: its copies of these batches are duplicates
+                st.replayed[frame.seq] = zlib.crc32(frame.payload)
             expected += 1
         complete = not broken and (expected == stop if stop is not None else result.complete)
         self._metrics.replays.labels(st.pod, "ok" if complete else "history_lost").inc()
@@ -303,15 +330,16 @@ class EngineLane:
             self._mark_unsynced(st, "history_lost", expected, stop)
 
     # -- applying ------------------------------------------------------------------------------
-    def _decode(self, st: Stream, frame: Frame) -> EventBatch | None:
+    def _decode(self, label: str, frame: Frame) -> EventBatch | None:
         try:
             return self._decoder.decode(frame.payload)
         except DecodeError as exc:
-            self._reject(st.pod, exc.reason, f"undecodable payload (seq {frame.seq})")
+            self._reject(label, exc.reason, f"undecodable payload (seq {frame.seq})")
             return None
 
     def _apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
         rank = self.engine.dp_rank if self.engine.dp_rank is not None else batch.dp_rank
+        st.ranks.add(rank)
         for reason in batch.skipped:
             self._reject(st.pod, reason, "skipped an event or field")
         done = self._index.apply_batch(st.pod, st.model, rank, batch.events)

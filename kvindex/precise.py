@@ -47,6 +47,9 @@ class _Worker:
         self.extra: dict[tuple[str, int], int] = {}
         self.orphans = 0
 
+    def empty(self) -> bool:
+        return not self.extra and not any(self.media.values())
+
     def key_of(self, h: int) -> int | None:
         """The key of engine hash ``h`` in any medium; None if unknown or keyless."""
         key = self.media[GPU].get(h)
@@ -116,19 +119,25 @@ class PreciseIndex:
     def apply_batch(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> Applied:
         """Apply one engine batch in order; one worker lookup, one result for the batch."""
         done = Applied()
-        w: _Worker | None = None
+        w = self._workers.get((pod, dp_rank))
         for ev in events:
             t = type(ev)
             if t is BlockRemoved:
-                self._remove(w or (w := self._worker(pod, dp_rank)), ev, done)  # type: ignore[arg-type]
+                if w is None:  # nothing held: every removal is of an unknown hash
+                    done.removed_events += 1
+                    done.unknown_removals += len(ev.block_hashes)  # type: ignore[union-attr]
+                else:
+                    self._remove(w, ev, done)  # type: ignore[arg-type]
             elif t is BlockStored:
                 self._store(w or (w := self._worker(pod, dp_rank)), model, ev, done)  # type: ignore[arg-type]
-            elif t is AllBlocksCleared:
-                self.clear_pod(pod)
+            elif t is AllBlocksCleared:  # one rank's cache (each dp rank publishes its own stream)
+                self.clear_pod(pod, dp_rank)
                 done.cleared += 1
                 w = None
             else:
                 raise TypeError(f"not a KV event: {t.__name__}")
+        if w is not None and w.empty():
+            self.clear_pod(pod, dp_rank)  # frees its slot: an empty worker costs nothing
         return done
 
     def _worker(self, pod: str, dp_rank: int) -> _Worker:

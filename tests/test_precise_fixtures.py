@@ -233,3 +233,35 @@ async def test_history_gone_marks_unsynced_then_allblockscleared_resyncs(make_ha
     await engine.publish(captured[first_clear].frames)
     await h.wait_seq(pod, int.from_bytes(captured[first_clear].frames[1], "big"))
     assert h.stream(pod).synced is True
+
+
+async def test_live_copies_of_batches_a_resync_replayed_are_not_a_restart(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    captured = load_capture(FIXTURES / "small" / "events.jsonl")
+    engine, h = await start(make_harness, make_engine, tmp_path)
+    pod = "127.0.0.1:8000"
+    for c in captured[:5]:
+        await engine.publish(c.frames)
+    await h.wait_seq(pod, 4)
+    await engine.publish(captured[5].frames, replay_only=True)  # the engine has it; the socket has not delivered it
+    status, _ = await h.post(f"/v1/pods/{pod}/resync", {})
+    assert status == 200 and h.stream(pod).last_seq == 5
+    for c in captured[5:]:  # the live socket delivers 5 late, then the rest
+        await engine.publish(c.frames)
+    await h.wait_seq(pod, 17)
+    st = h.stream(pod)
+    assert st.restarts == 0 and st.synced
+    expected = independent_holdings(captured)[pod]
+    assert h.daemon.index.blocks_held(pod)["gpu"] == sum(expected.values())
+
+
+async def test_garbage_on_new_topics_creates_no_pod(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    engine, h = await start(make_harness, make_engine, tmp_path)
+    for i in range(50):
+        await engine.publish([f"kv@junk{i}@m".encode(), (i).to_bytes(8, "big"), b"\xc1garbage"])
+    captured = load_capture(FIXTURES / "small" / "events.jsonl")
+    await engine.publish(captured[0].frames)
+    await h.wait_seq("127.0.0.1:8000", 0)
+    status, pods = await h.get("/v1/pods")
+    assert [p["pod"] for p in pods["pods"]] == ["127.0.0.1:8000"]
+    status, metrics = await h.get("/metrics")
+    assert b"junk" not in metrics

@@ -80,14 +80,16 @@ def test_block_size_mismatch_is_an_orphan(idx: PreciseIndex) -> None:
     assert done.block_size_mismatch and done.orphans == 1
 
 
-def test_all_blocks_cleared_clears_every_rank_and_medium(idx: PreciseIndex) -> None:
+def test_all_blocks_cleared_clears_every_medium_of_its_rank(idx: PreciseIndex) -> None:
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 1, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
     idx.apply("b", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, AllBlocksCleared())
+    assert idx.match(keys_of(TOKENS))["a"].dp == {1: 1}
+    assert idx.blocks_held("a") == {"gpu": 1, "cpu": 0, "disk": 0, "orphans": 0}
+    idx.clear_pod("a")
     assert idx.match(keys_of(TOKENS)).keys() == {"b"}
-    assert idx.blocks_held("a") == {"gpu": 0, "cpu": 0, "disk": 0, "orphans": 0}
 
 
 def test_dp_ranks_reported_separately(idx: PreciseIndex) -> None:
@@ -150,3 +152,14 @@ def test_export_and_load_reproduce_the_index(idx: PreciseIndex) -> None:
     copy.apply("a", "m", 0, BlockRemoved((1,)))
     copy.apply("a", "m", 0, BlockRemoved((1,)))
     assert depth(copy, "a", ks) == 0
+
+
+def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: PreciseIndex) -> None:
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("a", "m", 1, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("a", "m", 1, AllBlocksCleared())
+    assert idx.match(keys_of(TOKENS))["a"].dp == {0: 2}
+    idx.apply("a", "m", 7, BlockRemoved((5,)))  # removals for a rank that holds nothing create nothing
+    idx.apply("a", "m", 0, BlockRemoved((1,)))
+    idx.apply("a", "m", 0, BlockRemoved((2,)))
+    assert idx.pods() == [] and idx._slots == [None, None]
