@@ -158,7 +158,7 @@ class VllmDecoder:
                 hashes = _plain_hashes(w.block_hashes)
                 if not hashes:
                     return None
-                here = (w.medium.upper() if w.medium else GPU, w.group_idx or 0)
+                here = (_medium(w.medium), w.group_idx or 0)
                 if removed and here != where:
                     events.append(BlockRemoved(tuple(removed), *where))
                     removed = []
@@ -268,7 +268,7 @@ def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
         parent_hash=parent or None,
         token_ids=tokens,
         block_size=w.block_size,
-        medium=w.medium.upper() if w.medium else GPU,
+        medium=_medium(w.medium),
         lora_name=w.lora_name,
         cache_salt=_cache_salt(extra, w.lora_name) if extra else None,
         group_idx=w.group_idx or 0,
@@ -321,7 +321,8 @@ def _tokens(value: Any, skipped: list[str]) -> array:
 
 
 def _medium(value: Any) -> str:
-    if value is None:
+    """Upper-cased medium; nil or "" is the device tier (both decoder paths use this)."""
+    if value is None or value == "":
         return GPU
     if not isinstance(value, str) or not value:
         raise _Skip("bad_medium")

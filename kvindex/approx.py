@@ -448,6 +448,15 @@ class ApproxIndex:
             found = self._kthena.match(model, hashes, set(candidates), top_k)
         return {pod: found.get(pod, 0) for pod in candidates}
 
+    def depth(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        """Each pod's matched blocks with no top-k cut-off: what the index believes of every pod
+        (the drift audit's question), not what the router's lookup returns."""
+        candidates = list(dict.fromkeys(pods))
+        if self._is_gie(model):
+            return self.match(model, hashes, candidates)
+        found = self._kthena.match(model, hashes, set(candidates), max(len(candidates), 1))
+        return {pod: found.get(pod, 0) for pod in candidates}
+
     def score(
         self, model: str, hashes: Sequence[int], pods: Iterable[str]
     ) -> dict[str, int | float]:

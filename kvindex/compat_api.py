@@ -119,8 +119,8 @@ async def register(request: web.Request) -> web.Response:
     if (iid, dp_rank) in regs.by_key:
         raise ApiError(f"instance {iid} dp_rank {dp_rank} is already registered", field="instance_id",
                        status=409, reason="duplicate")
-    fixed = regs.block_sizes.get((model, group))
-    if fixed is not None and fixed != block_size:
+    fixed = regs.block_sizes.get((model, group)) or services(request).query.index.block_size(model)
+    if fixed is not None and fixed != block_size:  # one block size per model: keys are chunked by it
         raise ApiError(f"block_size {block_size} differs from {fixed}, fixed by the first registration of "
                        f"{model}:{group}", field="block_size", reason="block_size_mismatch")
     try:
@@ -179,9 +179,17 @@ async def workers(request: web.Request) -> web.Response:
 
 
 def _candidates(request: web.Request, model: str, group: str | None) -> list[str] | None:
-    if group is None or group == DEFAULT_GROUP:
+    """The pods a query may answer with: its routing group's (one index per (model, group), as
+    Dynamo keeps). The default group also holds every engine not registered through /register."""
+    regs = request.app[REGISTRATIONS]
+    group = group or DEFAULT_GROUP
+    if group != DEFAULT_GROUP:
+        return sorted({r.instance_id for r in regs.matching(model=model, group=group)})
+    elsewhere = {r.instance_id for r in regs.by_key.values() if r.group != DEFAULT_GROUP}
+    if not elsewhere:
         return None
-    return sorted({r.instance_id for r in request.app[REGISTRATIONS].matching(model=model, group=group)})
+    inside = {r.instance_id for r in regs.by_key.values() if r.group == DEFAULT_GROUP}
+    return sorted((set(services(request).query.index.pods()) - elsewhere) | inside)
 
 
 def _scores(answer: PreciseAnswer) -> dict[str, Any]:

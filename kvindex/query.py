@@ -166,11 +166,16 @@ class QueryService:
         if tokenizer is None:
             return None
         try:
-            return await tokenizer.tokenize(model, body)
+            tokens = await tokenizer.tokenize(model, body)
         except ValueError as exc:
             raise QueryError(str(exc), field="request", reason="untokenizable") from None
         except Exception as exc:  # an engine's /tokenize may be down: say so, don't crash
             raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
+                             reason="tokenizer_unavailable") from None
+        try:  # an engine's answer is input too: same limits as a caller's token_ids
+            return self.check_token_ids(list(tokens))
+        except QueryError as exc:
+            raise QueryError(f"tokenizer for {model!r} answered badly: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
 
     def check_token_ids(self, value: Any) -> array:

@@ -748,3 +748,13 @@ def test_salted_tenants_never_match_each_other(personality: str) -> None:
     index.record("p", "m", salted)
     assert index.match("m", other, ["p"]) == {"p": 0} and index.match("m", plain, ["p"]) == {"p": 0}
     assert index.match("m", salted, ["p"])["p"] == len(salted)
+
+
+def test_depth_has_no_top_k_cut_off() -> None:
+    index = ApproxIndex(ApproxConfig())
+    hashes = index.hash_request("m", {"model": "m", "prompt": "y" * 500})
+    pods = [f"p{i}" for i in range(8)]
+    for p in pods:
+        index.record(p, "m", hashes)
+    assert sum(1 for n in index.match("m", hashes, pods).values() if n) == 5  # Kthena's topKMatches
+    assert index.depth("m", hashes, pods) == {p: len(hashes) for p in pods}

@@ -227,8 +227,8 @@ async def _two_groups(make_harness: Any, make_engine: Any, tmp_path: Path) -> tu
     assert q["instances"]["1"]["longest_matched"] == 12 and q["frequencies"] == [2, 2, 1]
     status, q = await h.post("/query", {"token_ids": tokens, "model_name": MODEL, "routing_group": "g2"})
     assert q["scores"] == {"2": {"0": 12}}
-    status, q = await h.post("/query", {"token_ids": tokens, "model_name": MODEL})
-    assert q["scores"] == {"1": {"0": 12, "1": 8}, "2": {"0": 12}} and q["frequencies"] == [3, 3, 2]
+    status, q = await h.post("/query", {"token_ids": tokens, "model_name": MODEL})  # the "default" group:
+    assert q["scores"] == {} and q["frequencies"] == []  # one index per (model, group), as in Dynamo
     status, got = await h.post("/unregister", {"instance_id": 1, "model_name": MODEL, "dp_rank": 0})
     assert status == 200, got
     ws = {str(w["instance_id"]): w for w in await workers(h)}
