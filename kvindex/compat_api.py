@@ -77,6 +77,8 @@ class Registrations:
 
     def remove(self, reg: Registration) -> None:
         del self.by_key[(reg.instance_id, reg.dp_rank)]
+        if not self.matching(model=reg.model, group=reg.group):
+            self.block_sizes.pop((reg.model, reg.group), None)  # the next registration fixes it again
         if self.on_change is not None:
             self.on_change("remove", reg)
 
