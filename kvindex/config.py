@@ -81,6 +81,7 @@ class Config:
     max_token_ids: int = 1 << 20
     replay_timeout: float = 2.0
     rcvhwm: int = 1_000_000
+    max_message_bytes: int = 64 << 20  # ZeroMQ MAXMSGSIZE of the SUB and replay sockets ([server] max_message_bytes)
     state_dir: Path | None = None  # snapshots + write-ahead log; None: state lives in memory only
     snapshot_seconds: float = 60.0
     fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
@@ -89,6 +90,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync {self.fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
+        if type(self.max_message_bytes) is not int or self.max_message_bytes <= 0:
+            raise ConfigError("max_message_bytes must be a positive integer (bytes)")
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
@@ -162,6 +165,7 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
         return Config(
             host=str(server.get("host", "127.0.0.1")),
             port=int(server.get("port", 8080)),
+            max_message_bytes=int(server.get("max_message_bytes", 64 << 20)),
             engines=engines,
             models=models,
             approx=approx,

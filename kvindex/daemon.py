@@ -8,6 +8,13 @@ Invariants:
   terminated last.
 - With ``state_dir`` (or ``peer``): ``Recovery`` restores the state before any lane starts;
   ``stop()`` writes a final snapshot while the lanes still hold their watermarks.
+- ``stop()`` undoes whatever ``start()`` got to, even when it failed half-way (``run_forever``
+  calls it either way), and is idempotent: a failed start leaves no task, socket or fd behind.
+- Write-ahead log failures never stop the daemon: they are counted
+  (``kvindex_wal_errors_total{op}``) and ``kvindex_wal_degraded`` / ``wal_degraded`` say whether
+  a change is missing from the log until the next snapshot.
+- Every ZeroMQ socket of the daemon's context refuses messages over ``max_message_bytes`` (the
+  context's default ``MAXMSGSIZE``; libzmq drops the connection that sent one).
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import logging
 from collections.abc import Iterable
 
 import aiohttp
+import zmq
 import zmq.asyncio
 from aiohttp import web
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from adapters import DIALECTS
 from adapters.engine_tokenizer import EngineTokenizer
@@ -53,6 +61,10 @@ class Daemon:
                 self.index.set_block_size(model, mc.block_size)
         self.approx = ApproxIndex(config.approx, on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
         self.ctx = zmq.asyncio.Context()
+        # the default of every socket made from this context: the lanes' SUB and replay DEALER
+        self.ctx.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
+                                  "close); kvindex keeps serving", ["op"], registry=self.registry)
         self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
         self.fleet = Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane))
         self.drift = DriftAudit(self.index, self.approx, config.drift)
@@ -68,8 +80,10 @@ class Daemon:
         self.registrations = compat_api.Registrations()
         self.app[compat_api.REGISTRATIONS] = self.registrations
         self.recovery = Recovery(config, index=self.index, approx=self.approx, fleet=self.fleet, pods=self.pods,
-                                 registrations=self.registrations, make_lane=self._make_lane, token=token)
+                                 registrations=self.registrations, make_lane=self._make_lane, token=token,
+                                 on_wal_error=lambda op: self.wal_errors.labels(op).inc())
         self._runner: web.AppRunner | None = None
+        self._stopped = False
         self._drift_task: asyncio.Task[None] | None = None
         self._snapshot_task: asyncio.Task[None] | None = None
         self._fsync_task: asyncio.Task[None] | None = None
@@ -78,6 +92,11 @@ class Daemon:
     @property
     def restored_from(self) -> str | None:
         return self.recovery.restored_from
+
+    @property
+    def wal_degraded(self) -> bool:
+        """A change the indexes hold is missing from the write-ahead log until the next snapshot."""
+        return self.recovery.wal_degraded
 
     async def snapshot(self) -> None:
         await self.recovery.snapshot()
@@ -117,6 +136,8 @@ class Daemon:
         yield ("kvindex_drift_unseen", "Sampled requests whose prefix the pod holds but the router never recorded there",
                ["pod"], [([p], d.unseen) for p, d in drift.items()])
         yield ("kvindex_drift_sampled", "Decisions in the drift sample", ["pod"], [([p], d.sampled) for p, d in drift.items()])
+        yield ("kvindex_wal_degraded", "1 while a change is missing from the write-ahead log (a failed append) "
+               "and no snapshot covers it yet", [], [([], 1.0 if self.wal_degraded else 0.0)])
         yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",
                [], [([], float(self.approx.entries()))])
 
@@ -139,27 +160,41 @@ class Daemon:
         log.info("kvindex listening on http://%s:%d with %d engine(s)", self.config.host, self.port, len(self.config.engines))
 
     async def stop(self) -> None:
+        """Undo whatever ``start()`` got to (all of it, part of it, or nothing); idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         tasks = [t for t in (self._drift_task, self._snapshot_task, self._fsync_task) if t is not None]
+        self._drift_task = self._snapshot_task = self._fsync_task = None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.recovery.wal is not None:  # while the lanes still hold their streams' watermarks
             try:
                 await self.recovery.snapshot()
-            except OSError as exc:
-                log.error("final snapshot failed: %s (the write-ahead log keeps everything)", exc)
-        await self.fleet.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+            except Exception as exc:
+                log.error("final snapshot failed: %s: %s (the write-ahead log keeps everything)",
+                          type(exc).__name__, exc)
+        try:
+            await self.fleet.close()
+        except Exception:
+            log.exception("closing the engine lanes failed")
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            try:
+                await runner.cleanup()
+            except Exception:
+                log.exception("stopping the HTTP server failed")
         self.recovery.close()
-        if self._session is not None:
-            await self._session.close()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
         self.ctx.term()
         log.info("kvindex stopped")
 
     async def run_forever(self, stop: asyncio.Event) -> None:
-        await self.start()
         try:
+            await self.start()
             await stop.wait()
         finally:
             await self.stop()

@@ -85,6 +85,9 @@ class Snapshot:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+RECHECK_SLICE = 32  # decisions re-checked between two yields to the event loop
+
+
 class DriftAudit:
     def __init__(self, precise: PreciseIndex, approx: ApproxIndex, settings: DriftSettings,
                  clock: Callable[[], float] = time.time) -> None:
@@ -96,6 +99,7 @@ class DriftAudit:
         self.pods: dict[str, PodDrift] = {}
         self.history: deque[Snapshot] = deque(maxlen=settings.history)
         self.rechecks = 0
+        self._watchers: list[set[str]] = []  # pods forgotten during each running recheck_async
 
     # -- decisions -----------------------------------------------------------------------------
     def add(self, decision: Decision) -> None:
@@ -106,6 +110,8 @@ class DriftAudit:
         self._sample.clear()
         self._sample.extend(kept)
         self.pods.pop(pod, None)
+        for forgotten in self._watchers:
+            forgotten.add(pod)
 
     def decisions(self, since: float | None = None) -> list[Decision]:
         return [d for d in self._sample if since is None or d.t >= since]
@@ -134,22 +140,57 @@ class DriftAudit:
 
     # -- re-check ------------------------------------------------------------------------------
     def recheck(self) -> Snapshot:
-        """Re-evaluate every sampled decision against both indexes now."""
+        """Re-evaluate every sampled decision against both indexes now (in one go: for tests and
+        small samples; the timer and the HTTP handler use ``recheck_async``)."""
         now = self._clock()
+        sample = list(self._sample)
         th = self.settings.threshold
+        return self._commit(now, sample, [self._recheck_one(d, th) for d in sample], set())
+
+    async def recheck_async(self, every: int = RECHECK_SLICE) -> Snapshot:
+        """``recheck`` yielding the event loop every ``every`` decisions (2048 decisions x 64 pods
+        take most of a second). Results go to locals and are swapped in at the end, so readers
+        never see a half-done re-check. It re-checks the sample as it was when it started
+        (decisions added meanwhile wait for the next re-check); a pod forgotten meanwhile is left
+        out of the results."""
+        now = self._clock()
+        sample = list(self._sample)
+        th = self.settings.threshold
+        forgotten: set[str] = set()
+        self._watchers.append(forgotten)
+        try:
+            results: list[tuple[bool, list[str]]] = []
+            for i, d in enumerate(sample):
+                if i and i % every == 0:
+                    await asyncio.sleep(0)
+                results.append(self._recheck_one(d, th))
+        finally:
+            self._watchers = [w for w in self._watchers if w is not forgotten]
+        return self._commit(now, sample, results, forgotten)
+
+    def _recheck_one(self, d: Decision, th: float) -> tuple[bool, list[str]]:
+        """One decision: is it stale, and the pods for which its request is unseen. Reads both
+        indexes and changes nothing (but ``d``'s late-resolved keys)."""
+        b = self.belief(d, [d.pod]).get(d.pod, 0.0)
+        h = self.truth(d, [d.pod]).get(d.pod, 0.0)
+        return d.precise is not None and b - h >= th, self._unseen_pods(d, th)
+
+    def _commit(self, now: float, sample: list[Decision], results: list[tuple[bool, list[str]]],
+                forgotten: set[str]) -> Snapshot:
         pods: dict[str, PodDrift] = {}
-        for d in self._sample:
+        for d, (stale, unseen) in zip(sample, results):
+            if d.pod in forgotten:
+                continue
             mine = pods.setdefault(d.pod, PodDrift())
             mine.sampled += 1
-            b = self.belief(d, [d.pod]).get(d.pod, 0.0)
-            h = self.truth(d, [d.pod]).get(d.pod, 0.0)
-            d.stale_now = d.precise is not None and b - h >= th
-            if d.stale_now:
+            d.stale_now = stale
+            if stale:
                 mine.stale += 1
                 if d.stale_at is None:
                     d.stale_at = now
-            for q in self._unseen_pods(d, th):
-                pods.setdefault(q, PodDrift()).unseen += 1
+            for q in unseen:
+                if q not in forgotten:
+                    pods.setdefault(q, PodDrift()).unseen += 1
         self.pods = pods
         self.rechecks += 1
         snap = self._snapshot(now)
@@ -183,7 +224,7 @@ class DriftAudit:
         """The re-check timer; owned and cancelled by the daemon."""
         while True:
             await asyncio.sleep(self.settings.recheck_seconds)
-            self.recheck()
+            await self.recheck_async()
 
     # -- summaries -----------------------------------------------------------------------------
     def summary(self, window: float | None = None) -> dict[str, Any]:

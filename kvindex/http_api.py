@@ -291,7 +291,7 @@ async def drift(request: web.Request) -> web.Response:
     if seconds is not None and not 0 < seconds < 1e9:
         raise ApiError("window must be a positive number of seconds", field="window", reason="bad_field")
     if request.query.get("recheck") in ("1", "true"):
-        svc.drift.recheck()
+        await svc.drift.recheck_async()
     return web.json_response(svc.drift.summary(seconds))
 
 

@@ -9,6 +9,11 @@ Invariants:
 - From then on everything that changes either index is logged (engine batches, resyncs,
   decisions, pod removals, registrations); ``snapshot()`` captures without awaiting (consistent
   with the log), starts a new log segment and drops the segments it covers.
+- A write-ahead log failure (disk full, EIO) never reaches a lane or an HTTP handler: the log
+  handles it (``WriteAheadLog.append``), the daemon counts it, and ``wal_degraded`` is true until
+  the next snapshot covers what could not be logged.
+- ``_capture`` copies the precise index's maps on the loop (``frozen_copy``) and turns them into
+  entries in the encoding thread: a big index never stalls the event loop for a snapshot.
 - Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
   engine's replay endpoint for what followed.
 """
@@ -29,8 +34,9 @@ from kvindex import state as snapshots
 from kvindex.approx import ApproxIndex
 from kvindex.config import Config, EngineConfig
 from kvindex.ingest import EngineLane, Fleet
+from kvindex.logs import BurstLog
 from kvindex.pods import PodDirectory
-from kvindex.precise import PreciseIndex
+from kvindex.precise import PreciseIndex, entries_of
 from kvindex.state import State, StateError
 from kvindex.wal import WriteAheadLog, fsync_and_close, read_from
 
@@ -44,12 +50,15 @@ class Recovery:
 
     def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: Fleet,
                  pods: PodDirectory, registrations: compat_api.Registrations,
-                 make_lane: Callable[[EngineConfig], EngineLane], token: str | None) -> None:
+                 make_lane: Callable[[EngineConfig], EngineLane], token: str | None,
+                 on_wal_error: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
         self.registrations = registrations
         self._make_lane = make_lane
         self._token = token
+        self._on_wal_error = on_wal_error  # called per write-ahead log failure (the daemon counts them)
+        self._wal_burst = BurstLog(logging.getLogger("kvindex.wal"))
         self._snapshot_lock = asyncio.Lock()
         self.wal: WriteAheadLog | None = None
         self._restored_streams: dict[str, list[dict[str, Any]]] = {}
@@ -59,29 +68,45 @@ class Recovery:
     def state_dir(self) -> Path | None:
         return self.config.state_dir
 
-    def _capture(self) -> State:
-        """Everything a snapshot holds, copied now (no await: consistent with the log)."""
+    @property
+    def wal_degraded(self) -> bool:
+        """A change the indexes hold is missing from the write-ahead log and no snapshot covers it
+        yet (see ``WriteAheadLog.degraded``)."""
+        return self.wal is not None and self.wal.degraded
+
+    def _capture(self) -> tuple[State, Any]:
+        """Everything a snapshot holds, copied now (no await: consistent with the log). The precise
+        index is copied as its maps (C-level dict copies, cheap on the event loop); ``_encode``
+        turns the copy into entries in a thread."""
         streams = {key: [snapshots.stream_state(st) for st in lane.state.streams.values()]
                    for key, lane in self.fleet.lanes().items()}
-        return State(block_sizes=self.index.block_sizes(), entries=list(self.index.export_entries()),
-                     approx=self.approx.export_state(), streams=streams,
-                     registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
+        state = State(block_sizes=self.index.block_sizes(), approx=self.approx.export_state(), streams=streams,
+                      registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
+        return state, self.index.frozen_copy()
+
+    @staticmethod
+    def _encode(state: State, copy: Any) -> bytes:
+        """Off the event loop: the copy's entries, then the snapshot bytes."""
+        state.entries = list(entries_of(copy))
+        return snapshots.encode(state)
 
     async def state_bytes(self) -> bytes:
         """The snapshot format, for ``GET /v1/state`` (peer recovery)."""
-        state = self._capture()
-        return await asyncio.to_thread(snapshots.encode, state)
+        state, copy = self._capture()
+        return await asyncio.to_thread(self._encode, state, copy)
 
     async def snapshot(self) -> None:
         """Write a snapshot, start a new log segment, drop the segments it covers."""
         if self.config.state_dir is None or self.wal is None:
             return
         async with self._snapshot_lock:
-            state = self._capture()
-            state.wal_from = self.wal.rotate()
-            data = await asyncio.to_thread(snapshots.encode, state)
+            wal = self.wal
+            state, copy = self._capture()
+            state.wal_from = wal.rotate()
+            data = await asyncio.to_thread(self._encode, state, copy)
             await asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME, data)
-            self.wal.drop_before(state.wal_from)
+            wal.drop_before(state.wal_from)
+            wal.covered(state.wal_from)
             log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", len(state.entries),
                      self.approx.entries(), len(data))
 
@@ -101,7 +126,8 @@ class Recovery:
                 try:
                     await asyncio.to_thread(fsync_and_close, fd)
                 except OSError as exc:
-                    log.error("write-ahead log fsync failed: %s", exc)
+                    if self.wal is not None:
+                        self.wal.sync_failed(exc)
 
     def _load_local(self) -> State | None:
         d = self.config.state_dir
@@ -238,7 +264,8 @@ class Recovery:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
             if self._replay_log(first) and self.restored_from is None:
                 self.restored_from = "state-dir"
-            self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync)
+            self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync, on_error=self._on_wal_error,
+                                     burst=self._wal_burst)
             self._journal_on()
             await self.snapshot()
         if self.restored_from:

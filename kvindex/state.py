@@ -59,13 +59,24 @@ def stream_state(st: Any) -> dict[str, Any]:
     return {name: getattr(st, name) for name in STREAM_FIELDS}
 
 
+ENCODE_CHUNK = 8192  # entries packed per msgpack call: encode runs in a thread, and each C-level
+# pack call holds the GIL (one call for a million entries would stall the event loop for it)
+
+
 def encode(state: State) -> bytes:
-    body = msgpack.packb({
-        "precise": {"block_sizes": state.block_sizes, "entries": [list(e) for e in state.entries]},
-        "approx": state.approx,
-        "streams": state.streams,
-        "registrations": state.registrations,
-    }, use_bin_type=True)
+    """The snapshot bytes; the same as one ``packb`` of the body map, but the entries are packed in
+    chunks so the GIL (and the event loop) gets turns while a thread encodes a big index."""
+    p = msgpack.Packer(use_bin_type=True)
+    entries = state.entries
+    parts = [p.pack_map_header(4), p.pack("precise"), p.pack_map_header(2), p.pack("block_sizes"),
+             p.pack(state.block_sizes), p.pack("entries"), p.pack_array_header(len(entries))]
+    for i in range(0, len(entries), ENCODE_CHUNK):
+        chunk = [list(e) for e in entries[i:i + ENCODE_CHUNK]]
+        packed = p.pack(chunk)
+        parts.append(packed[len(p.pack_array_header(len(chunk))):])  # the elements, without their array header
+    parts += [p.pack("approx"), p.pack(state.approx), p.pack("streams"), p.pack(state.streams),
+              p.pack("registrations"), p.pack(state.registrations)]
+    body = b"".join(parts)
     header = msgpack.packb({"format": FORMAT, "version": VERSION, "created": state.created or time.time(),
                             "wal_from": state.wal_from, "body_len": len(body), "body_crc": zlib.crc32(body)})
     return len(header).to_bytes(4, "big") + header + body

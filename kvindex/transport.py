@@ -8,11 +8,22 @@ Invariants:
   ``[b"", topic, seq8, payload]`` ... end ``[b"", b"", ff*8, b""]`` (vLLM >= #45177) and
   ``[b"", seq8, payload]`` ... end ``[b"", ff*8, b""]`` (older vLLM, SGLang); a bare ``[b""]``
   also ends it. Every socket is closed with linger 0.
+- Both sockets refuse messages over ``max_message_bytes`` (ZeroMQ ``MAXMSGSIZE``: libzmq drops
+  the connection that sent one, so an oversized batch becomes a seq gap / a failed replay, never
+  a memory spike). Not given, it is the context's default (the daemon sets it from
+  ``Config.max_message_bytes``), else ``MAX_MESSAGE_BYTES``.
+- A connecting SUB socket comes back after any disconnection: libzmq reconnects by itself after
+  a network error but never after a protocol error (a message over ``MAXMSGSIZE`` is one), so
+  ``Subscriber.monitor`` reconnects the socket when it reports a disconnection (whoever reads the
+  monitor, the lane, keeps getting every event unchanged).
+- A replay answer has one deadline, ``timeout`` seconds for the whole answer, and at most
+  ``max_frames`` batches are read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +35,13 @@ from kvindex.events import Frame
 
 END_SEQ = b"\xff" * 8
 DRAIN_BURST = 256
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _limit(ctx: zmq.Context, max_message_bytes: int | None) -> int:
+    if max_message_bytes is not None:
+        return max_message_bytes
+    return int(ctx.sockopts.get(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,20 +75,23 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
 class Subscriber:
     """One SUB socket. ``messages()`` yields until the socket is closed or the task cancelled."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int,
+                 max_message_bytes: int | None = None) -> None:
         self.endpoint = endpoint
         self._sock = ctx.socket(zmq.SUB)
-        self.monitor: zmq.asyncio.Socket | None = None
+        self.monitor: zmq.asyncio.Socket | _Reconnecting | None = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
+            self._sock.setsockopt(zmq.MAXMSGSIZE, _limit(ctx, max_message_bytes))
             self._sock.setsockopt(zmq.SUBSCRIBE, b"")
             # monitor before connecting, or an instant ipc/loopback connection is missed. A unique
             # address: pyzmq's default names it after the socket's fd, which a closed socket's
             # lingering inproc endpoint may still hold ("Address already in use" under churn)
-            self.monitor = self._sock.get_monitor_socket(
+            monitor = self._sock.get_monitor_socket(
                 zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
                 addr=f"inproc://kvindex-monitor-{uuid.uuid4().hex}")
+            self.monitor = monitor if bind else _Reconnecting(monitor, self)
             if bind:
                 self._sock.bind(endpoint)
             else:
@@ -95,6 +116,14 @@ class Subscriber:
             else:
                 await asyncio.sleep(0)
 
+    def reconnect(self) -> None:
+        """Drop the connection (if any) and dial the endpoint again (connecting sockets only)."""
+        try:
+            self._sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # already gone
+        self._sock.connect(self.endpoint)
+
     def close(self) -> None:
         if self.monitor is not None:
             try:  # stop the monitor from the monitored side first, or libzmq may never reap either socket
@@ -105,13 +134,37 @@ class Subscriber:
         self._sock.close(linger=0)
 
 
+class _Reconnecting:
+    """A connecting SUB's monitor socket: every event is passed on as it came; a disconnection
+    also makes the SUB dial again (after a protocol error libzmq would never do it itself)."""
+
+    def __init__(self, monitor: zmq.asyncio.Socket, sub: Subscriber) -> None:
+        self._monitor = monitor
+        self._sub = sub
+
+    async def recv_multipart(self) -> list[bytes]:
+        parts = await self._monitor.recv_multipart()
+        if parts and len(parts[0]) >= 2 and struct.unpack_from("=H", parts[0])[0] == zmq.EVENT_DISCONNECTED:
+            try:
+                self._sub.reconnect()
+            except zmq.ZMQError:
+                pass  # the socket is closing
+        return parts
+
+    def close(self, linger: int | None = None) -> None:
+        self._monitor.close(linger=linger)
+
+
 async def fetch_replay(
-    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, *, timeout: float, max_frames: int = 200_000
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, *, timeout: float, max_frames: int = 200_000,
+    max_message_bytes: int | None = None,
 ) -> ReplayResult:
-    """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``."""
+    """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``; the
+    whole answer must arrive within ``timeout`` seconds."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        sock.setsockopt(zmq.MAXMSGSIZE, _limit(ctx, max_message_bytes))
         sock.connect(endpoint)
         await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
         return await _read_replay(sock, timeout, max_frames)
@@ -120,11 +173,17 @@ async def fetch_replay(
 
 
 async def _read_replay(sock: zmq.asyncio.Socket, timeout: float, max_frames: int) -> ReplayResult:
+    """Frames until the end marker, ``max_frames`` (incomplete) or the deadline: with nothing
+    read, a ``ReplayError``; after some batches, what arrived (incomplete)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     frames: list[Frame] = []
     while len(frames) < max_frames:
         try:
-            parts = await asyncio.wait_for(sock.recv_multipart(), timeout)
+            parts = await asyncio.wait_for(sock.recv_multipart(), max(0.0, deadline - loop.time()))
         except TimeoutError:
+            if frames:
+                return ReplayResult(tuple(frames), complete=False)
             raise ReplayError(f"no reply within {timeout:g}s") from None
         if not parts or parts[0] != b"":
             raise ReplayError("reply without the empty delimiter frame")
