@@ -53,6 +53,11 @@ class EngineConfig:
     def name(self) -> str:
         return self.pod or self.endpoint
 
+    @property
+    def lane_key(self) -> str:
+        """A configured engine's lane: one SUB socket per endpoint (ranks of a pod have their own)."""
+        return f"config:{self.endpoint}"
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -104,6 +109,15 @@ class Config:
 _ENGINE_KEYS = {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank"}
 
 
+def unique_endpoints(engines: tuple[EngineConfig, ...]) -> tuple[EngineConfig, ...]:
+    seen: set[str] = set()
+    for e in engines:
+        if e.endpoint in seen:
+            raise ConfigError(f"engine endpoint {e.endpoint} is configured twice (one SUB socket per endpoint)")
+        seen.add(e.endpoint)
+    return engines
+
+
 def engine_from_table(table: dict[str, Any]) -> EngineConfig:
     unknown = set(table) - _ENGINE_KEYS
     if unknown:
@@ -150,7 +164,7 @@ def load_toml(path: Path) -> dict[str, Any]:
 
 def config_from_toml(doc: dict[str, Any]) -> Config:
     server = doc.get("server", {})
-    engines = tuple(engine_from_table(t) for t in doc.get("engines", []))
+    engines = unique_endpoints(tuple(engine_from_table(t) for t in doc.get("engines", [])))
     models = {name: _model(name, t) for name, t in doc.get("models", {}).items()}
     try:
         approx = ApproxConfig.from_toml(doc.get("approx", {}))
@@ -189,7 +203,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         cfg,
         host=host if host is not None else cfg.host,
         port=port if port is not None else cfg.port,
-        engines=cfg.engines + extra,
+        engines=unique_endpoints(cfg.engines + extra),
         state_dir=state_dir if state_dir is not None else cfg.state_dir,
         snapshot_seconds=snapshot_seconds if snapshot_seconds is not None else cfg.snapshot_seconds,
         fsync=fsync if fsync is not None else cfg.fsync,

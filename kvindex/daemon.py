@@ -149,7 +149,7 @@ class Daemon:
             if self.config.fsync == "interval":
                 self._fsync_task = asyncio.create_task(self.recovery.fsync_loop(), name="wal fsync timer")
         for engine in self.config.engines:
-            self.fleet.add(f"config:{engine.name}", engine)
+            self.fleet.add(engine.lane_key, engine)
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)

@@ -106,6 +106,7 @@ class Decisions:
             t=time.time(), pod=pod, model=r.model,
             hashes=array("Q", r.hashes or ()), keys=array("Q", precise.keys if precise else ()),
             block_size=precise.block_size if precise else 0, prompt_tokens=prompt_tokens,
+            truth_tokens=precise.prompt_tokens if precise else 0,
             approx=approx.ratio(pod) if approx else 0.0, precise=precise.ratio(pod) if precise else None,
             actual=actual)
         if precise is not None and precise.block_size == 0 and r.token_ids is not None:

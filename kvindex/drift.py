@@ -55,13 +55,14 @@ class Decision:
     hashes: array  # approximate block hashes (u64)
     keys: array  # precise block keys of the cacheable prompt (u64)
     block_size: int  # 0 while the model's block size was unknown: keys come later from ``pending``
-    prompt_tokens: int | None
+    prompt_tokens: int | None  # as the router reported it (else the token count)
     approx: float
     precise: float | None
     actual: float | None
     stale_at: float | None = None  # first re-check that found it stale
     stale_now: bool = False
     pending: tuple[int, array] | None = None  # (key root, cacheable token ids) until keys exist
+    truth_tokens: int = 0  # the prompt's token count, the denominator of the truth h (0: prompt_tokens)
 
     @property
     def approx_error(self) -> float | None:
@@ -120,15 +121,16 @@ class DriftAudit:
     def belief(self, d: Decision, pods: Iterable[str]) -> dict[str, float]:
         if not d.hashes:
             return {}
-        blocks = self._approx.match(d.model, d.hashes, pods)
+        blocks = self._approx.depth(d.model, d.hashes, pods)  # every pod's belief: no top-k cut-off
         return {p: n / len(d.hashes) for p, n in blocks.items()}
 
     def truth(self, d: Decision, pods: Iterable[str] | None) -> dict[str, float]:
         if d.pending is not None:
             self._resolve_keys(d)
-        if not d.keys or not d.prompt_tokens:
+        tokens = d.truth_tokens or d.prompt_tokens
+        if not d.keys or not tokens:
             return {}
-        return {p: m.gpu * d.block_size / d.prompt_tokens for p, m in self._precise.match(d.keys, pods).items()}
+        return {p: m.gpu * d.block_size / tokens for p, m in self._precise.match(d.keys, pods).items()}
 
     def _resolve_keys(self, d: Decision) -> None:
         """A decision made before any engine published the model's blocks gets its keys now."""

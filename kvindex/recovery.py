@@ -174,7 +174,7 @@ class Recovery:
 
     def _engine_for(self, key: str) -> EngineConfig | None:
         for engine in self.config.engines:
-            if key == f"config:{engine.name}":
+            if key == engine.lane_key:
                 return engine
         for reg in self.registrations.by_key.values():
             if reg.lane_key == key:

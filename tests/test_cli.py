@@ -116,3 +116,13 @@ def test_record_writes_the_fixture_format(tmp_path: Path) -> None:
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     original = [json.loads(x)["frames"] for x in (FIXTURES / "small" / "events.jsonl").read_text().splitlines()]
     assert [x["frames"] for x in lines] == original
+
+
+def test_ranks_of_one_pod_are_separate_engines_and_endpoints_are_unique() -> None:
+    from kvindex.config import Config, with_overrides
+
+    cfg = with_overrides(Config(), host=None, port=None, engines=[
+        "endpoint=tcp://h:5557,pod=p,dp_rank=0", "endpoint=tcp://h:5558,pod=p,dp_rank=1"])
+    assert len({e.lane_key for e in cfg.engines}) == 2
+    with pytest.raises(ConfigError, match="configured twice"):
+        with_overrides(cfg, host=None, port=None, engines=["tcp://h:5557"])

@@ -54,16 +54,16 @@ async def test_snapshot_and_state_endpoint_do_not_block_the_loop(make_harness: A
     h = await make_harness(Config(state_dir=tmp_path / "state", snapshot_seconds=3600))
     n = 300_000
     h.daemon.index.load_entries(Entry(f"pod-{i % 16}", 0, "GPU", i * 7919 + 1, i * 104729 + 3, 1) for i in range(n))
-    t0 = time.perf_counter()
-    entries = list(h.daemon.index.export_entries())  # what the capture used to do on the loop
-    on_loop = time.perf_counter() - t0
+    entries = list(h.daemon.index.export_entries())
     assert len(entries) == n
+    # the loop keeps turning while the snapshot is built (counted turns, not timings: the machine
+    # may be loaded); done on the loop, as it once was, the whole build is zero turns
     async with Ticker() as t:
         await h.daemon.snapshot()
-    assert t.max_gap < on_loop / 2, (t.max_gap, on_loop)
+    assert t.turns >= 5, t.turns
     async with Ticker() as t:
         status, raw = await h.get("/v1/state")
-    assert status == 200 and t.max_gap < on_loop / 2, (t.max_gap, on_loop)
+    assert status == 200 and t.turns >= 5, t.turns
     assert sorted(snapshots.decode(raw).entries) == sorted(entries)
     on_disk = snapshots.read_file(tmp_path / "state" / snapshots.SNAPSHOT_NAME)
     assert sorted(on_disk.entries) == sorted(entries)

@@ -149,6 +149,7 @@ async def test_dropped_messages_recovered_by_replay(make_harness: Any, make_engi
     for i, f in enumerate(frames):
         await engine.publish(f, replay_only=i in dropped)
     await h.wait_seq("sim-0", 199)
+    await ref.wait_seq("sim-0", 199)  # the reference must be done too before the two are compared
     st = h.stream("sim-0")
     assert st.synced and st.gaps >= 15 and st.replays >= st.gaps
     assert set(h.daemon.index.export_entries()) == {e for e in ref.daemon.index.export_entries()}

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from kvindex.config import Config
-from kvindex.daemon import Daemon
 from kvindex.wal import WriteAheadLog, encode_record, read_from, read_segment, segment_path, segments
 from tests.conftest import engine_config, ipc_endpoint
 from tests.faultkit import KVINDEX, free_port, http, stop, stream, wait_http
