@@ -12,10 +12,10 @@ Invariants:
   the connection that sent one, so an oversized batch becomes a seq gap / a failed replay, never
   a memory spike). Not given, it is the context's default (the daemon sets it from
   ``Config.max_message_bytes``), else ``MAX_MESSAGE_BYTES``.
-- A connecting SUB socket comes back after any disconnection: libzmq reconnects by itself after
-  a network error but never after a protocol error (a message over ``MAXMSGSIZE`` is one), so
-  ``Subscriber.monitor`` reconnects the socket when it reports a disconnection (whoever reads the
-  monitor, the lane, keeps getting every event unchanged).
+- libzmq reconnects a connecting SUB by itself after a network error, but not after a protocol
+  error (a message over ``MAXMSGSIZE`` is one): that engine then shows as not connected
+  (``/readyz``, ``kvindex_engine_connected``) until kvindex restarts or it is registered again.
+  (Re-dialling from the monitor was tried and removed: under engine churn it aborted libzmq.)
 - A replay answer has one deadline, ``timeout`` seconds for the whole answer, and at most
   ``max_frames`` batches are read.
 """
@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import struct
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -79,7 +78,7 @@ class Subscriber:
                  max_message_bytes: int | None = None) -> None:
         self.endpoint = endpoint
         self._sock = ctx.socket(zmq.SUB)
-        self.monitor: zmq.asyncio.Socket | _Reconnecting | None = None
+        self.monitor: zmq.asyncio.Socket | None = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -91,7 +90,7 @@ class Subscriber:
             monitor = self._sock.get_monitor_socket(
                 zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
                 addr=f"inproc://kvindex-monitor-{uuid.uuid4().hex}")
-            self.monitor = monitor if bind else _Reconnecting(monitor, self)
+            self.monitor = monitor
             if bind:
                 self._sock.bind(endpoint)
             else:
@@ -116,14 +115,6 @@ class Subscriber:
             else:
                 await asyncio.sleep(0)
 
-    def reconnect(self) -> None:
-        """Drop the connection (if any) and dial the endpoint again (connecting sockets only)."""
-        try:
-            self._sock.disconnect(self.endpoint)
-        except zmq.ZMQError:
-            pass  # already gone
-        self._sock.connect(self.endpoint)
-
     def close(self) -> None:
         if self.monitor is not None:
             try:  # stop the monitor from the monitored side first, or libzmq may never reap either socket
@@ -132,27 +123,6 @@ class Subscriber:
                 pass
             self.monitor.close(linger=0)
         self._sock.close(linger=0)
-
-
-class _Reconnecting:
-    """A connecting SUB's monitor socket: every event is passed on as it came; a disconnection
-    also makes the SUB dial again (after a protocol error libzmq would never do it itself)."""
-
-    def __init__(self, monitor: zmq.asyncio.Socket, sub: Subscriber) -> None:
-        self._monitor = monitor
-        self._sub = sub
-
-    async def recv_multipart(self) -> list[bytes]:
-        parts = await self._monitor.recv_multipart()
-        if parts and len(parts[0]) >= 2 and struct.unpack_from("=H", parts[0])[0] == zmq.EVENT_DISCONNECTED:
-            try:
-                self._sub.reconnect()
-            except zmq.ZMQError:
-                pass  # the socket is closing
-        return parts
-
-    def close(self, linger: int | None = None) -> None:
-        self._monitor.close(linger=linger)
 
 
 async def fetch_replay(
