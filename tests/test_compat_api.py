@@ -16,7 +16,7 @@ import msgpack
 from kvindex.config import Config
 from kvindex.keys import local_hashes
 from kvindex.record import load_capture
-from tests.conftest import FIXTURES, ipc_endpoint, wait_for
+from tests.conftest import FIXTURES, independent_holdings, ipc_endpoint, wait_for
 
 BS = 32
 MODEL = "tiny"
@@ -31,15 +31,7 @@ def requests_in_order() -> list[dict[str, Any]]:
 
 
 def held_hashes_at_end() -> set[int]:
-    held: dict[int, int] = {}
-    for c in load_capture(FIXTURES / "small" / "events.jsonl"):
-        for ev in msgpack.unpackb(c.frames[2], raw=False)[1]:
-            for hh in ev.get("block_hashes", []):
-                if ev["type"] == "BlockStored":
-                    held[hh] = held.get(hh, 0) + 1
-                elif held.get(hh):
-                    held[hh] -= 1
-    return {hh for hh, n in held.items() if n}
+    return {h for held in independent_holdings(load_capture(FIXTURES / "small" / "events.jsonl")).values() for h in held}
 
 
 async def post_msgpack(h: Any, path: str, body: Any) -> tuple[int, str, Any]:

@@ -19,7 +19,7 @@ from yarl import URL
 from adapters.llmd_sim import SimTokenizer
 from kvindex.config import Config, EngineConfig, ModelConfig
 from kvindex.record import load_capture
-from tests.conftest import FIXTURES, engine_config, ipc_endpoint
+from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
 
 POD = "127.0.0.1:8000"
 BS = 32
@@ -32,15 +32,7 @@ def meta_requests() -> list[dict[str, Any]]:
 
 def held_in_capture(capture: str) -> int:
     """Block copies the engine holds at the end of a capture, straight from the frames."""
-    held: dict[Any, int] = {}
-    for c in load_capture(FIXTURES / capture / "events.jsonl"):
-        for ev in msgpack.unpackb(c.frames[2], raw=False)[1]:
-            for hh in ev.get("block_hashes", []):
-                if ev["type"] == "BlockStored":
-                    held[hh] = held.get(hh, 0) + 1
-                elif held.get(hh):
-                    held[hh] -= 1
-    return sum(held.values())
+    return sum(sum(held.values()) for held in independent_holdings(load_capture(FIXTURES / capture / "events.jsonl")).values())
 
 
 async def counter(h: Any, family: str) -> dict[tuple[tuple[str, str], ...], float]:

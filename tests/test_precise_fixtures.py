@@ -6,7 +6,6 @@ raw frames (plain msgpack, a dict per pod) and the engine's own ``cached_tokens`
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,35 +13,10 @@ import msgpack
 import pytest
 
 from kvindex.record import Captured, load_capture
-from tests.conftest import FIXTURES, engine_config, ipc_endpoint
+from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
 from kvindex.config import Config
 
 CAPTURES = ["small", "small_bytes_hashes", "reset_restart", "two_engines"]
-
-
-def independent_holdings(captured: list[Captured]) -> dict[str, Counter[bytes | int]]:
-    """Copies per engine hash per pod, computed straight from the frames (no kvindex code)."""
-    held: dict[str, Counter[bytes | int]] = {}
-    last_seq: dict[str, int] = {}
-    for c in captured:
-        topic, seq, payload = c.frames
-        pod = topic.decode().split("@")[1]
-        seq_n = int.from_bytes(seq, "big")
-        if pod in last_seq and seq_n <= last_seq[pod]:
-            held[pod] = Counter()  # engine restarted
-        last_seq[pod] = seq_n
-        counts = held.setdefault(pod, Counter())
-        for ev in msgpack.unpackb(payload, raw=False)[1]:
-            if ev["type"] == "AllBlocksCleared":
-                counts.clear()
-            for h in ev.get("block_hashes", []):
-                key = h[-8:] if isinstance(h, bytes) else h
-                if ev["type"] == "BlockStored":
-                    counts[key] += 1
-                elif counts[key]:
-                    counts[key] -= 1
-        held[pod] = +counts
-    return held
 
 
 def as_u64(h: bytes | int) -> int:
