@@ -196,6 +196,16 @@ def gie_hashes(
     return out
 
 
+def score_matches(settings: ApproxSettings, matches: Mapping[str, int], n: int) -> dict[str, int | float]:
+    """Scores from matched blocks out of ``n``: Kthena ``int((m / n) * 100)`` in 0..100 (float64
+    then truncated, e.g. 29/50 -> 57); GIE ``m / n`` in [0, 1]. No hashes: every pod scores 0."""
+    if n == 0:
+        return {pod: 0 for pod in matches}
+    if settings.personality == GIE_V1_5:
+        return {pod: m / n for pod, m in matches.items()}
+    return {pod: int((m / n) * 100) for pod, m in matches.items()}
+
+
 # --- LRU -------------------------------------------------------------------------------------
 
 
@@ -464,13 +474,7 @@ class ApproxIndex:
 
         GIE: ``m / n`` as a float in [0, 1]. No hashes: every pod scores 0.
         """
-        matches = self.match(model, hashes, pods)
-        n = len(hashes)
-        if n == 0:
-            return {pod: 0 for pod in matches}
-        if self._is_gie(model):
-            return {pod: m / n for pod, m in matches.items()}
-        return {pod: int((m / n) * 100) for pod, m in matches.items()}
+        return score_matches(self._config.for_model(model), self.match(model, hashes, pods), len(hashes))
 
     def believes(self, pod: str, model: str, hash: int) -> bool:
         if self._is_gie(model):

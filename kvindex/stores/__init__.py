@@ -1,0 +1,1 @@
+"""Where the indexes live: the contracts (``base``) and their backends (``memory``, ``redis``)."""

@@ -1,0 +1,191 @@
+"""The storage contracts: where the precise and the approximate index live.
+
+Two backends implement each contract — ``memory`` (this process; the embedded default) and
+``redis`` (one store shared by every kvindex replica) — and one contract suite runs against both
+(``tests/test_store_contract.py``, ``tests/test_approx_store_contract.py``).
+
+Invariants, for every backend:
+- Every method touching state is a coroutine. A backend that cannot reach its store raises
+  ``StoreUnavailable`` (with a one-line reason) and has changed nothing: a batch is applied
+  entirely or not at all, so no caller ever sees half-applied state.
+- ``PreciseStore.apply`` is atomic and idempotent per stream. Whether a batch applies is decided by
+  ``judge`` (below) against the stream's stored ``Position``, inside the same atomic step as the
+  apply, so when several replicas offer the same batch exactly one applies it and the others get
+  ``DUPLICATE``. ``next_position`` is the position after an applied batch.
+- An engine restart (its seq went back) is announced with ``restart(stream, seen_epoch, ranks)``:
+  only the first replica to announce it clears the ranks and moves the epoch on; the others find
+  the epoch already moved and change nothing.
+- ``StoreLost`` (a ``StoreUnavailable``) means the store lost what it held since this client
+  opened it (a Redis restarted without its data): every stream must be resynchronised.
+- Semantics of the index operations are those of ``kvindex.precise.PreciseIndex`` and
+  ``kvindex.approx.ApproxIndex``; the memory backends are thin async views of those classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+
+from kvindex.approx import ApproxConfig
+from kvindex.events import KVEvent
+from kvindex.precise import Applied, Entry, PodMatch
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached or refused the operation; nothing was changed."""
+
+
+class StoreLost(StoreUnavailable):
+    """The store's state was lost since it was opened (e.g. Redis restarted empty)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRef:
+    """One engine event stream (a topic of a publisher). ``id`` is the same on every replica."""
+
+    id: str
+    pod: str
+    model: str
+
+    @classmethod
+    def of(cls, pod: str, topic: str, model: str) -> StreamRef:
+        return cls(f"{pod}|{topic}", pod, model)
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a stream stands in the store: last applied seq (None: nothing since the start or the
+    last restart), its epoch (one more per engine restart), and whether its history is complete."""
+
+    last_seq: int | None = None
+    epoch: int = 0
+    synced: bool = True
+    reason: str | None = None  # why unsynced
+
+
+class Outcome(str, Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # seq <= last_seq in this epoch: applied already (another replica, a replay)
+    STALE = "stale"  # an older epoch: the engine restarted since; skip it
+    GAP = "gap"  # seq > last_seq + 1: not applied; recover [last_seq + 1, seq) or apply with force
+    BEHIND = "behind"  # the store is at an older epoch than the caller: it lost writes; resync the stream
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    outcome: Outcome
+    position: Position  # the stream's position after the call
+    applied: Applied | None = None  # what the batch did, when it applied
+
+
+def judge(pos: Position | None, seq: int, epoch: int, force: str | None) -> Outcome:
+    """Whether a batch ``seq`` offered at ``epoch`` applies on top of ``pos``.
+
+    ``force`` (a reason) applies across a gap the caller could not fill; it never overrides
+    DUPLICATE, STALE or BEHIND."""
+    if pos is None:
+        return Outcome.APPLIED
+    if epoch < pos.epoch:
+        return Outcome.STALE
+    if epoch > pos.epoch:
+        return Outcome.BEHIND
+    if pos.last_seq is None:
+        return Outcome.APPLIED
+    if seq <= pos.last_seq:
+        return Outcome.DUPLICATE
+    if seq > pos.last_seq + 1 and force is None:
+        return Outcome.GAP
+    return Outcome.APPLIED
+
+
+def next_position(pos: Position | None, seq: int, epoch: int, force: str | None, cleared: bool) -> Position:
+    """The position after applying batch ``seq``: a forced gap makes the stream unsynced; a batch
+    holding AllBlocksCleared makes it synced again (its history restarts there)."""
+    if force is not None:
+        return Position(seq, epoch, False, force)
+    if cleared or pos is None:
+        return Position(seq, epoch, True, None)
+    return Position(seq, epoch, pos.synced, pos.reason)
+
+
+class PreciseStore(Protocol):
+    """The precise index behind an async, replica-safe interface (see ``PreciseIndex``)."""
+
+    name: str  # "memory" or "redis", for logs and /v1/pods
+
+    async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
+                    *, force: str | None = None) -> ApplyResult: ...
+
+    async def restart(self, stream: StreamRef, seen_epoch: int, ranks: Iterable[int] | None) -> Position:
+        """The engine restarted. If the stream is still at ``seen_epoch``: clear the pod's ``ranks``
+        (all its ranks when None), epoch + 1, last_seq None, synced. Else change nothing. Returns
+        the position after."""
+        ...
+
+    async def position(self, stream: StreamRef) -> Position | None: ...
+
+    async def set_position(self, stream: StreamRef, position: Position) -> None:
+        """Overwrite a stream's position (restored state, an operator's resync, unsynced marks)."""
+        ...
+
+    async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None: ...
+
+    async def set_block_size(self, model: str, block_size: int) -> None: ...
+
+    async def block_size(self, model: str) -> int | None: ...
+
+    async def block_sizes(self) -> dict[str, int]: ...
+
+    async def pods(self) -> list[str]: ...
+
+    async def blocks_held(self, pod: str) -> dict[str, int]: ...
+
+    async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]: ...
+
+    async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]: ...
+
+    async def export_entries(self) -> list[Entry]: ...
+
+    async def load_entries(self, entries: Iterable[Entry]) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class ApproxStore(Protocol):
+    """The approximate index behind an async interface (see ``ApproxIndex``). Rendering and
+    hashing are pure and stay synchronous; everything that reads or writes beliefs is async."""
+
+    name: str
+
+    @property
+    def config(self) -> ApproxConfig: ...
+
+    def render(self, model: str, body: dict[str, Any]) -> str: ...
+
+    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]: ...
+
+    async def record(self, pod: str, model: str, hashes: Sequence[int]) -> None: ...
+
+    async def match(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]: ...
+
+    async def depth(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]: ...
+
+    async def score(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int | float]: ...
+
+    async def believes(self, pod: str, model: str, hash: int) -> bool: ...
+
+    async def remove_pod(self, pod: str) -> None: ...
+
+    async def pods(self) -> list[str]: ...
+
+    async def entries(self, pod: str | None = None) -> int: ...
+
+    async def evictions(self) -> int: ...
+
+    async def export_state(self) -> dict[str, Any]: ...
+
+    async def load_state(self, state: dict[str, Any]) -> int: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,139 @@
+"""The memory backends: async views of ``PreciseIndex`` and ``ApproxIndex`` in this process.
+
+Invariants: the embedded default. Nothing here ever raises ``StoreUnavailable``; each coroutine
+runs to completion without awaiting, so an apply is atomic with respect to the event loop. Stream
+positions live beside the index and follow ``judge`` / ``next_position`` exactly as the Redis
+backend's scripts do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvindex.approx import ApproxConfig, ApproxIndex
+from kvindex.events import KVEvent
+from kvindex.precise import Entry, PodMatch, PreciseIndex
+from kvindex.stores.base import ApplyResult, Outcome, Position, StreamRef, judge, next_position
+
+
+class MemoryPreciseStore:
+    name = "memory"
+
+    def __init__(self, index: PreciseIndex | None = None) -> None:
+        self.index = index if index is not None else PreciseIndex()
+        self._positions: dict[str, Position] = {}
+
+    async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
+                    *, force: str | None = None) -> ApplyResult:
+        pos = self._positions.get(stream.id)
+        outcome = judge(pos, seq, epoch, force)
+        if outcome is not Outcome.APPLIED:
+            return ApplyResult(outcome, pos or Position(epoch=epoch))
+        done = self.index.apply_batch(stream.pod, stream.model, dp_rank, events)
+        after = self._positions[stream.id] = next_position(pos, seq, epoch, force, done.cleared > 0)
+        return ApplyResult(outcome, after, done)
+
+    async def restart(self, stream: StreamRef, seen_epoch: int, ranks: Iterable[int] | None) -> Position:
+        pos = self._positions.get(stream.id) or Position()
+        if pos.epoch != seen_epoch:
+            return pos
+        if ranks is None:
+            self.index.clear_pod(stream.pod)
+        else:
+            for rank in ranks:
+                self.index.clear_pod(stream.pod, rank)
+        after = self._positions[stream.id] = Position(None, seen_epoch + 1, True, None)
+        return after
+
+    async def position(self, stream: StreamRef) -> Position | None:
+        return self._positions.get(stream.id)
+
+    async def set_position(self, stream: StreamRef, position: Position) -> None:
+        self._positions[stream.id] = position
+
+    async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
+        self.index.clear_pod(pod, dp_rank)
+
+    async def set_block_size(self, model: str, block_size: int) -> None:
+        self.index.set_block_size(model, block_size)
+
+    async def block_size(self, model: str) -> int | None:
+        return self.index.block_size(model)
+
+    async def block_sizes(self) -> dict[str, int]:
+        return self.index.block_sizes()
+
+    async def pods(self) -> list[str]:
+        return self.index.pods()
+
+    async def blocks_held(self, pod: str) -> dict[str, int]:
+        return self.index.blocks_held(pod)
+
+    async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
+        return self.index.engine_hashes(pod)
+
+    async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
+        return self.index.match(keys, pods)
+
+    async def export_entries(self) -> list[Entry]:
+        return list(self.index.export_entries())
+
+    async def load_entries(self, entries: Iterable[Entry]) -> int:
+        return self.index.load_entries(entries)
+
+    async def close(self) -> None:
+        return None
+
+
+class MemoryApproxStore:
+    name = "memory"
+
+    def __init__(self, index: ApproxIndex) -> None:
+        self.index = index
+
+    @property
+    def config(self) -> ApproxConfig:
+        return self.index.config
+
+    def render(self, model: str, body: dict[str, Any]) -> str:
+        return self.index.render(model, body)
+
+    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
+        return self.index.hash_request(model, body)
+
+    async def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
+        self.index.record(pod, model, hashes)
+
+    async def match(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        return self.index.match(model, hashes, pods)
+
+    async def depth(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        return self.index.depth(model, hashes, pods)
+
+    async def score(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int | float]:
+        return self.index.score(model, hashes, pods)
+
+    async def believes(self, pod: str, model: str, hash: int) -> bool:
+        return self.index.believes(pod, model, hash)
+
+    async def remove_pod(self, pod: str) -> None:
+        self.index.remove_pod(pod)
+
+    async def pods(self) -> list[str]:
+        return self.index.pods()
+
+    async def entries(self, pod: str | None = None) -> int:
+        return self.index.entries(pod)
+
+    async def evictions(self) -> int:
+        return self.index.evictions
+
+    async def export_state(self) -> dict[str, Any]:
+        return self.index.export_state()
+
+    async def load_state(self, state: dict[str, Any]) -> int:
+        return self.index.load_state(state)
+
+    async def close(self) -> None:
+        return None
