@@ -148,3 +148,22 @@ def independent_holdings(captured: list[Captured]) -> dict[str, Counter[bytes | 
                     counts[key] -= 1
         held[pod] = +counts
     return held
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One real redis-server for the session (tests/redis_server.py); tests use ``redis_url``."""
+    from redis_server import RedisServer, available
+
+    if not available():
+        pytest.fail("redis-server is not installed (apt-get install redis-server; .ci/run does)")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: Any) -> str:
+    """The session's Redis, emptied for this test."""
+    redis_server.flush()
+    return redis_server.url
