@@ -382,6 +382,26 @@ async def test_export_load_round_trip(make_store: MakeStore) -> None:
     assert await store.export_state() == exported
 
 
+async def test_loaded_lru_above_capacity_shrinks_one_key_per_new_key(make_store: MakeStore) -> None:
+    """A loaded state may hold more keys than the capacity: refreshes evict nothing, each new key
+    evicts exactly the oldest one (as ``_LRU.add`` does), in both personalities."""
+    config = ApproxConfig(ApproxSettings(), {"g": ApproxSettings.defaults(GIE_V1_5)})
+    evicted: list[str] = []
+    store = await make_store(config, evicted.append)
+    await store.load_state({"kthena": {"p": {"capacity": 2, "keys": [[1, "m"], [2, "m"], [3, "m"], [4, "m"]]}},
+                            "gie": {"p": {"capacity": 2, "keys": [1, 2, 3, 4], "stale": []}}})
+    await store.record("p", "m", [2])
+    await store.record("p", "g", [2])
+    assert evicted == [] and await store.entries("p") == 8
+    await store.record("p", "m", [9])
+    await store.record("p", "g", [9])
+    assert evicted == ["m", "g"] and await store.entries("p") == 8
+    state = await store.export_state()
+    assert state["kthena"]["p"]["keys"] == [[3, "m"], [4, "m"], [2, "m"], [9, "m"]]
+    assert state["gie"]["p"] == {"capacity": 2, "keys": [3, 4, 2, 9], "stale": []}
+    assert not await store.believes("p", "m", 1) and not await store.believes("p", "g", 1)
+
+
 BAD_STATES = [
     ("not_a_mapping", ["kthena"]),
     ("missing_capacity", {"kthena": {"p": {"keys": []}}}),
@@ -407,7 +427,7 @@ async def test_load_refuses_a_bad_shape_and_changes_nothing(make_store: MakeStor
 
 
 def _random_ops(rng: random.Random, n: int) -> list[tuple[Any, ...]]:
-    pods = ["a", "b", "c", "é", "日"]
+    pods = ["a", "b", "c", "é", "日", "Z", "😀", *(f"p{i}" for i in range(17))]  # > 16: both lookup paths
     models = ["k1", "k2", "g1"]
     ops: list[tuple[Any, ...]] = []
     for _ in range(n):
@@ -416,7 +436,7 @@ def _random_ops(rng: random.Random, n: int) -> list[tuple[Any, ...]]:
         if kind < 0.6:
             ops.append(("record", rng.choice(pods), rng.choice(models), hashes))
         elif kind < 0.95:
-            ops.append(("query", rng.choice(models), hashes, rng.sample(pods, rng.randrange(1, 6))))
+            ops.append(("query", rng.choice(models), hashes, rng.sample(pods, rng.randrange(1, len(pods) + 1))))
         else:
             ops.append(("remove", rng.choice(pods)))
     return ops
@@ -434,7 +454,7 @@ async def test_redis_answers_equal_memory_on_random_operations(redis_url: str) -
             memory = MemoryApproxStore(ApproxIndex(config, on_evict=mem_ev.append))
             red = RedisApproxStore(client, config, on_evict=red_ev.append, prefix=f"diff{seed}")
             await red.open()
-            for op in _random_ops(random.Random(seed), 150):
+            for op in _random_ops(random.Random(seed), 300):
                 await _same_answer(memory, red, op)
             assert red_ev == mem_ev
             assert await red.export_state() == await memory.export_state()
