@@ -106,13 +106,16 @@ async def latencies(store: Any, pods: list[str], repeat: int) -> dict[str, Any]:
         "depth": await time_calls(lambda: store.depth(MODEL, hashes, pods), repeat),
     }
     result: dict[str, Any] = {name: latency_summary(t) for name, t in out.items()}
+    result["record_plus_score_p50_us"] = result["record_refresh"]["p50_us"] + result["score"]["p50_us"]
     result["answers"] = {"score": await store.score(MODEL, hashes, pods), "depth": await store.depth(MODEL, hashes, pods)}
     return result
 
 
 def ratios(red: dict[str, Any], mem: dict[str, Any]) -> dict[str, Any]:
-    return {op: {"p50": red[op]["p50_us"] / mem[op]["p50_us"], "p99": red[op]["p99_us"] / mem[op]["p99_us"]}
-            for op in ("record_refresh", "record_new", "score", "depth")}
+    out = {op: {"p50": red[op]["p50_us"] / mem[op]["p50_us"], "p99": red[op]["p99_us"] / mem[op]["p99_us"]}
+           for op in ("record_refresh", "record_new", "score", "depth")}
+    out["record_plus_score_p50"] = red["record_plus_score_p50_us"] / mem["record_plus_score_p50_us"]
+    return out
 
 
 async def used_memory(client: aioredis.Redis) -> int:
@@ -192,7 +195,8 @@ def summary(doc: dict[str, Any]) -> str:
             lines.append(f"{kind:4} {op:14} redis p50 {r['p50_us']:8.1f} us p99 {r['p99_us']:8.1f} us | memory p50 "
                          f"{m['p50_us']:7.1f} us p99 {m['p99_us']:7.1f} us | ratio p50 "
                          f"{res['ratio_redis_vs_memory'][op]['p50']:5.1f}x")
-        lines.append(f"{kind:4} answers equal: {res['answers_equal']}")
+        lines.append(f"{kind:4} record+score p50: redis {res['redis']['record_plus_score_p50_us']:.0f} us, memory "
+                     f"{res['memory']['record_plus_score_p50_us']:.0f} us; answers equal: {res['answers_equal']}")
     for kind, mem in doc["memory"].items():
         lines.append(f"redis memory per entry ({kind}): {mem['bytes_per_entry']:.0f} B over {mem['entries']} entries "
                      f"(LRU {mem['memory_usage_lru_bytes_per_key']:.0f} B/key, one hash->pods set "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -541,3 +542,17 @@ async def test_unopened_store_refuses(redis_url: str) -> None:
             await RedisApproxStore(client, ApproxConfig()).record("p", "m", [1])
     finally:
         await client.aclose()
+
+
+def test_benchmark_smoke_run_agrees_with_memory(tmp_path: Path) -> None:
+    """benchmarks/redis_approx.py --smoke runs end to end; both backends gave the same answers."""
+    out = tmp_path / "redis_approx.json"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "redis_approx.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=100, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    for res in doc["latency"].values():
+        assert res["answers_equal"] is True and res["entries"] > 0
+        assert {"record_refresh", "record_new", "score", "depth", "record_plus_score_p50"} <= set(res["ratio_redis_vs_memory"])
+    assert all(m["entries"] > 0 and m["used_memory_delta_bytes"] > 0 for m in doc["memory"].values())
