@@ -107,7 +107,8 @@ async def latencies(store: Any, pods: list[str], repeat: int) -> dict[str, Any]:
     }
     result: dict[str, Any] = {name: latency_summary(t) for name, t in out.items()}
     result["record_plus_score_p50_us"] = result["record_refresh"]["p50_us"] + result["score"]["p50_us"]
-    result["answers"] = {"score": await store.score(MODEL, hashes, pods), "depth": await store.depth(MODEL, hashes, pods)}
+    result["answers"] = {"score": await store.score(MODEL, hashes, pods),
+                         "depth": await store.depth(MODEL, hashes, pods)}
     return result
 
 
