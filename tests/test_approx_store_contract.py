@@ -23,7 +23,6 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from tests import redis_server
 from tests.redis_server import RedisServer
 
 from kvindex.approx import GIE_V1_5, ApproxConfig, ApproxIndex, ApproxSettings
@@ -36,9 +35,6 @@ VECTORS = json.loads((Path(__file__).parent.parent / "fixtures" / "vectors" / "a
 KTHENA = VECTORS["kthena"]
 GIE = VECTORS["gie_v1_5_0_approx_prefix"]
 MakeStore = Callable[..., Any]
-# conftest's redis_server fixture imports the module as top-level ``redis_server`` (tests/ is a
-# package, so it is not on sys.path): give it this same module.
-sys.modules.setdefault("redis_server", redis_server)
 
 
 def kthena_config(**table: Any) -> ApproxConfig:
