@@ -35,8 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -498,14 +497,22 @@ class RedisPreciseStore:
         self._ready_pods: set[tuple[str, str]] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        try:
-            yield
-        except (rex.ConnectionError, rex.TimeoutError, TimeoutError, OSError) as exc:
-            raise StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-        except rex.ResponseError as exc:
-            raise StoreUnavailable(f"redis at {self._url}: refused: {exc}".splitlines()[0]) from None
+    async def _call(self, make: Callable[[], Awaitable[Any]], *, idempotent: bool = True) -> Any:
+        """Await ``make()``; a dropped connection is retried once when the call is idempotent (a
+        pooled connection that died with its server fails first), then reported as unavailable."""
+        for attempt in (0, 1):
+            try:
+                return await make()
+            except rex.ConnectionError as exc:
+                if attempt or not idempotent:
+                    raise self._unavailable(exc) from None
+            except (rex.TimeoutError, TimeoutError, OSError) as exc:
+                raise self._unavailable(exc) from None
+            except rex.ResponseError as exc:
+                raise StoreUnavailable(f"redis at {self._url}: refused: {exc}".splitlines()[0]) from None
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}".splitlines()[0])
 
     def _lost(self) -> StoreLost:
         return StoreLost(f"redis at {self._url}: the store's generation changed since open (its data was lost)")
@@ -513,10 +520,9 @@ class RedisPreciseStore:
     async def open(self) -> None:
         """Load the script and read (or create) the store's generation; again after StoreLost."""
         gen_key = f"{self._prefix}:gen"
-        with self._guard():
-            await self._client.set(gen_key, secrets.token_hex(8), nx=True)
-            self._gen = _text(await self._client.get(gen_key))
-            await self._client.script_load(LUA)
+        await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
+        self._gen = _text(await self._call(lambda: self._client.get(gen_key)))
+        await self._call(lambda: self._client.script_load(LUA))
         self._ready_models.clear()
         self._ready_pods.clear()
 
@@ -527,14 +533,15 @@ class RedisPreciseStore:
             raise StoreUnavailable(f"redis at {self._url}: store not opened")
         if model in self._ready_models and (pod is None or (pod, model) in self._ready_pods):
             return base
-        with self._guard():
+        async def ensure() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
             pipe.set(base + "gen", self._gen, nx=True, get=True)
             pipe.sadd(f"{self._prefix}:models", model)
             if pod is not None:
                 pipe.hset(f"{self._prefix}:pods", pod, model)
-            got = await pipe.execute()
+            return await pipe.execute()
+        got = await self._call(ensure)
         if _text(got[0]) != self._gen or _text(got[1]) not in (None, self._gen):
             raise self._lost()
         self._ready_models.add(model)
@@ -542,19 +549,20 @@ class RedisPreciseStore:
             self._ready_pods.add((pod, model))
         return base
 
-    async def _run(self, base: str, op: str, *args: Any, stream: str = "") -> list[Any]:
-        with self._guard():
-            reply = await self._script(keys=[base + "gen", base + "s:" + stream], args=[op, self._gen, base, *args])
+    async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
+        keys, argv = [base + "gen", base + "s:" + stream], [op, self._gen, base, *args]
+        reply = await self._call(lambda: self._script(keys=keys, args=argv), idempotent=idempotent)
         if reply and _text(reply[0]) == "lost":
             raise self._lost()
         return reply
 
     async def _models(self) -> list[str]:
-        with self._guard():
+        async def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
             pipe.smembers(f"{self._prefix}:models")
-            gen, models = await pipe.execute()
+            return await pipe.execute()
+        gen, models = await self._call(read)
         if self._gen is None or _text(gen) != self._gen:
             raise self._lost()
         return sorted(_text(m) for m in models)
@@ -563,11 +571,12 @@ class RedisPreciseStore:
         """Run one op on every model's slot (pipelined): for pod-wide reads and clears."""
         models = await self._models()
         bases = [await self._ensure(m) for m in models]
-        with self._guard():
+        async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for base in bases:
                 await self._script(keys=[base + "gen", base + "s:"], args=[op, self._gen, base, *args], client=pipe)
-            replies = await pipe.execute()
+            return await pipe.execute()
+        replies = await self._call(run)
         if any(r and _text(r[0]) == "lost" for r in replies):
             raise self._lost()
         return list(zip(models, replies))
@@ -704,8 +713,7 @@ class RedisPreciseStore:
         entries = list(entries)
         if not entries:
             return 0
-        with self._guard():
-            models = await self._client.hmget(f"{self._prefix}:pods", sorted({e.pod for e in entries}))
+        models = await self._call(lambda: self._client.hmget(f"{self._prefix}:pods", sorted({e.pod for e in entries})))
         model_of = dict(zip(sorted({e.pod for e in entries}), (_text(m) for m in models)))
         unknown = sorted(p for p, m in model_of.items() if m is None)
         if unknown:
@@ -715,7 +723,7 @@ class RedisPreciseStore:
             by_model.setdefault(model_of[e.pod], []).extend(
                 [f"{e.dp_rank}|{e.pod}", e.medium, str(e.hash), "o" if e.key is None else str(e.key), str(e.copies)])
         for model, args in by_model.items():
-            await self._run(await self._ensure(model), "load", *args)
+            await self._run(await self._ensure(model), "load", *args, idempotent=False)
         return len(entries)
 
     async def close(self) -> None:
