@@ -130,7 +130,7 @@ class DriftAudit:
         tokens = d.truth_tokens or d.prompt_tokens
         if not d.keys or not tokens:
             return {}
-        return {p: m.gpu * d.block_size / tokens for p, m in (await self._precise.match(d.keys, pods)).items()}
+        return {p: m.gpu * d.block_size / tokens for p, m in (await self._precise.match(d.keys, pods, model=d.model)).items()}
 
     async def _resolve_keys(self, d: Decision) -> None:
         """A decision made before any engine published the model's blocks gets its keys now."""

@@ -160,22 +160,22 @@ class QueryService:
 
     async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
                       lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
-        self.check_current(model)
         root = K.root_key(model, lora_name, cache_salt)
-        bs = await self.store.block_size(model)
+        bs = await self.store.block_size(model)  # the store unreachable says so first
+        self.check_current(model)
         if bs is None:  # no engine has published a block of this model: nobody holds any
             return PreciseAnswer(0, len(token_ids), (), {}, root)
         keys = K.prompt_keys(root, token_ids[:cacheable_tokens(token_ids)], bs)
-        return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods), root)
+        return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model), root)
 
     async def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int],
                                       pods: Iterable[str] | None) -> PreciseAnswer:
-        self.check_current(model)
         bs = await self.store.block_size(model)
+        self.check_current(model)
         if bs is None:
             return PreciseAnswer(0, 0, (), {})
         keys = K.chain_keys(K.root_key(model), local_hashes)
-        return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods))
+        return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods, model=model))
 
     async def token_ids_for(self, model: str, body: dict[str, Any]) -> Sequence[int] | None:
         """Token ids from the body, or from the model's tokenizer; None when neither exists."""

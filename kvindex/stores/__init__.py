@@ -103,7 +103,7 @@ def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str]
     from kvindex.stores.redis_precise import RedisPreciseStore
 
     client = Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
-                            retry=Retry(NoBackoff(), 1))  # one retry: a pooled connection the server dropped
+                            retry=Retry(NoBackoff(), 0))  # the stores retry what is safe to retry
     return Stores(url, RedisPreciseStore(client), RedisApproxStore(client, approx_config, on_evict=on_evict), client)
 
 
