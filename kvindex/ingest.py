@@ -305,6 +305,8 @@ class EngineLane:
                     return
                 except StoreUnavailable:
                     pass  # counted and logged by the guard
+                except Exception:  # a bug must not leave the lane's streams waiting forever
+                    log.exception("engine %s: applying the buffered batches failed; retrying", self.engine.name)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_CAP)
 
@@ -314,12 +316,14 @@ class EngineLane:
             if st.needs_resync is not None:
                 await self._resync_stream(st, st.epoch)
         while self._held:
-            st, seq, batch, payload = self._held[0]
+            item = self._held[0]
+            st, seq, batch, payload = item
             if st.needs_resync is None:
                 await self._sequence(st, seq, batch, payload)
-            self._held.popleft()
-            st.held -= 1
-            self._metrics.store_buffered.dec()
+            if self._held and self._held[0] is item:  # a loss meanwhile may have dropped the buffer
+                self._held.popleft()
+                st.held -= 1
+                self._metrics.store_buffered.dec()
         log.info("engine %s: the store answers; buffered batches applied", self.engine.name)
 
     async def _resync_stream(self, st: Stream, seen_epoch: int) -> None:
