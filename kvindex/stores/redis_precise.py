@@ -534,6 +534,19 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, new_bs)
 
 
+def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
+                plan: _Plan) -> list[str | bytes]:
+    """The apply script's arguments; a view of version "*" was not read (nothing to check)."""
+    if view.version == "*":
+        read_bs = "*"
+    else:
+        read_bs = "" if view.block_size is None else str(view.block_size)
+    return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
+            view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
+            str(len(plan.holders) // 3), *plan.entries, *plan.holders]
+
+
 class RedisPreciseStore:
     """``PreciseStore`` on one Redis (or one Redis Cluster slot per model)."""
 
@@ -642,18 +655,17 @@ class RedisPreciseStore:
         name = f"{dp_rank}|{stream.pod}"
         hashes = _hashes_of(events)
         cleared = any(type(ev) is AllBlocksCleared for ev in events)
+        blind = not hashes and not any(type(ev) is BlockStored for ev in events)  # nothing to read
         for _ in range(RETRIES):
-            reply = await self._run(base, "read", name, *map(_u64, hashes), stream=stream.id)
-            view = _view_of(reply, hashes)
-            outcome = judge(view.position, seq, epoch, force)
-            if outcome is not Outcome.APPLIED:
-                return ApplyResult(outcome, view.position or Position(epoch=epoch))
+            if blind:  # clears only (or nothing): one round trip, computed on an empty worker
+                view = _WorkerView(None, None, "*", (), 0, {})
+            else:
+                view = _view_of(await self._run(base, "read", name, *map(_u64, hashes), stream=stream.id), hashes)
+                outcome = judge(view.position, seq, epoch, force)
+                if outcome is not Outcome.APPLIED:
+                    return ApplyResult(outcome, view.position or Position(epoch=epoch))
             plan = plan_batch(stream.pod, stream.model, dp_rank, events, view, hashes)
-            args = [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
-                    view.version, "" if view.block_size is None else str(view.block_size),
-                    "" if plan.new_block_size is None else str(plan.new_block_size), "1" if plan.reset else "0",
-                    "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
-                    str(len(plan.holders) // 3), *plan.entries, *plan.holders]
+            args = _apply_args(seq, epoch, force, cleared, name, view, plan)
             reply = await self._run(base, "apply", *args, stream=stream.id)
             status = _text(reply[0])
             if status == "retry":
