@@ -285,6 +285,23 @@ async def test_positions_follow_judge_and_next_position(store: PreciseStore) -> 
     assert await store.position(A) == Position(9, 0, True, None)
 
 
+async def test_batches_of_clears_only_follow_the_same_rules(store: PreciseStore, feed: Feed) -> None:
+    """Nothing to read for them: the store's atomic step alone judges them."""
+    clear = (AllBlocksCleared(),)
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.APPLIED
+    assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.DUPLICATE
+    assert (await store.apply(A, 5, 0, 0, clear)).position == Position(3, 0, True, None)
+    assert (await store.apply(A, 5, 0, 0, clear)).outcome is Outcome.GAP
+    assert (await store.apply(A, 5, 0, 0, (), force="lost")).position == Position(5, 0, False, "lost")
+    r = await store.apply(A, 6, 0, 0, clear)
+    assert r.position == Position(6, 0, True, None) and r.applied.cleared == 1
+    assert (await store.apply(A, 7, 1, 0, clear)).outcome is Outcome.BEHIND
+    await store.set_position(A, Position(7, 2, True, None))
+    assert (await store.apply(A, 8, 1, 0, clear)).outcome is Outcome.STALE
+    assert (await store.match(keys_of(TOKENS)))["a"].gpu == 1  # another worker's blocks: untouched
+
+
 async def test_epochs_stale_and_behind(store: PreciseStore) -> None:
     await store.set_position(A, Position(3, 2, True, None))
     r = await store.apply(A, 4, 1, 0, ONE)
