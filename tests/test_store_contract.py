@@ -288,7 +288,7 @@ async def test_positions_follow_judge_and_next_position(store: PreciseStore) -> 
 async def test_batches_of_clears_only_follow_the_same_rules(store: PreciseStore, feed: Feed) -> None:
     """Nothing to read for them: the store's atomic step alone judges them."""
     clear = (AllBlocksCleared(),)
-    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 1, stored([1], None, TOKENS[:4]))
     assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.APPLIED
     assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.DUPLICATE
     assert (await store.apply(A, 5, 0, 0, clear)).position == Position(3, 0, True, None)
@@ -299,7 +299,7 @@ async def test_batches_of_clears_only_follow_the_same_rules(store: PreciseStore,
     assert (await store.apply(A, 7, 1, 0, clear)).outcome is Outcome.BEHIND
     await store.set_position(A, Position(7, 2, True, None))
     assert (await store.apply(A, 8, 1, 0, clear)).outcome is Outcome.STALE
-    assert (await store.match(keys_of(TOKENS)))["a"].gpu == 1  # another worker's blocks: untouched
+    assert (await store.match(keys_of(TOKENS)))["a"].dp == {1: 1}  # another rank's blocks: untouched
 
 
 async def test_epochs_stale_and_behind(store: PreciseStore) -> None:
