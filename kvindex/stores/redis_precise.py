@@ -49,6 +49,9 @@ from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, Store
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+_ENTRY = struct.Struct(">BQBQI")  # medium index, hash, kind (0 delete, 1 orphan, 2 key), key, extra copies
+_DELTA = struct.Struct(">1sQi")  # tier char, key, change of copies held
+UNCHANGED = (1 << 32) - 1  # extra copies not changed
 
 LUA = r"""
 local op, base = ARGV[1], ARGV[3]
@@ -160,7 +163,7 @@ local function free_if_empty(name, slot, nmedia)
   end
 end
 
--- ARGV[4] worker name, ARGV[5..] hashes: position, block size, worker version, media, entries
+-- ARGV[4] worker name, ARGV[5] hashes (8 bytes each): position, block size, version, media, entries
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
@@ -171,7 +174,7 @@ local function read_worker()
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
   local hashes = {}
-  for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+  for i = 1, #ARGV[5] - 7, 8 do hashes[#hashes + 1] = string.sub(ARGV[5], i, i + 7) end
   if #hashes == 0 then return out end
   for i, m in ipairs(split(meta[1])) do
     local fields = {}
@@ -182,31 +185,41 @@ local function read_worker()
   return out
 end
 
-local function write_worker(name, reset, order, orphans, first, nent, nhold)
+local function u32(s, i)
+  local b1, b2, b3, b4 = string.byte(s, i, i + 3)
+  return ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+end
+
+-- entries: 22-byte records (medium index u8, hash 8, kind u8 0 delete | 1 orphan | 2 key, key 8,
+-- extra copies u32, 2^32-1: unchanged); deltas: 13-byte records (tier char, key 8, delta i32)
+local function write_worker(name, reset, order, orphans, entries, deltas)
   redis.call('HINCRBY', base .. 'v', name, 1)
   local slot = redis.call('HGET', base .. 'W', name)
   if slot and reset then clear_worker(name, slot); slot = false end
-  if nent == 0 and not slot then return end
+  if #entries == 0 and not slot then return end
   if not slot then slot = new_worker(name, order) end
-  local media, index = split(order), {}
-  for i, m in ipairs(media) do index[m] = i end
+  local nmedia, xkey = #split(order), base .. 'x:' .. slot
   redis.call('HSET', base .. 'w:' .. slot, 'M', order, 'o', orphans)
-  for i = first, first + 4 * (nent - 1), 4 do
-    local idx, h, val, extra = index[ARGV[i]], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-    local bkey, xfield = base .. 'b:' .. slot .. ':' .. idx, idx .. ':' .. h
-    if val == '' then redis.call('HDEL', bkey, h) else redis.call('HSET', bkey, h, val) end
-    if extra == '0' then redis.call('HDEL', base .. 'x:' .. slot, xfield)
-    else redis.call('HSET', base .. 'x:' .. slot, xfield, extra) end
+  for i = 1, #entries, 22 do
+    local idx, h, kind, extra = string.byte(entries, i), string.sub(entries, i + 1, i + 8), string.byte(entries, i + 9), u32(entries, i + 18)
+    local bkey = base .. 'b:' .. slot .. ':' .. idx
+    if kind == 0 then redis.call('HDEL', bkey, h)
+    elseif kind == 1 then redis.call('HSET', bkey, h, 'o')
+    else redis.call('HSET', bkey, h, string.sub(entries, i + 10, i + 17)) end
+    if extra == 0 then redis.call('HDEL', xkey, idx .. ':' .. h)
+    elseif extra < 4294967295 then redis.call('HSET', xkey, idx .. ':' .. h, extra) end
   end
-  for i = first + 4 * nent, first + 4 * nent + 3 * (nhold - 1), 3 do
-    hold(ARGV[i], ARGV[i + 1], slot, tonumber(ARGV[i + 2]))
+  for i = 1, #deltas, 13 do
+    local d = u32(deltas, i + 9)
+    if d >= 2147483648 then d = d - 4294967296 end
+    hold(string.sub(deltas, i, i), string.sub(deltas, i + 1, i + 8), slot, d)
   end
-  free_if_empty(name, slot, #media)
+  free_if_empty(name, slot, nmedia)
 end
 
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
--- [15] entries, [16] holder deltas, then entries (medium, hash, value, extra) and deltas (tier, key, delta)
+-- [15] entries, [16] holder deltas (packed records, see write_worker)
 local function apply_batch()
   local p = read_pos(KEYS[2])
   local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
@@ -218,10 +231,9 @@ local function apply_batch()
     return {'retry'}
   end
   if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
-  local nent, nhold = tonumber(ARGV[15]), tonumber(ARGV[16])
   local slot = redis.call('HGET', base .. 'W', name)
-  if ARGV[12] == '1' or nent > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
-    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], 17, nent, nhold)
+  if ARGV[12] == '1' or #ARGV[15] > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
+    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16])
   end
   local y, r = p[3], p[4]
   if forced then y, r = '0', string.sub(ARGV[6], 2)
@@ -444,8 +456,8 @@ class _Plan:
     reset: bool
     media: tuple[str, ...]
     orphans: int
-    entries: list[str | bytes]  # flattened (medium, hash, value, extra)
-    holders: list[str | bytes]  # flattened (tier char, key, delta)
+    entries: bytes  # _ENTRY records
+    holders: bytes  # _DELTA records
     new_block_size: int | None
 
 
@@ -516,22 +528,25 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     else:
         before = view.entries
         touched = [(m, h) for m in w.media for h in hashes]
-    entries: list[str | bytes] = []
+    entries: list[bytes] = []
     deltas: dict[tuple[str, int], int] = {}
+    index = {m: i for i, m in enumerate(w.media, 1)}
     for m, h in touched:
         old, new = before.get((m, h)), w.media[m].get(h)
         new_x = w.extra.get((m, h), 0)
         if old == ((new, new_x) if new is not None else None):
             continue
-        entries += [m, _u64(h), b"" if new is None else (b"o" if new == ORPHAN else _u64(new)), str(new_x)]
+        kind = 0 if new is None else (1 if new == ORPHAN else 2)
+        keep = old is not None and old[1] == new_x or old is None and new_x == 0
+        entries.append(_ENTRY.pack(index[m], h, kind, new if kind == 2 else 0, UNCHANGED if keep else new_x))
         t = _TIER_CHAR[tier_of(m)]
         if old is not None and old[0] != ORPHAN:
             deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
         if new is not None and new != ORPHAN:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
-    holders: list[str | bytes] = [s for (t, k), d in deltas.items() if d for s in (t, _u64(k), str(d))]
+    holders = b"".join(_DELTA.pack(t.encode(), k, d) for (t, k), d in deltas.items() if d)
     new_bs = ov.block_size(model) if view.block_size is None else None
-    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, new_bs)
+    return _Plan(done, reset, tuple(w.media), w.orphans, b"".join(entries), holders, new_bs)
 
 
 def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
@@ -543,8 +558,7 @@ def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: st
         read_bs = "" if view.block_size is None else str(view.block_size)
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
-            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
-            str(len(plan.holders) // 3), *plan.entries, *plan.holders]
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), plan.entries, plan.holders]
 
 
 class RedisPreciseStore:
@@ -660,7 +674,8 @@ class RedisPreciseStore:
             if blind:  # clears only (or nothing): one round trip, computed on an empty worker
                 view = _WorkerView(None, None, "*", (), 0, {})
             else:
-                view = _view_of(await self._run(base, "read", name, *map(_u64, hashes), stream=stream.id), hashes)
+                packed = struct.pack(f">{len(hashes)}Q", *hashes)
+                view = _view_of(await self._run(base, "read", name, packed, stream=stream.id), hashes)
                 outcome = judge(view.position, seq, epoch, force)
                 if outcome is not Outcome.APPLIED:
                     return ApplyResult(outcome, view.position or Position(epoch=epoch))
