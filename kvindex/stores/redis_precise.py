@@ -113,15 +113,53 @@ local function unhold_all(t, key, slot)
   if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
 end
 
+-- a worker's engine hashes of one medium live in 512 small hashes by the hash's low 9 bits
+-- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~60k hashes per
+-- worker and medium); the bitmap k:<slot>:<i> marks the buckets in use
+local function bucket_of(h) return (string.byte(h, 7) % 2) * 256 + string.byte(h, 8) end
+local function set_entry(slot, idx, h, v)
+  local b = bucket_of(h)
+  local added = redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx .. ':' .. b, h, v)
+  if added == 1 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 1) end
+  return added
+end
+local function del_entry(slot, idx, h)
+  local b = bucket_of(h)
+  local bkey = base .. 'b:' .. slot .. ':' .. idx .. ':' .. b
+  redis.call('HDEL', bkey, h)
+  if redis.call('EXISTS', bkey) == 0 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 0) end
+end
+local function buckets_used(slot, idx)  -- bucket key names of one medium
+  local used, out = redis.call('GET', base .. 'k:' .. slot .. ':' .. idx) or '', {}
+  for j = 1, #used do
+    local byte = string.byte(used, j)
+    for b = 0, 7 do
+      if band(byte, 2 ^ (7 - b)) ~= 0 then out[#out + 1] = base .. 'b:' .. slot .. ':' .. idx .. ':' .. ((j - 1) * 8 + b) end
+    end
+  end
+  return out
+end
+local function medium_entries(slot, idx)  -- flat {hash, key or 'o', ...} of one medium
+  local out = {}
+  for _, bkey in ipairs(buckets_used(slot, idx)) do
+    local all = redis.call('HGETALL', bkey)
+    for j = 1, #all do out[#out + 1] = all[j] end
+  end
+  return out
+end
+
 local function clear_worker(name, slot)
   local media = split(redis.call('HGET', base .. 'w:' .. slot, 'M'))
   for i, m in ipairs(media) do
-    local t, bkey = tier(m), base .. 'b:' .. slot .. ':' .. i
-    local all = redis.call('HGETALL', bkey)
-    for j = 2, #all, 2 do
-      if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
+    local t = tier(m)
+    for _, bkey in ipairs(buckets_used(slot, i)) do
+      local all = redis.call('HGETALL', bkey)
+      for j = 2, #all, 2 do
+        if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
+      end
+      redis.call('DEL', bkey)
     end
-    redis.call('DEL', bkey)
+    redis.call('DEL', base .. 'k:' .. slot .. ':' .. i)
   end
   redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
@@ -150,13 +188,11 @@ local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex
   local slot = tostring(redis.call('BITPOS', base .. 'slots', 0))
   redis.call('SETBIT', base .. 'slots', slot, 1)
   redis.call('HSET', base .. 'W', name, slot)
-  redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0)
+  redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0, 'c', 0)
   return slot
 end
-local function free_if_empty(name, slot, nmedia)
-  local probe = {base .. 'x:' .. slot}
-  for i = 1, nmedia do probe[#probe + 1] = base .. 'b:' .. slot .. ':' .. i end
-  if redis.call('EXISTS', unpack(probe)) == 0 then
+local function count_entries(name, slot, delta)  -- a worker without entries is freed
+  if redis.call('HINCRBY', base .. 'w:' .. slot, 'c', delta) <= 0 then
     redis.call('DEL', base .. 'w:' .. slot)
     redis.call('HDEL', base .. 'W', name)
     redis.call('SETBIT', base .. 'slots', slot, 0)
@@ -177,9 +213,12 @@ local function read_worker()
   for i = 1, #ARGV[5] - 7, 8 do hashes[#hashes + 1] = string.sub(ARGV[5], i, i + 7) end
   if #hashes == 0 then return out end
   for i, m in ipairs(split(meta[1])) do
-    local fields = {}
-    for j, h in ipairs(hashes) do fields[j] = i .. ':' .. h end
-    out[#out + 1] = hmget(base .. 'b:' .. slot .. ':' .. i, hashes)
+    local fields, values = {}, {}
+    for j, h in ipairs(hashes) do
+      fields[j] = i .. ':' .. h
+      values[j] = redis.call('HGET', base .. 'b:' .. slot .. ':' .. i .. ':' .. bucket_of(h), h)
+    end
+    out[#out + 1] = values
     out[#out + 1] = hmget(base .. 'x:' .. slot, fields)
   end
   return out
@@ -192,20 +231,19 @@ end
 
 -- entries: 22-byte records (medium index u8, hash 8, kind u8 0 delete | 1 orphan | 2 key, key 8,
 -- extra copies u32, 2^32-1: unchanged); deltas: 13-byte records (tier char, key 8, delta i32)
-local function write_worker(name, reset, order, orphans, entries, deltas)
+local function write_worker(name, reset, order, orphans, entries, deltas, counted)
   redis.call('HINCRBY', base .. 'v', name, 1)
   local slot = redis.call('HGET', base .. 'W', name)
   if slot and reset then clear_worker(name, slot); slot = false end
   if #entries == 0 and not slot then return end
   if not slot then slot = new_worker(name, order) end
-  local nmedia, xkey = #split(order), base .. 'x:' .. slot
+  local xkey = base .. 'x:' .. slot
   redis.call('HSET', base .. 'w:' .. slot, 'M', order, 'o', orphans)
   for i = 1, #entries, 22 do
     local idx, h, kind, extra = string.byte(entries, i), string.sub(entries, i + 1, i + 8), string.byte(entries, i + 9), u32(entries, i + 18)
-    local bkey = base .. 'b:' .. slot .. ':' .. idx
-    if kind == 0 then redis.call('HDEL', bkey, h)
-    elseif kind == 1 then redis.call('HSET', bkey, h, 'o')
-    else redis.call('HSET', bkey, h, string.sub(entries, i + 10, i + 17)) end
+    if kind == 0 then del_entry(slot, idx, h)
+    elseif kind == 1 then set_entry(slot, idx, h, 'o')
+    else set_entry(slot, idx, h, string.sub(entries, i + 10, i + 17)) end
     if extra == 0 then redis.call('HDEL', xkey, idx .. ':' .. h)
     elseif extra < 4294967295 then redis.call('HSET', xkey, idx .. ':' .. h, extra) end
   end
@@ -214,12 +252,12 @@ local function write_worker(name, reset, order, orphans, entries, deltas)
     if d >= 2147483648 then d = d - 4294967296 end
     hold(string.sub(deltas, i, i), string.sub(deltas, i + 1, i + 8), slot, d)
   end
-  free_if_empty(name, slot, nmedia)
+  count_entries(name, slot, counted)
 end
 
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
--- [15] entries, [16] holder deltas (packed records, see write_worker)
+-- [15] entries, [16] holder deltas (packed records, see write_worker), [17] change of entries held
 local function apply_batch()
   local p = read_pos(KEYS[2])
   local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
@@ -233,7 +271,7 @@ local function apply_batch()
   if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
   local slot = redis.call('HGET', base .. 'W', name)
   if ARGV[12] == '1' or #ARGV[15] > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
-    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16])
+    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16], tonumber(ARGV[17]))
   end
   local y, r = p[3], p[4]
   if forced then y, r = '0', string.sub(ARGV[6], 2)
@@ -356,7 +394,7 @@ local function dump()
       local slot = all[i + 1]
       local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
       local item = {all[i], meta[1], tonumber(meta[2]) or 0}
-      for j = 1, #split(meta[1]) do item[#item + 1] = redis.call('HGETALL', base .. 'b:' .. slot .. ':' .. j) end
+      for j = 1, #split(meta[1]) do item[#item + 1] = medium_entries(slot, j) end
       item[#item + 1] = redis.call('HGETALL', base .. 'x:' .. slot)
       out[#out + 1] = item
     end
@@ -376,7 +414,7 @@ local function load()
       media[#media + 1] = m; idx = #media
       redis.call('HSET', base .. 'w:' .. slot, 'M', table.concat(media, '\n'))
     end
-    redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx, h, key)
+    if set_entry(slot, idx, h, key) == 1 then count_entries(name, slot, 1) end
     if copies > 1 then redis.call('HSET', base .. 'x:' .. slot, idx .. ':' .. h, copies - 1) end
     if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. slot, 'o', 1)
     else hold(tier(m), key, slot, copies) end
@@ -458,6 +496,7 @@ class _Plan:
     orphans: int
     entries: bytes  # _ENTRY records
     holders: bytes  # _DELTA records
+    counted: int  # change of the number of entries (medium, hash) held
     new_block_size: int | None
 
 
@@ -531,11 +570,13 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     entries: list[bytes] = []
     deltas: dict[tuple[str, int], int] = {}
     index = {m: i for i, m in enumerate(w.media, 1)}
+    counted = 0
     for m, h in touched:
         old, new = before.get((m, h)), w.media[m].get(h)
         new_x = w.extra.get((m, h), 0)
         if old == ((new, new_x) if new is not None else None):
             continue
+        counted += (new is not None) - (old is not None)
         kind = 0 if new is None else (1 if new == ORPHAN else 2)
         keep = old is not None and old[1] == new_x or old is None and new_x == 0
         entries.append(_ENTRY.pack(index[m], h, kind, new if kind == 2 else 0, UNCHANGED if keep else new_x))
@@ -546,7 +587,7 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
     holders = b"".join(_DELTA.pack(t.encode(), k, d) for (t, k), d in deltas.items() if d)
     new_bs = ov.block_size(model) if view.block_size is None else None
-    return _Plan(done, reset, tuple(w.media), w.orphans, b"".join(entries), holders, new_bs)
+    return _Plan(done, reset, tuple(w.media), w.orphans, b"".join(entries), holders, counted, new_bs)
 
 
 def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
@@ -558,7 +599,8 @@ def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: st
         read_bs = "" if view.block_size is None else str(view.block_size)
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
-            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), plan.entries, plan.holders]
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), plan.entries, plan.holders,
+            str(plan.counted)]
 
 
 class RedisPreciseStore:
