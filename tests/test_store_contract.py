@@ -113,7 +113,7 @@ async def residue(store: PreciseStore) -> int:
         return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
     assert isinstance(store, RedisPreciseStore)
     n = 0
-    for pattern in ("*}:[gcdGCD]:*", "*}:[bxw]:*"):
+    for pattern in ("*}:[gcdGCD]:*", "*}:[bxwk]:*"):
         n += len([k async for k in store._client.scan_iter(match=pattern)])
     return n + sum([await store._client.hlen(k) async for k in store._client.scan_iter(match="*}:W")])
 

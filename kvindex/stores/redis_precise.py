@@ -193,6 +193,7 @@ local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex
 end
 local function count_entries(name, slot, delta)  -- a worker without entries is freed
   if redis.call('HINCRBY', base .. 'w:' .. slot, 'c', delta) <= 0 then
+    for i = 1, #split(redis.call('HGET', base .. 'w:' .. slot, 'M')) do redis.call('DEL', base .. 'k:' .. slot .. ':' .. i) end
     redis.call('DEL', base .. 'w:' .. slot)
     redis.call('HDEL', base .. 'W', name)
     redis.call('SETBIT', base .. 'slots', slot, 0)
