@@ -10,24 +10,34 @@ Invariants:
   touches one slot (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation),
   ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
 - Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
-  size), ``s:<stream id>`` HASH q(last seq) e(epoch) y(synced) r(reason), ``W`` HASH "rank|pod" ->
-  worker id, ``n`` worker id counter (ids are never reused), ``v`` HASH "rank|pod" -> version (bumped
-  by every write to the worker; never deleted), ``w:<id>`` HASH n(name) M(media in first-store
-  order, "\\n"-joined) o(orphans), ``b:<id>:<i>`` HASH engine hash -> key or "o" for the i-th medium,
-  ``x:<id>`` HASH "<i>:<hash>" -> copies beyond the first, ``g:|c:|d:<key>`` HASH id -> copies held
-  in that tier (PreciseIndex's bitmask and ``_dups`` in one counter). Hashes, keys and seqs travel
-  as decimal strings; Lua compares seqs and epochs as numbers (exact below 2^53), never hashes.
+  size), ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
+  y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot, ``slots`` bitmap of slots in use (the
+  lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
+  by every write to the worker, never deleted: a recreated worker is a new version), ``w:<slot>``
+  HASH n(name) M(media in first-store order, "\\n"-joined) o(orphans) c(entries);
+  ``b:<slot>:<i>:<bucket>`` HASH engine hash -> key or "o" of the i-th medium, in 512 buckets by the
+  hash's low 9 bits (small listpack hashes: ~32 bytes per entry), ``k:<slot>:<i>`` bitmap of the
+  buckets in use, ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier
+  t in g|c|d: ``t:<key>`` bitmap of the slots holding the key and ``T:<key>`` HASH slot -> copies
+  beyond the first (PreciseIndex's ``_holders`` bitmask and ``_dups``). Engine hashes and keys are
+  8 big-endian bytes (binary strings: compact, and Lua never turns them into numbers); a batch's
+  reads and writes travel as packed records; seqs and epochs are decimal strings that Lua compares
+  as numbers (exact below 2^53).
 - ``apply`` = at most two round trips: a read script (position, block size, worker version and the
   entries of every hash the batch names), then, unless the read already shows the batch is not to
   be applied, the apply script. It re-judges the position (``judge``/``next_position`` of base.py),
   re-checks the worker version and block size it was computed from (else the client recomputes),
-  and writes everything or nothing: the scripts validate before their first write.
+  and writes everything or nothing: the scripts validate before their first write. A batch of
+  clears only (nothing to read) is one round trip. A call that timed out may still have been
+  applied; offering it again is safe (DUPLICATE).
 - Every script checks the model slot's generation copy against the one read at ``open()``; a
   mismatch (Redis restarted empty, or another generation) raises ``StoreLost``. Connection and
   timeout errors raise ``StoreUnavailable("redis at <url>: <reason>")``.
-- ``match`` takes an optional keyword ``model``: with it, one round trip (the prefix walk for all
-  candidate workers runs server-side); without it, every model is walked (two round trips), since
-  a key does not say which model's slot holds it.
+- ``match`` takes an optional keyword ``model``: with it, one round trip (the prefix walk over the
+  holder bitmaps for all candidate workers runs server-side); without it, every model is walked
+  (two round trips), since a key does not say which model's slot holds it.
+- A pod's streams share the pod's model: ``restart`` clears the pod's ranks in its stream's model;
+  ``clear_pod``, ``pods``, ``blocks_held``, ``engine_hashes`` and ``export_entries`` visit every model.
 - ``load_entries`` needs each pod's model: it is the model of the pod's streams applied or
   positioned through this store (``<prefix>:pods``); an entry of an unknown pod is refused.
 """
@@ -43,7 +53,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 
-from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, PreciseIndex, tier_of
 from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
 
@@ -324,54 +334,55 @@ local function candidates(npods)
   return out
 end
 
+local function holders_at(k, offload)  -- the gpu, cpu and disk bitmaps of key k ('' when none)
+  if not offload then return redis.call('GET', base .. 'g:' .. k) or '', '', '' end
+  local r = redis.call('MGET', base .. 'g:' .. k, base .. 'c:' .. k, base .. 'd:' .. k)
+  return r[1] or '', r[2] or '', r[3] or ''
+end
+-- one key of the walk: narrow the three alive sets (w.g within w.c within w.d), noting at
+-- ``depth`` the workers each drops; returns whether any worker is left
+local function narrow(w, g, c, d, depth)
+  local any = false
+  for j = 1, #w.d do
+    local a = w.d[j]
+    if a ~= 0 then
+      local gb, cb, db = string.byte(g, j) or 0, string.byte(c, j) or 0, string.byte(d, j) or 0
+      local x = w.g[j]
+      local y = band(x, gb)
+      if y ~= x then note_dropped(w.gdep, j, bxor(x, y), depth); w.g[j] = y end
+      x = w.c[j]; y = band(x, bor(gb, cb))
+      if y ~= x then note_dropped(w.cdep, j, bxor(x, y), depth); w.c[j] = y end
+      y = band(a, bor(gb, cb, db))
+      if y ~= a then note_dropped(w.ddep, j, bxor(a, y), depth); w.d[j] = y end
+      if y ~= 0 then any = true end
+    end
+  end
+  return any
+end
+
 -- ARGV[4] number of pods (-1: all), then pods, then the keys (8 bytes each, concatenated):
 -- per worker with a match {name, g, c, d}. Consecutive keys mostly have the same holders: the
 -- bitmaps (interned Lua strings) are compared with the previous key's first, bytes only on change.
 local function match()
   local npods = tonumber(ARGV[4])
   local packed = ARGV[5 + math.max(npods, 0)]
-  local ad = candidates(npods)
-  local ag, ac, L = {}, {}, #ad
-  for j = 1, L do ag[j], ac[j] = ad[j], ad[j] end
-  local gdep, cdep, ddep, depth = {}, {}, {}, 0
+  local w = {d = candidates(npods), g = {}, c = {}, gdep = {}, cdep = {}, ddep = {}}
+  for j = 1, #w.d do w.g[j], w.c[j] = w.d[j], w.d[j] end
   local offload = redis.call('EXISTS', base .. 'off') == 1
-  local pg, pc, pd = false, false, false
+  local pg, pc, pd, depth = false, false, false, 0
   for i = 1, #packed - 7, 8 do
-    local k = string.sub(packed, i, i + 7)
-    local g, c, d
-    if offload then
-      local r = redis.call('MGET', base .. 'g:' .. k, base .. 'c:' .. k, base .. 'd:' .. k)
-      g, c, d = r[1] or '', r[2] or '', r[3] or ''
-    else
-      g, c, d = redis.call('GET', base .. 'g:' .. k) or '', '', ''
-    end
-    local any = g == pg and c == pc and d == pd
-    pg, pc, pd = g, c, d
-    if not any then for j = 1, L do
-      local a = ad[j]
-      if a ~= 0 then
-        local gb, cb, db = string.byte(g, j) or 0, string.byte(c, j) or 0, string.byte(d, j) or 0
-        local x = ag[j]
-        local y = band(x, gb)
-        if y ~= x then note_dropped(gdep, j, bxor(x, y), depth); ag[j] = y end
-        x = ac[j]; y = band(x, bor(gb, cb))
-        if y ~= x then note_dropped(cdep, j, bxor(x, y), depth); ac[j] = y end
-        y = band(a, bor(gb, cb, db))
-        if y ~= a then note_dropped(ddep, j, bxor(a, y), depth); ad[j] = y end
-        if y ~= 0 then any = true end
-      end
-    end end
-    if not any then break end
-    depth = depth + 1
+    local g, c, d = holders_at(string.sub(packed, i, i + 7), offload)
+    if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then break end
+    pg, pc, pd, depth = g, c, d, depth + 1
   end
-  for j = 1, L do
-    note_dropped(gdep, j, ag[j], depth); note_dropped(cdep, j, ac[j], depth); note_dropped(ddep, j, ad[j], depth)
+  for j = 1, #w.d do
+    note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth); note_dropped(w.ddep, j, w.d[j], depth)
   end
   local out = {}
-  for s, d in pairs(ddep) do
+  for s, d in pairs(w.ddep) do
     if d > 0 then
       out[#out + 1] = redis.call('HGET', base .. 'w:' .. s, 'n')
-      out[#out + 1] = gdep[s]; out[#out + 1] = cdep[s]; out[#out + 1] = d
+      out[#out + 1] = w.gdep[s]; out[#out + 1] = w.cdep[s]; out[#out + 1] = d
     end
   end
   return out
@@ -562,12 +573,17 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
             reset = True
         else:
             raise TypeError(f"not a KV event: {t.__name__}")
-    if reset:
-        before: dict[tuple[str, int], tuple[int, int]] = {}
-        touched = [(m, h) for m, blocks in w.media.items() for h in blocks]
+    if reset:  # the store clears the worker first: everything the overlay holds is new
+        entries, holders, counted = _diff(w, {}, [(m, h) for m, blocks in w.media.items() for h in blocks])
     else:
-        before = view.entries
-        touched = [(m, h) for m in w.media for h in hashes]
+        entries, holders, counted = _diff(w, view.entries, [(m, h) for m in w.media for h in hashes])
+    new_bs = ov.block_size(model) if view.block_size is None else None
+    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, counted, new_bs)
+
+
+def _diff(w: Any, before: dict[tuple[str, int], tuple[int, int]], touched: list[tuple[str, int]]) -> tuple[bytes, bytes, int]:
+    """The changed entries, the holder deltas (copies per tier and key) and the change of the
+    number of entries, between ``before`` and the overlay worker ``w`` over ``touched``."""
     entries: list[bytes] = []
     deltas: dict[tuple[str, int], int] = {}
     index = {m: i for i, m in enumerate(w.media, 1)}
@@ -587,8 +603,7 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
         if new is not None and new != ORPHAN:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
     holders = b"".join(_DELTA.pack(t.encode(), k, d) for (t, k), d in deltas.items() if d)
-    new_bs = ov.block_size(model) if view.block_size is None else None
-    return _Plan(done, reset, tuple(w.media), w.orphans, b"".join(entries), holders, counted, new_bs)
+    return b"".join(entries), holders, counted
 
 
 def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
