@@ -8,7 +8,9 @@ backend in turn, sequentially from one client:
 - ``record_refresh``: the same 8 KB prompt (128 blocks) re-recorded on one pod (refresh only);
 - ``record_new``: a new 8 KB prompt each call (128 new keys);
 - ``score``: score of an 8 KB prompt over all pods (Kthena, top-k 5; server-side walk);
-- ``depth``: the same without the top-k cut-off (the drift audit's question).
+- ``depth``: the same without the top-k cut-off (the drift audit's question);
+- ``score_shared``: score of a prompt a quarter of the pods hold at staggered depths (the top-k
+  fills within the deepest levels, so the walk stops early).
 
 p50/p99 in microseconds and Redis/memory ratios, over a unix socket and over TCP loopback. Memory
 per entry in Redis: the ``INFO memory`` ``used_memory`` delta over the fill divided by the entries
@@ -47,6 +49,7 @@ from kvindex.stores.memory import MemoryApproxStore  # noqa: E402
 from kvindex.stores.redis_approx import RedisApproxStore  # noqa: E402
 
 MODEL = "bench-model"
+OPS = ("record_refresh", "record_new", "score", "depth", "score_shared")
 
 
 def _redis_server_class() -> Any:
@@ -96,6 +99,9 @@ async def fill(store: Any, pods: list[str], prompts_per_pod: int, copies: int, s
 async def latencies(store: Any, pods: list[str], repeat: int) -> dict[str, Any]:
     """record_refresh / record_new / score / depth latency of one backend."""
     hashes = store.hash_request(MODEL, {"prompt": prompt_8kb(1)})
+    shared = store.hash_request(MODEL, {"prompt": prompt_8kb(999_999)})
+    for i, pod in enumerate(pods[: max(1, len(pods) // 4)]):
+        await store.record(pod, MODEL, shared[: len(shared) - 4 * i])
     fresh = iter(range(10**6, 10**7))
     new_prompts = [store.hash_request(MODEL, {"prompt": prompt_8kb(next(fresh))}) for _ in range(repeat + 3)]
     queue = iter(new_prompts)
@@ -104,16 +110,19 @@ async def latencies(store: Any, pods: list[str], repeat: int) -> dict[str, Any]:
         "record_new": await time_calls(lambda: store.record(pods[1], MODEL, next(queue)), repeat),
         "score": await time_calls(lambda: store.score(MODEL, hashes, pods), repeat),
         "depth": await time_calls(lambda: store.depth(MODEL, hashes, pods), repeat),
+        "score_shared": await time_calls(lambda: store.score(MODEL, shared, pods), repeat),
     }
     result: dict[str, Any] = {name: latency_summary(t) for name, t in out.items()}
     result["record_plus_score_p50_us"] = result["record_refresh"]["p50_us"] + result["score"]["p50_us"]
-    result["answers"] = {"score": await store.score(MODEL, hashes, pods), "depth": await store.depth(MODEL, hashes, pods)}
+    result["answers"] = {"score": await store.score(MODEL, hashes, pods),
+                         "depth": await store.depth(MODEL, hashes, pods),
+                         "score_shared": await store.score(MODEL, shared, pods)}
     return result
 
 
 def ratios(red: dict[str, Any], mem: dict[str, Any]) -> dict[str, Any]:
     out = {op: {"p50": red[op]["p50_us"] / mem[op]["p50_us"], "p99": red[op]["p99_us"] / mem[op]["p99_us"]}
-           for op in ("record_refresh", "record_new", "score", "depth")}
+           for op in OPS}
     out["record_plus_score_p50"] = red["record_plus_score_p50_us"] / mem["record_plus_score_p50_us"]
     return out
 
@@ -190,7 +199,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def summary(doc: dict[str, Any]) -> str:
     lines = []
     for kind, res in doc["latency"].items():
-        for op in ("record_refresh", "record_new", "score", "depth"):
+        for op in OPS:
             r, m = res["redis"][op], res["memory"][op]
             lines.append(f"{kind:4} {op:14} redis p50 {r['p50_us']:8.1f} us p99 {r['p99_us']:8.1f} us | memory p50 "
                          f"{m['p50_us']:7.1f} us p99 {m['p99_us']:7.1f} us | ratio p50 "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -20,6 +21,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from tests import redis_server
 from tests.redis_server import RedisServer
 
@@ -229,7 +232,8 @@ async def test_kthena_tie_at_cut_off_goes_to_sorted_pod_names(make_store: MakeSt
 
 # Code-point order (Python's str order). Byte-wise strcoll in a UTF-8 locale, UTF-16 order (the
 # astral emoji before U+FF5E) or case-folding collations (pod-Z after pod-e) would all differ.
-UNICODE_PODS_SORTED = ["Pod-A", "pod-Z", "pod-e", "pod-z", "pod-é", "pod-ω", "pod-日本", "pod-～", "pod-😀", "Ωmega"]
+UNICODE_PODS_SORTED = ["Pod-A", "pod-Z", "pod-e", "pod-z", "pod-é", "pod-ω", "pod-日本", "pod-～", "pod-😀",
+                       "Ωmega"]
 
 
 async def test_kthena_ties_sorted_by_code_point_for_any_utf8_pod_name(make_store: MakeStore) -> None:
@@ -535,6 +539,28 @@ async def test_store_unavailable_then_lost_after_restart(tmp_path: Path) -> None
         server.stop()
 
 
+async def test_timeout_is_store_unavailable(tmp_path: Path) -> None:
+    """A server that stops answering (SIGSTOP) gives StoreUnavailable, then works again."""
+    server = RedisServer(tmp_path / "redis").start()
+    client = aioredis.from_url(server.url, socket_timeout=0.3, retry=Retry(NoBackoff(), 0))
+    try:
+        store = RedisApproxStore(client, ApproxConfig())
+        await store.open()
+        await store.record("p", "m", [1, 2])
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreUnavailable, match="^redis approx store unreachable: .*[Tt]imeout") as info:
+                await store.score("m", [1, 2], ["p"])
+            assert not isinstance(info.value, StoreLost) and "\n" not in str(info.value)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert await store.score("m", [1, 2], ["p"]) == {"p": 100}
+    finally:
+        await client.aclose()
+        server.stop()
+
+
 async def test_unopened_store_refuses(redis_url: str) -> None:
     client = aioredis.from_url(redis_url)
     try:
@@ -554,5 +580,6 @@ def test_benchmark_smoke_run_agrees_with_memory(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     for res in doc["latency"].values():
         assert res["answers_equal"] is True and res["entries"] > 0
-        assert {"record_refresh", "record_new", "score", "depth", "record_plus_score_p50"} <= set(res["ratio_redis_vs_memory"])
+        ops = {"record_refresh", "record_new", "score", "depth", "record_plus_score_p50"}
+        assert ops <= set(res["ratio_redis_vs_memory"])
     assert all(m["entries"] > 0 and m["used_memory_delta_bytes"] > 0 for m in doc["memory"].values())

@@ -46,6 +46,8 @@ Invariants:
   returns each depth's newly matched candidates up to the depth where the cut-off falls.
 - ``entries`` counts LRU keys (both personalities), ``T:entries`` is kept equal to that sum by
   every script. Connection or timeout errors -> ``StoreUnavailable`` with a one-line reason.
+  A refused connection changed nothing; after a timeout the server may still run the script it
+  received (a record then lands late; recording again only refreshes the same keys).
 - The caller owns the Redis client; ``close()`` does not close it.
 """
 
