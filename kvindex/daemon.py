@@ -68,16 +68,7 @@ class Daemon:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.stores = build_stores(config.store, config.approx,
-                                   on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
-        self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
-        self.guard.on_lost = self._store_lost
-        memory = is_memory(config.store)
-        # the memory backend's own indexes (tests, snapshots, the write-ahead log); None with Redis
-        self.index: PreciseIndex | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
-        self.approx: ApproxIndex | None = self.stores.approx.index if memory else None  # type: ignore[attr-defined]
-        self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
-        self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
+        memory = self._wire_stores(config)
         self._gauges: tuple[list[dict[str, object]], int] = ([], 0)
         self._gauges_at = float("-inf")
         self.ctx = zmq.asyncio.Context()
@@ -112,6 +103,20 @@ class Daemon:
         self._snapshot_task: asyncio.Task[None] | None = None
         self._fsync_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+
+    def _wire_stores(self, config: Config) -> bool:
+        """The stores of ``config.store`` (not opened yet), guarded unless in memory; True for memory."""
+        self.stores = build_stores(config.store, config.approx,
+                                   on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
+        self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
+        self.guard.on_lost = self._store_lost
+        memory = is_memory(config.store)
+        # the memory backend's own indexes (tests, snapshots, the write-ahead log); None with Redis
+        self.index: PreciseIndex | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
+        self.approx: ApproxIndex | None = self.stores.approx.index if memory else None  # type: ignore[attr-defined]
+        self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
+        self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
+        return memory
 
     @property
     def restored_from(self) -> str | None:
