@@ -11,7 +11,7 @@ Invariants:
   ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
 - Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
   size), ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
-  y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot, ``slots`` bitmap of slots in use (the
+  y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot (``N``: its inverse), ``slots`` bitmap of slots in use (the
   lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
   by every write to the worker, never deleted: a recreated worker is a new version), ``w:<slot>``
   HASH n(name) M(media in first-store order, "\\n"-joined) o(orphans) c(entries);
@@ -67,6 +67,7 @@ LUA = r"""
 local op, base = ARGV[1], ARGV[3]
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
+local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
 local function split(s)
   local out = {}
@@ -144,7 +145,7 @@ local function buckets_used(slot, idx)  -- bucket key names of one medium
   for j = 1, #used do
     local byte = string.byte(used, j)
     for b = 0, 7 do
-      if band(byte, 2 ^ (7 - b)) ~= 0 then out[#out + 1] = base .. 'b:' .. slot .. ':' .. idx .. ':' .. ((j - 1) * 8 + b) end
+      if band(byte, BIT[b]) ~= 0 then out[#out + 1] = base .. 'b:' .. slot .. ':' .. idx .. ':' .. ((j - 1) * 8 + b) end
     end
   end
   return out
@@ -173,6 +174,7 @@ local function clear_worker(name, slot)
   end
   redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
+  redis.call('HDEL', base .. 'N', slot)
   redis.call('SETBIT', base .. 'slots', slot, 0)
   redis.call('HINCRBY', base .. 'v', name, 1)
 end
@@ -198,6 +200,7 @@ local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex
   local slot = tostring(redis.call('BITPOS', base .. 'slots', 0))
   redis.call('SETBIT', base .. 'slots', slot, 1)
   redis.call('HSET', base .. 'W', name, slot)
+  redis.call('HSET', base .. 'N', slot, name)
   redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0, 'c', 0)
   return slot
 end
@@ -206,6 +209,7 @@ local function count_entries(name, slot, delta)  -- a worker without entries is 
     for i = 1, #split(redis.call('HGET', base .. 'w:' .. slot, 'M')) do redis.call('DEL', base .. 'k:' .. slot .. ':' .. i) end
     redis.call('DEL', base .. 'w:' .. slot)
     redis.call('HDEL', base .. 'W', name)
+    redis.call('HDEL', base .. 'N', slot)
     redis.call('SETBIT', base .. 'slots', slot, 0)
   end
 end
@@ -313,8 +317,9 @@ local function bytes_of(s)
   return out
 end
 local function note_dropped(depths, j, bits, depth)
+  if bits == 0 then return end
   for b = 0, 7 do
-    if band(bits, 2 ^ (7 - b)) ~= 0 then depths[(j - 1) * 8 + b] = depth end
+    if band(bits, BIT[b]) ~= 0 then depths[(j - 1) * 8 + b] = depth end
   end
 end
 local function candidates(npods)
@@ -328,16 +333,22 @@ local function candidates(npods)
       local s = tonumber(all[i + 1])
       local j = math.floor(s / 8) + 1
       for k = #out + 1, j do out[k] = 0 end
-      out[j] = bor(out[j], 2 ^ (7 - s % 8))
+      out[j] = bor(out[j], BIT[s % 8])
     end
   end
   return out
 end
 
-local function holders_at(k, offload)  -- the gpu, cpu and disk bitmaps of key k ('' when none)
-  if not offload then return redis.call('GET', base .. 'g:' .. k) or '', '', '' end
-  local r = redis.call('MGET', base .. 'g:' .. k, base .. 'c:' .. k, base .. 'd:' .. k)
-  return r[1] or '', r[2] or '', r[3] or ''
+local CHUNK = 64  -- keys fetched per MGET (a walk reads at most CHUNK - 1 keys past its end)
+local function holders_from(packed, first, offload)  -- bitmaps of CHUNK keys: g (and c, d) per key
+  local names = {}
+  for i = first, math.min(first + 8 * CHUNK, #packed + 1) - 8, 8 do
+    local k = string.sub(packed, i, i + 7)
+    names[#names + 1] = base .. 'g:' .. k
+    if offload then names[#names + 1] = base .. 'c:' .. k; names[#names + 1] = base .. 'd:' .. k end
+  end
+  if #names == 0 then return {} end
+  return redis.call('MGET', unpack(names))
 end
 -- one key of the walk: narrow the three alive sets (w.g within w.c within w.d), noting at
 -- ``depth`` the workers each drops; returns whether any worker is left
@@ -369,21 +380,29 @@ local function match()
   local w = {d = candidates(npods), g = {}, c = {}, gdep = {}, cdep = {}, ddep = {}}
   for j = 1, #w.d do w.g[j], w.c[j] = w.d[j], w.d[j] end
   local offload = redis.call('EXISTS', base .. 'off') == 1
-  local pg, pc, pd, depth = false, false, false, 0
-  for i = 1, #packed - 7, 8 do
-    local g, c, d = holders_at(string.sub(packed, i, i + 7), offload)
-    if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then break end
-    pg, pc, pd, depth = g, c, d, depth + 1
+  local pg, pc, pd, depth, alive, step = false, false, false, 0, true, offload and 3 or 1
+  for first = 1, #packed - 7, 8 * CHUNK do
+    local r = holders_from(packed, first, offload)
+    for j = 1, #r, step do
+      local g, c, d = r[j] or '', offload and r[j + 1] or '', offload and r[j + 2] or ''
+      if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
+      pg, pc, pd, depth = g, c, d, depth + 1
+    end
+    if not alive then break end
   end
   for j = 1, #w.d do
     note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth); note_dropped(w.ddep, j, w.d[j], depth)
   end
-  local out = {}
+  local out, slots = {}, {}
   for s, d in pairs(w.ddep) do
     if d > 0 then
-      out[#out + 1] = redis.call('HGET', base .. 'w:' .. s, 'n')
-      out[#out + 1] = w.gdep[s]; out[#out + 1] = w.cdep[s]; out[#out + 1] = d
+      slots[#slots + 1] = s
+      out[#out + 1] = false; out[#out + 1] = w.gdep[s]; out[#out + 1] = w.cdep[s]; out[#out + 1] = d
     end
+  end
+  if #slots > 0 then
+    local names = hmget(base .. 'N', slots)
+    for i = 1, #slots do out[4 * i - 3] = names[i] end
   end
   return out
 end
