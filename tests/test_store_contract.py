@@ -393,6 +393,32 @@ async def test_two_replicas_offered_every_batch_apply_each_once(pair: Any) -> No
     assert await r2.position(stream) == await mem.position(stream) == Position(5, 0, True, None)
 
 
+async def test_many_workers_over_several_bitmap_bytes(store: PreciseStore, feed: Feed) -> None:
+    """21 pods (one with two ranks, four with offloaded copies): slots past the first byte."""
+    tokens = list(range(200, 200 + 10 * BS))
+    ks = keys_of(tokens)
+    for i in range(21):
+        depth = i % 7 + (3 if i >= 14 else 0)
+        hashes = list(range(100 * i + 1, 100 * i + 1 + depth))
+        await feed(f"p{i:02d}", 0, stored(hashes, None, tokens[:depth * BS]))
+        if i % 5 == 4:  # one more block, offloaded to CPU: the cpu tier reaches one deeper
+            await feed(f"p{i:02d}", 0, stored([100 * i + 50], hashes[-1] if hashes else None, tokens[depth * BS:(depth + 1) * BS], medium="CPU"))
+    await feed("p20", 1, stored([7, 8], None, tokens[:2 * BS]))
+    await feed("p03", 0, BlockRemoved((303,)))  # p03 now holds 2
+    got = await store.match(ks, model="m")
+    want = {}
+    for i in range(21):
+        depth = 2 if i == 3 else i % 7 + (3 if i >= 14 else 0)
+        cpu = depth + 1 if i % 5 == 4 else depth
+        if cpu:
+            want[f"p{i:02d}"] = (depth, cpu, cpu)
+    assert {p: (m.gpu, m.cpu, m.disk) for p, m in got.items()} == want
+    assert got["p20"].dp == {0: 9, 1: 2} and got["p19"].dp == {0: 8}
+    some = ["p09", "p17", "p20", "nobody"]
+    assert await store.match(ks, some) == {p: got[p] for p in some if p in got}
+    assert await store.match(ks[:4], ["p16"]) == {"p16": (4, 4, 4, {0: 4})}
+
+
 def decoded(capture: str) -> list[tuple[str, str, int, Any]]:
     decoder = DIALECTS["vllm"].decoder()
     out = []
