@@ -343,6 +343,33 @@ async def test_concurrent_offers_of_one_batch_apply_once(store: PreciseStore, pe
     assert (await store.blocks_held("a"))["gpu"] == 20
 
 
+async def test_two_streams_of_one_worker_racing_lose_nothing(store: PreciseStore, peers: Factory) -> None:
+    """Batches computed from a read another writer has since overtaken are recomputed."""
+    other = await peers()
+    first, second = StreamRef.of("a", "kv@a@m", "m"), StreamRef.of("a", "kv@a@m:again", "m")
+
+    async def offer(s: PreciseStore, stream: StreamRef, base: int) -> None:
+        for seq in range(15):
+            h = base + 2 * seq
+            batch = (stored([h, h + 1], 10**6, TOKENS[:8]), stored([h], None, [], medium="CPU"))
+            assert (await s.apply(stream, seq, 0, 0, batch)).outcome is Outcome.APPLIED
+
+    await asyncio.gather(offer(store, first, 1000), offer(other, second, 5000))
+    assert await store.blocks_held("a") == {"gpu": 60, "cpu": 30, "disk": 0, "orphans": 90}
+    assert len((await other.engine_hashes("a"))[0]) == 60
+
+
+async def test_the_first_block_size_wins_a_race(peers: Factory) -> None:
+    one, two = await peers(), await peers()
+    for round_ in range(5):
+        model = f"race{round_}"
+        evs = [BlockStored((1,), None, array("I", TOKENS[:bs]), bs) for bs in (BS, 2 * BS)]
+        results = await asyncio.gather(*(s.apply(StreamRef.of(f"{model}-{i}", "t", model), 0, 0, 0, (ev,))
+                                         for i, (s, ev) in enumerate(zip((one, two), evs))))
+        assert sorted(r.applied.block_size_mismatch for r in results) == [0, 1]
+        assert await one.block_size(model) in (BS, 2 * BS)
+
+
 # -- differential: memory vs Redis -----------------------------------------------------------------
 @pytest.fixture
 async def pair(redis_url: str) -> AsyncIterator[tuple[MemoryPreciseStore, list[RedisPreciseStore]]]:
