@@ -415,6 +415,26 @@ local function clear_pod()
   return {'ok'}
 end
 
+-- ARGV[4] pod: copies held {gpu, cpu, disk, orphans}, counted here (nothing but counts travels)
+local function held()
+  local out, at = {0, 0, 0, 0}, {g = 1, c = 2, d = 3}
+  for _, w in ipairs(workers_of(ARGV[4], nil)) do
+    local slot = w[2]
+    local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
+    local media = split(meta[1])
+    for i, m in ipairs(media) do
+      for _, bkey in ipairs(buckets_used(slot, i)) do out[at[tier(m)]] = out[at[tier(m)]] + redis.call('HLEN', bkey) end
+    end
+    local extras = redis.call('HGETALL', base .. 'x:' .. slot)
+    for j = 1, #extras, 2 do
+      local idx = tonumber(string.match(extras[j], '^(%d+):'))
+      out[at[tier(media[idx])]] = out[at[tier(media[idx])]] + tonumber(extras[j + 1])
+    end
+    out[4] = out[4] + (tonumber(meta[2]) or 0)
+  end
+  return out
+end
+
 -- ARGV[4] pod or '*': per worker {name, media order, orphans, blocks of each medium..., extras}
 local function dump()
   local out = {}
@@ -460,6 +480,7 @@ elseif op == 'match' then return match()
 elseif op == 'restart' then return restart()
 elseif op == 'clear' then return clear_pod()
 elseif op == 'dump' then return dump()
+elseif op == 'held' then return held()
 elseif op == 'load' then return load()
 elseif op == 'pos' then local p = read_pos(KEYS[2]); return {'pos', p[1], p[2], p[3], p[4]}
 elseif op == 'setpos' then
@@ -830,9 +851,9 @@ class RedisPreciseStore:
 
     async def blocks_held(self, pod: str) -> dict[str, int]:
         out = {"gpu": 0, "cpu": 0, "disk": 0, "orphans": 0}
-        for _, _, medium, entries, extra, orphans in await self._dump(pod):
-            out[tier_of(medium)] += len(entries) + sum(n for (m, _), n in extra.items() if m == medium)
-            out["orphans"] += orphans
+        for _, counts in await self._each_model("held", pod):
+            for name, n in zip(("gpu", "cpu", "disk", "orphans"), counts):
+                out[name] += int(n)
         return out
 
     async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
@@ -861,8 +882,11 @@ class RedisPreciseStore:
 
     # -- state out and in ----------------------------------------------------------------------
     async def export_entries(self) -> list[Entry]:
+        """Every held entry, one pod at a time (each pod's entries are one point in time; a script
+        never blocks the store for the whole fleet)."""
         out = []
-        for pod, rank, medium, entries, extra, _ in await self._dump("*"):
+        dumps = [item for pod in await self.pods() for item in await self._dump(pod)]
+        for pod, rank, medium, entries, extra, _ in dumps:
             for h, key in entries.items():
                 out.append(Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0)))
         return out
