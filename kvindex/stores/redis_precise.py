@@ -100,22 +100,27 @@ local function workers_of(pod, rank)  -- {name, slot} of the pod's workers (one 
 end
 
 -- holders of (tier, key): bit ``slot`` of the string t:key, copies beyond the first in HASH T:key
-local function hold(t, key, slot, delta)
+local offload_marked = false
+local function hold(t, key, slot, delta)  -- the copies of key in tier t held by slot change by delta
   local bits, extra = base .. t .. ':' .. key, base .. string.upper(t) .. ':' .. key
-  if t ~= 'g' and delta > 0 then redis.call('SET', base .. 'off', '1') end  -- sticky: offload tiers in use
-  local cur = redis.call('GETBIT', bits, slot)
-  if cur == 1 then cur = cur + (tonumber(redis.call('HGET', extra, slot)) or 0) end
-  local n = cur + delta
-  if n <= 0 then
-    if cur > 0 then
-      redis.call('HDEL', extra, slot)
-      redis.call('SETBIT', bits, slot, 0)
-      if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
-    end
-  else
-    if cur == 0 then redis.call('SETBIT', bits, slot, 1) end
-    if n > 1 then redis.call('HSET', extra, slot, n - 1) elseif cur > 1 then redis.call('HDEL', extra, slot) end
+  if t ~= 'g' and delta > 0 and not offload_marked then  -- sticky: offload tiers in use
+    redis.call('SET', base .. 'off', '1')
+    offload_marked = true
   end
+  if delta > 0 then  -- SETBIT answers whether the slot held the key already: one call when new
+    if redis.call('SETBIT', bits, slot, 1) == 1 then redis.call('HINCRBY', extra, slot, delta)
+    elseif delta > 1 then redis.call('HSET', extra, slot, delta - 1) end
+    return
+  end
+  if redis.call('GETBIT', bits, slot) == 0 then return end  -- not held: nothing to release
+  local more = tonumber(redis.call('HGET', extra, slot)) or 0
+  local n = 1 + more + delta
+  if n <= 0 then
+    if more > 0 then redis.call('HDEL', extra, slot) end
+    redis.call('SETBIT', bits, slot, 0)
+    if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+  elseif n > 1 then redis.call('HSET', extra, slot, n - 1)
+  elseif more > 0 then redis.call('HDEL', extra, slot) end
 end
 local function unhold_all(t, key, slot)
   local bits = base .. t .. ':' .. key
