@@ -112,7 +112,6 @@ local function hold(t, key, slot, delta)  -- the copies of key in tier t held by
     elseif delta > 1 then redis.call('HSET', extra, slot, delta - 1) end
     return
   end
-  if redis.call('GETBIT', bits, slot) == 0 then return end  -- not held: nothing to release
   local more = tonumber(redis.call('HGET', extra, slot)) or 0
   local n = 1 + more + delta
   if n <= 0 then
