@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -631,9 +630,17 @@ async def test_store_restarted_empty_is_lost_until_reopened(tmp_path: Path) -> N
         server.stop()
 
 
-def test_the_layout_is_one_slot_per_model() -> None:
-    from kvindex.stores.redis_precise import model_base
-
-    assert model_base("kvi", "m") == "kvi:{m:m}:"
-    assert model_base("kvi", "a}{b") == "kvi:{m:a%7D%7Bb}:"  # braces escaped: the tag is the whole name
-    assert msgspec.json.encode(model_base("kvi", "x%")) == b'"kvi:{m:x%25}:"'
+async def test_every_key_of_a_model_carries_its_one_hash_tag(pair: Any) -> None:
+    _, (r1, r2) = pair
+    for i, model in enumerate(["m", "meta-llama/Llama-3.1-8B-Instruct{x}"]):
+        stream = StreamRef.of(f"p{i}", "t", model)
+        await r1.apply(stream, 0, 0, 0, (stored([1, 2], None, TOKENS[:8]), stored([1], None, [], medium="CPU")))
+        await r2.set_block_size(model, BS)
+    tags: dict[str, set[bytes]] = {}
+    async for key in r1._client.scan_iter():
+        if b"{" in key:
+            tag = key[key.index(b"{") + 1:key.index(b"}")]
+            tags.setdefault(tag.decode(), set()).add(key)
+        else:
+            assert key in {b"kvi:gen", b"kvi:mid", b"kvi:mid:n", b"kvi:pods"}, key
+    assert sorted(tags) == ["1", "2"] and all(len(keys) > 8 for keys in tags.values())

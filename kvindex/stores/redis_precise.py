@@ -6,10 +6,11 @@ can see), so keys, orphans, copies and media follow the very same code; the stor
 resulting differences and applies them in one server-side script.
 
 Invariants:
-- Every key of one model carries the hash tag ``{m:<model>}`` (braces escaped), so each script
-  touches one slot (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation),
-  ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
-- Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
+- Every key of one model carries the hash tag ``{<model id>}``, so each script touches one slot
+  (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation), ``<prefix>:mid`` (HASH
+  model -> its small id, allocated from ``<prefix>:mid:n`` by the first client needing it),
+  ``<prefix>:pods`` (HASH pod -> model, for load_entries).
+- Layout under ``B = <prefix>:{<model id>}:``: ``gen`` (copy of the generation), ``bs`` (block
   size), ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
   y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot (``N``: its inverse), ``slots`` bitmap of slots in use (the
   lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
@@ -517,10 +518,10 @@ def _key_or_orphan(v: bytes) -> int:
     return ORPHAN if v == b"o" else int.from_bytes(v, "big")
 
 
-def model_base(prefix: str, model: str) -> str:
-    """The key prefix of one model; its hash tag is the escaped model name."""
-    tag = model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    return f"{prefix}:{{m:{tag}}}:"
+def model_base(prefix: str, model_id: int) -> str:
+    """The key prefix of one model: its short id is the hash tag (short key names: each distinct
+    block key costs one top-level key per tier, and a long model name in it would cost more)."""
+    return f"{prefix}:{{{model_id}}}:"
 
 
 def client_url(client: aioredis.Redis) -> str:
@@ -676,7 +677,7 @@ class RedisPreciseStore:
         self._url = client_url(client)
         self._script = client.register_script(LUA)
         self._gen: str | None = None
-        self._ready_models: set[str] = set()
+        self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
         self._ready_pods: set[tuple[str, str]] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -706,30 +707,43 @@ class RedisPreciseStore:
         await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
         self._gen = _text(await self._call(lambda: self._client.get(gen_key)))
         await self._call(lambda: self._client.script_load(LUA))
-        self._ready_models.clear()
+        self._bases.clear()
         self._ready_pods.clear()
 
     async def _ensure(self, model: str, pod: str | None = None) -> str:
-        """The model's key prefix, its slot's generation copy checked (once per process)."""
-        base = model_base(self._prefix, model)
+        """The model's key prefix, its slot checked once per process; registers the pod's model."""
         if self._gen is None:
             raise StoreUnavailable(f"redis at {self._url}: store not opened")
-        if model in self._ready_models and (pod is None or (pod, model) in self._ready_pods):
-            return base
-        async def ensure() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.get(f"{self._prefix}:gen")
-            pipe.set(base + "gen", self._gen, nx=True, get=True)
-            pipe.sadd(f"{self._prefix}:models", model)
-            if pod is not None:
-                pipe.hset(f"{self._prefix}:pods", pod, model)
-            return await pipe.execute()
-        got = await self._call(ensure)
-        if _text(got[0]) != self._gen or _text(got[1]) not in (None, self._gen):
-            raise self._lost()
-        self._ready_models.add(model)
-        if pod is not None:
+        base = self._bases.get(model)
+        if base is None:
+            base = self._bases[model] = await self._register(model)
+        if pod is not None and (pod, model) not in self._ready_pods:
+            await self._call(lambda: self._client.hset(f"{self._prefix}:pods", pod, model))
             self._ready_pods.add((pod, model))
+        return base
+
+    async def _register(self, model: str) -> str:
+        """The model's short id (``<prefix>:mid``; the first client to need one allocates it) and
+        its slot's generation copy: set if absent, then the store's generation read after it, so
+        a store that restarted in between is found lost."""
+        mids, gen_key = f"{self._prefix}:mid", f"{self._prefix}:gen"
+        if _text(await self._call(lambda: self._client.get(gen_key))) != self._gen:
+            raise self._lost()
+        mid = await self._call(lambda: self._client.hget(mids, model))
+        if mid is None:
+            fresh = await self._call(lambda: self._client.incr(mids + ":n"))
+            await self._call(lambda: self._client.hsetnx(mids, model, fresh))
+            mid = await self._call(lambda: self._client.hget(mids, model))
+        base = model_base(self._prefix, int(mid))
+
+        async def check() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(base + "gen", self._gen, nx=True, get=True)
+            pipe.get(gen_key)
+            return await pipe.execute()
+        old, gen = await self._call(check)
+        if _text(gen) != self._gen or _text(old) not in (None, self._gen):
+            raise self._lost()
         return base
 
     async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
@@ -743,7 +757,7 @@ class RedisPreciseStore:
         async def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
-            pipe.smembers(f"{self._prefix}:models")
+            pipe.hkeys(f"{self._prefix}:mid")
             return await pipe.execute()
         gen, models = await self._call(read)
         if self._gen is None or _text(gen) != self._gen:
