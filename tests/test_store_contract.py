@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -343,6 +342,33 @@ async def test_concurrent_offers_of_one_batch_apply_once(store: PreciseStore, pe
     assert (await store.blocks_held("a"))["gpu"] == 20
 
 
+async def test_two_streams_of_one_worker_racing_lose_nothing(store: PreciseStore, peers: Factory) -> None:
+    """Batches computed from a read another writer has since overtaken are recomputed."""
+    other = await peers()
+    first, second = StreamRef.of("a", "kv@a@m", "m"), StreamRef.of("a", "kv@a@m:again", "m")
+
+    async def offer(s: PreciseStore, stream: StreamRef, base: int) -> None:
+        for seq in range(15):
+            h = base + 2 * seq
+            batch = (stored([h, h + 1], 10**6, TOKENS[:8]), stored([h], None, [], medium="CPU"))
+            assert (await s.apply(stream, seq, 0, 0, batch)).outcome is Outcome.APPLIED
+
+    await asyncio.gather(offer(store, first, 1000), offer(other, second, 5000))
+    assert await store.blocks_held("a") == {"gpu": 60, "cpu": 30, "disk": 0, "orphans": 90}
+    assert len((await other.engine_hashes("a"))[0]) == 60
+
+
+async def test_the_first_block_size_wins_a_race(peers: Factory) -> None:
+    one, two = await peers(), await peers()
+    for round_ in range(5):
+        model = f"race{round_}"
+        evs = [BlockStored((1,), None, array("I", TOKENS[:bs]), bs) for bs in (BS, 2 * BS)]
+        results = await asyncio.gather(*(s.apply(StreamRef.of(f"{model}-{i}", "t", model), 0, 0, 0, (ev,))
+                                         for i, (s, ev) in enumerate(zip((one, two), evs))))
+        assert sorted(r.applied.block_size_mismatch for r in results) == [0, 1]
+        assert await one.block_size(model) in (BS, 2 * BS)
+
+
 # -- differential: memory vs Redis -----------------------------------------------------------------
 @pytest.fixture
 async def pair(redis_url: str) -> AsyncIterator[tuple[MemoryPreciseStore, list[RedisPreciseStore]]]:
@@ -391,6 +417,32 @@ async def test_two_replicas_offered_every_batch_apply_each_once(pair: Any) -> No
         assert (await second.apply(stream, seq, 0, 0, batch)).outcome is Outcome.DUPLICATE
         await assert_same(mem, r1, [keys_of(TOKENS)], ["m"])
     assert await r2.position(stream) == await mem.position(stream) == Position(5, 0, True, None)
+
+
+async def test_many_workers_over_several_bitmap_bytes(store: PreciseStore, feed: Feed) -> None:
+    """21 pods (one with two ranks, four with offloaded copies): slots past the first byte."""
+    tokens = list(range(200, 200 + 10 * BS))
+    ks = keys_of(tokens)
+    for i in range(21):
+        depth = i % 7 + (3 if i >= 14 else 0)
+        hashes = list(range(100 * i + 1, 100 * i + 1 + depth))
+        await feed(f"p{i:02d}", 0, stored(hashes, None, tokens[:depth * BS]))
+        if i % 5 == 4:  # one more block, offloaded to CPU: the cpu tier reaches one deeper
+            await feed(f"p{i:02d}", 0, stored([100 * i + 50], hashes[-1] if hashes else None, tokens[depth * BS:(depth + 1) * BS], medium="CPU"))
+    await feed("p20", 1, stored([7, 8], None, tokens[:2 * BS]))
+    await feed("p03", 0, BlockRemoved((303,)))  # p03 now holds 2
+    got = await store.match(ks, model="m")
+    want = {}
+    for i in range(21):
+        depth = 2 if i == 3 else i % 7 + (3 if i >= 14 else 0)
+        cpu = depth + 1 if i % 5 == 4 else depth
+        if cpu:
+            want[f"p{i:02d}"] = (depth, cpu, cpu)
+    assert {p: (m.gpu, m.cpu, m.disk) for p, m in got.items()} == want
+    assert got["p20"].dp == {0: 9, 1: 2} and got["p19"].dp == {0: 8}
+    some = ["p09", "p17", "p20", "nobody"]
+    assert await store.match(ks, some) == {p: got[p] for p in some if p in got}
+    assert await store.match(ks[:4], ["p16"]) == {"p16": (4, 4, 4, {0: 4})}
 
 
 def decoded(capture: str) -> list[tuple[str, str, int, Any]]:
@@ -578,9 +630,17 @@ async def test_store_restarted_empty_is_lost_until_reopened(tmp_path: Path) -> N
         server.stop()
 
 
-def test_the_layout_is_one_slot_per_model() -> None:
-    from kvindex.stores.redis_precise import model_base
-
-    assert model_base("kvi", "m") == "kvi:{m:m}:"
-    assert model_base("kvi", "a}{b") == "kvi:{m:a%7D%7Bb}:"  # braces escaped: the tag is the whole name
-    assert msgspec.json.encode(model_base("kvi", "x%")) == b'"kvi:{m:x%25}:"'
+async def test_every_key_of_a_model_carries_its_one_hash_tag(pair: Any) -> None:
+    _, (r1, r2) = pair
+    for i, model in enumerate(["m", "meta-llama/Llama-3.1-8B-Instruct{x}"]):
+        stream = StreamRef.of(f"p{i}", "t", model)
+        await r1.apply(stream, 0, 0, 0, (stored([1, 2], None, TOKENS[:8]), stored([1], None, [], medium="CPU")))
+        await r2.set_block_size(model, BS)
+    tags: dict[str, set[bytes]] = {}
+    async for key in r1._client.scan_iter():
+        if b"{" in key:
+            tag = key[key.index(b"{") + 1:key.index(b"}")]
+            tags.setdefault(tag.decode(), set()).add(key)
+        else:
+            assert key in {b"kvi:gen", b"kvi:mid", b"kvi:mid:n", b"kvi:pods"}, key
+    assert sorted(tags) == ["1", "2"] and all(len(keys) > 8 for keys in tags.values())

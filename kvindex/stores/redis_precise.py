@@ -6,12 +6,13 @@ can see), so keys, orphans, copies and media follow the very same code; the stor
 resulting differences and applies them in one server-side script.
 
 Invariants:
-- Every key of one model carries the hash tag ``{m:<model>}`` (braces escaped), so each script
-  touches one slot (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation),
-  ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
-- Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
+- Every key of one model carries the hash tag ``{<model id>}``, so each script touches one slot
+  (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation), ``<prefix>:mid`` (HASH
+  model -> its small id, allocated from ``<prefix>:mid:n`` by the first client needing it),
+  ``<prefix>:pods`` (HASH pod -> model, for load_entries).
+- Layout under ``B = <prefix>:{<model id>}:``: ``gen`` (copy of the generation), ``bs`` (block
   size), ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
-  y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot, ``slots`` bitmap of slots in use (the
+  y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot (``N``: its inverse), ``slots`` bitmap of slots in use (the
   lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
   by every write to the worker, never deleted: a recreated worker is a new version), ``w:<slot>``
   HASH n(name) M(media in first-store order, "\\n"-joined) o(orphans) c(entries);
@@ -67,6 +68,7 @@ LUA = r"""
 local op, base = ARGV[1], ARGV[3]
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
+local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
 local function split(s)
   local out = {}
@@ -99,22 +101,26 @@ local function workers_of(pod, rank)  -- {name, slot} of the pod's workers (one 
 end
 
 -- holders of (tier, key): bit ``slot`` of the string t:key, copies beyond the first in HASH T:key
-local function hold(t, key, slot, delta)
+local offload_marked = false
+local function hold(t, key, slot, delta)  -- the copies of key in tier t held by slot change by delta
   local bits, extra = base .. t .. ':' .. key, base .. string.upper(t) .. ':' .. key
-  if t ~= 'g' and delta > 0 then redis.call('SET', base .. 'off', '1') end  -- sticky: offload tiers in use
-  local cur = redis.call('GETBIT', bits, slot)
-  if cur == 1 then cur = cur + (tonumber(redis.call('HGET', extra, slot)) or 0) end
-  local n = cur + delta
-  if n <= 0 then
-    if cur > 0 then
-      redis.call('HDEL', extra, slot)
-      redis.call('SETBIT', bits, slot, 0)
-      if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
-    end
-  else
-    if cur == 0 then redis.call('SETBIT', bits, slot, 1) end
-    if n > 1 then redis.call('HSET', extra, slot, n - 1) elseif cur > 1 then redis.call('HDEL', extra, slot) end
+  if t ~= 'g' and delta > 0 and not offload_marked then  -- sticky: offload tiers in use
+    redis.call('SET', base .. 'off', '1')
+    offload_marked = true
   end
+  if delta > 0 then  -- SETBIT answers whether the slot held the key already: one call when new
+    if redis.call('SETBIT', bits, slot, 1) == 1 then redis.call('HINCRBY', extra, slot, delta)
+    elseif delta > 1 then redis.call('HSET', extra, slot, delta - 1) end
+    return
+  end
+  local more = tonumber(redis.call('HGET', extra, slot)) or 0
+  local n = 1 + more + delta
+  if n <= 0 then
+    if more > 0 then redis.call('HDEL', extra, slot) end
+    redis.call('SETBIT', bits, slot, 0)
+    if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+  elseif n > 1 then redis.call('HSET', extra, slot, n - 1)
+  elseif more > 0 then redis.call('HDEL', extra, slot) end
 end
 local function unhold_all(t, key, slot)
   local bits = base .. t .. ':' .. key
@@ -144,7 +150,7 @@ local function buckets_used(slot, idx)  -- bucket key names of one medium
   for j = 1, #used do
     local byte = string.byte(used, j)
     for b = 0, 7 do
-      if band(byte, 2 ^ (7 - b)) ~= 0 then out[#out + 1] = base .. 'b:' .. slot .. ':' .. idx .. ':' .. ((j - 1) * 8 + b) end
+      if band(byte, BIT[b]) ~= 0 then out[#out + 1] = base .. 'b:' .. slot .. ':' .. idx .. ':' .. ((j - 1) * 8 + b) end
     end
   end
   return out
@@ -173,6 +179,7 @@ local function clear_worker(name, slot)
   end
   redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
+  redis.call('HDEL', base .. 'N', slot)
   redis.call('SETBIT', base .. 'slots', slot, 0)
   redis.call('HINCRBY', base .. 'v', name, 1)
 end
@@ -198,6 +205,7 @@ local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex
   local slot = tostring(redis.call('BITPOS', base .. 'slots', 0))
   redis.call('SETBIT', base .. 'slots', slot, 1)
   redis.call('HSET', base .. 'W', name, slot)
+  redis.call('HSET', base .. 'N', slot, name)
   redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0, 'c', 0)
   return slot
 end
@@ -206,6 +214,7 @@ local function count_entries(name, slot, delta)  -- a worker without entries is 
     for i = 1, #split(redis.call('HGET', base .. 'w:' .. slot, 'M')) do redis.call('DEL', base .. 'k:' .. slot .. ':' .. i) end
     redis.call('DEL', base .. 'w:' .. slot)
     redis.call('HDEL', base .. 'W', name)
+    redis.call('HDEL', base .. 'N', slot)
     redis.call('SETBIT', base .. 'slots', slot, 0)
   end
 end
@@ -313,8 +322,9 @@ local function bytes_of(s)
   return out
 end
 local function note_dropped(depths, j, bits, depth)
+  if bits == 0 then return end
   for b = 0, 7 do
-    if band(bits, 2 ^ (7 - b)) ~= 0 then depths[(j - 1) * 8 + b] = depth end
+    if band(bits, BIT[b]) ~= 0 then depths[(j - 1) * 8 + b] = depth end
   end
 end
 local function candidates(npods)
@@ -328,16 +338,22 @@ local function candidates(npods)
       local s = tonumber(all[i + 1])
       local j = math.floor(s / 8) + 1
       for k = #out + 1, j do out[k] = 0 end
-      out[j] = bor(out[j], 2 ^ (7 - s % 8))
+      out[j] = bor(out[j], BIT[s % 8])
     end
   end
   return out
 end
 
-local function holders_at(k, offload)  -- the gpu, cpu and disk bitmaps of key k ('' when none)
-  if not offload then return redis.call('GET', base .. 'g:' .. k) or '', '', '' end
-  local r = redis.call('MGET', base .. 'g:' .. k, base .. 'c:' .. k, base .. 'd:' .. k)
-  return r[1] or '', r[2] or '', r[3] or ''
+local CHUNK = 64  -- keys fetched per MGET (a walk reads at most CHUNK - 1 keys past its end)
+local function holders_from(packed, first, offload)  -- bitmaps of CHUNK keys: g (and c, d) per key
+  local names = {}
+  for i = first, math.min(first + 8 * CHUNK, #packed + 1) - 8, 8 do
+    local k = string.sub(packed, i, i + 7)
+    names[#names + 1] = base .. 'g:' .. k
+    if offload then names[#names + 1] = base .. 'c:' .. k; names[#names + 1] = base .. 'd:' .. k end
+  end
+  if #names == 0 then return {} end
+  return redis.call('MGET', unpack(names))
 end
 -- one key of the walk: narrow the three alive sets (w.g within w.c within w.d), noting at
 -- ``depth`` the workers each drops; returns whether any worker is left
@@ -369,21 +385,29 @@ local function match()
   local w = {d = candidates(npods), g = {}, c = {}, gdep = {}, cdep = {}, ddep = {}}
   for j = 1, #w.d do w.g[j], w.c[j] = w.d[j], w.d[j] end
   local offload = redis.call('EXISTS', base .. 'off') == 1
-  local pg, pc, pd, depth = false, false, false, 0
-  for i = 1, #packed - 7, 8 do
-    local g, c, d = holders_at(string.sub(packed, i, i + 7), offload)
-    if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then break end
-    pg, pc, pd, depth = g, c, d, depth + 1
+  local pg, pc, pd, depth, alive, step = false, false, false, 0, true, offload and 3 or 1
+  for first = 1, #packed - 7, 8 * CHUNK do
+    local r = holders_from(packed, first, offload)
+    for j = 1, #r, step do
+      local g, c, d = r[j] or '', offload and r[j + 1] or '', offload and r[j + 2] or ''
+      if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
+      pg, pc, pd, depth = g, c, d, depth + 1
+    end
+    if not alive then break end
   end
   for j = 1, #w.d do
     note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth); note_dropped(w.ddep, j, w.d[j], depth)
   end
-  local out = {}
+  local out, slots = {}, {}
   for s, d in pairs(w.ddep) do
     if d > 0 then
-      out[#out + 1] = redis.call('HGET', base .. 'w:' .. s, 'n')
-      out[#out + 1] = w.gdep[s]; out[#out + 1] = w.cdep[s]; out[#out + 1] = d
+      slots[#slots + 1] = s
+      out[#out + 1] = false; out[#out + 1] = w.gdep[s]; out[#out + 1] = w.cdep[s]; out[#out + 1] = d
     end
+  end
+  if #slots > 0 then
+    local names = hmget(base .. 'N', slots)
+    for i = 1, #slots do out[4 * i - 3] = names[i] end
   end
   return out
 end
@@ -394,6 +418,26 @@ local function clear_pod()
   if rank == '*' then rank = nil end
   for _, w in ipairs(workers_of(ARGV[4], rank)) do clear_worker(w[1], w[2]) end
   return {'ok'}
+end
+
+-- ARGV[4] pod: copies held {gpu, cpu, disk, orphans}, counted here (nothing but counts travels)
+local function held()
+  local out, at = {0, 0, 0, 0}, {g = 1, c = 2, d = 3}
+  for _, w in ipairs(workers_of(ARGV[4], nil)) do
+    local slot = w[2]
+    local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
+    local media = split(meta[1])
+    for i, m in ipairs(media) do
+      for _, bkey in ipairs(buckets_used(slot, i)) do out[at[tier(m)]] = out[at[tier(m)]] + redis.call('HLEN', bkey) end
+    end
+    local extras = redis.call('HGETALL', base .. 'x:' .. slot)
+    for j = 1, #extras, 2 do
+      local idx = tonumber(string.match(extras[j], '^(%d+):'))
+      out[at[tier(media[idx])]] = out[at[tier(media[idx])]] + tonumber(extras[j + 1])
+    end
+    out[4] = out[4] + (tonumber(meta[2]) or 0)
+  end
+  return out
 end
 
 -- ARGV[4] pod or '*': per worker {name, media order, orphans, blocks of each medium..., extras}
@@ -441,6 +485,7 @@ elseif op == 'match' then return match()
 elseif op == 'restart' then return restart()
 elseif op == 'clear' then return clear_pod()
 elseif op == 'dump' then return dump()
+elseif op == 'held' then return held()
 elseif op == 'load' then return load()
 elseif op == 'pos' then local p = read_pos(KEYS[2]); return {'pos', p[1], p[2], p[3], p[4]}
 elseif op == 'setpos' then
@@ -473,10 +518,10 @@ def _key_or_orphan(v: bytes) -> int:
     return ORPHAN if v == b"o" else int.from_bytes(v, "big")
 
 
-def model_base(prefix: str, model: str) -> str:
-    """The key prefix of one model; its hash tag is the escaped model name."""
-    tag = model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    return f"{prefix}:{{m:{tag}}}:"
+def model_base(prefix: str, model_id: int) -> str:
+    """The key prefix of one model: its short id is the hash tag (short key names: each distinct
+    block key costs one top-level key per tier, and a long model name in it would cost more)."""
+    return f"{prefix}:{{{model_id}}}:"
 
 
 def client_url(client: aioredis.Redis) -> str:
@@ -632,7 +677,7 @@ class RedisPreciseStore:
         self._url = client_url(client)
         self._script = client.register_script(LUA)
         self._gen: str | None = None
-        self._ready_models: set[str] = set()
+        self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
         self._ready_pods: set[tuple[str, str]] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -662,30 +707,43 @@ class RedisPreciseStore:
         await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
         self._gen = _text(await self._call(lambda: self._client.get(gen_key)))
         await self._call(lambda: self._client.script_load(LUA))
-        self._ready_models.clear()
+        self._bases.clear()
         self._ready_pods.clear()
 
     async def _ensure(self, model: str, pod: str | None = None) -> str:
-        """The model's key prefix, its slot's generation copy checked (once per process)."""
-        base = model_base(self._prefix, model)
+        """The model's key prefix, its slot checked once per process; registers the pod's model."""
         if self._gen is None:
             raise StoreUnavailable(f"redis at {self._url}: store not opened")
-        if model in self._ready_models and (pod is None or (pod, model) in self._ready_pods):
-            return base
-        async def ensure() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.get(f"{self._prefix}:gen")
-            pipe.set(base + "gen", self._gen, nx=True, get=True)
-            pipe.sadd(f"{self._prefix}:models", model)
-            if pod is not None:
-                pipe.hset(f"{self._prefix}:pods", pod, model)
-            return await pipe.execute()
-        got = await self._call(ensure)
-        if _text(got[0]) != self._gen or _text(got[1]) not in (None, self._gen):
-            raise self._lost()
-        self._ready_models.add(model)
-        if pod is not None:
+        base = self._bases.get(model)
+        if base is None:
+            base = self._bases[model] = await self._register(model)
+        if pod is not None and (pod, model) not in self._ready_pods:
+            await self._call(lambda: self._client.hset(f"{self._prefix}:pods", pod, model))
             self._ready_pods.add((pod, model))
+        return base
+
+    async def _register(self, model: str) -> str:
+        """The model's short id (``<prefix>:mid``; the first client to need one allocates it) and
+        its slot's generation copy: set if absent, then the store's generation read after it, so
+        a store that restarted in between is found lost."""
+        mids, gen_key = f"{self._prefix}:mid", f"{self._prefix}:gen"
+        if _text(await self._call(lambda: self._client.get(gen_key))) != self._gen:
+            raise self._lost()
+        mid = await self._call(lambda: self._client.hget(mids, model))
+        if mid is None:
+            fresh = await self._call(lambda: self._client.incr(mids + ":n"))
+            await self._call(lambda: self._client.hsetnx(mids, model, fresh))
+            mid = await self._call(lambda: self._client.hget(mids, model))
+        base = model_base(self._prefix, int(mid))
+
+        async def check() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(base + "gen", self._gen, nx=True, get=True)
+            pipe.get(gen_key)
+            return await pipe.execute()
+        old, gen = await self._call(check)
+        if _text(gen) != self._gen or _text(old) not in (None, self._gen):
+            raise self._lost()
         return base
 
     async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
@@ -699,7 +757,7 @@ class RedisPreciseStore:
         async def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
-            pipe.smembers(f"{self._prefix}:models")
+            pipe.hkeys(f"{self._prefix}:mid")
             return await pipe.execute()
         gen, models = await self._call(read)
         if self._gen is None or _text(gen) != self._gen:
@@ -811,9 +869,9 @@ class RedisPreciseStore:
 
     async def blocks_held(self, pod: str) -> dict[str, int]:
         out = {"gpu": 0, "cpu": 0, "disk": 0, "orphans": 0}
-        for _, _, medium, entries, extra, orphans in await self._dump(pod):
-            out[tier_of(medium)] += len(entries) + sum(n for (m, _), n in extra.items() if m == medium)
-            out["orphans"] += orphans
+        for _, counts in await self._each_model("held", pod):
+            for name, n in zip(("gpu", "cpu", "disk", "orphans"), counts):
+                out[name] += int(n)
         return out
 
     async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
@@ -842,8 +900,11 @@ class RedisPreciseStore:
 
     # -- state out and in ----------------------------------------------------------------------
     async def export_entries(self) -> list[Entry]:
+        """Every held entry, one pod at a time (each pod's entries are one point in time; a script
+        never blocks the store for the whole fleet)."""
         out = []
-        for pod, rank, medium, entries, extra, _ in await self._dump("*"):
+        dumps = [item for pod in await self.pods() for item in await self._dump(pod)]
+        for pod, rank, medium, entries, extra, _ in dumps:
             for h, key in entries.items():
                 out.append(Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0)))
         return out
@@ -866,6 +927,7 @@ class RedisPreciseStore:
         return len(entries)
 
     async def close(self) -> None:
+        """Nothing to release: the client is the caller's (it may serve other stores too)."""
         return None
 
 
