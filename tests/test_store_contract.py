@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import sys
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -27,11 +26,8 @@ from kvindex.stores.base import Outcome, Position, PreciseStore, StoreLost, Stor
 from kvindex.stores.memory import MemoryPreciseStore
 from kvindex.stores.redis_precise import RedisPreciseStore
 from tests.conftest import FIXTURES
-from tests import redis_server
 from tests.redis_server import RedisServer
 from tests.test_precise_fixtures import meta, predictable, requests_in_order
-
-sys.modules.setdefault("redis_server", redis_server)  # conftest imports it by its bare name
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks of 4
