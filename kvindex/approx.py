@@ -206,6 +206,26 @@ def score_matches(settings: ApproxSettings, matches: Mapping[str, int], n: int) 
     return {pod: int((m / n) * 100) for pod, m in matches.items()}
 
 
+def render_request(settings: ApproxSettings, body: dict[str, Any]) -> str:
+    """The prompt text ``settings``' personality hashes (GIE's bytes shown as UTF-8 text)."""
+    if settings.personality == GIE_V1_5:
+        return render_gie(body).decode("utf-8", "replace")
+    return render_kthena(body)
+
+
+def hash_body(model: str, body: dict[str, Any], settings: ApproxSettings) -> list[int]:
+    """Render ``body`` per ``settings``' personality and hash it. Raises ``RenderError``.
+
+    Both personalities seed with ``body["cache_salt"]`` when it is a string (GIE does; for
+    Kthena it is kvindex's extension, see ``kthena_hashes``).
+    """
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    salt = salt if isinstance(salt, str) else ""
+    if settings.personality == GIE_V1_5:
+        return gie_hashes(model, render_gie(body), settings, salt)
+    return kthena_hashes(model, render_kthena(body), settings, salt)
+
+
 # --- LRU -------------------------------------------------------------------------------------
 
 
@@ -418,22 +438,11 @@ class ApproxIndex:
 
     def render(self, model: str, body: dict[str, Any]) -> str:
         """The prompt text the model's personality hashes (GIE's bytes shown as UTF-8 text)."""
-        if self._config.for_model(model).personality == GIE_V1_5:
-            return render_gie(body).decode("utf-8", "replace")
-        return render_kthena(body)
+        return render_request(self._config.for_model(model), body)
 
     def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
-        """Render ``body`` per the model's personality and hash it. Raises ``RenderError``.
-
-        Both personalities seed with ``body["cache_salt"]`` when it is a string (GIE does; for
-        Kthena it is kvindex's extension, see ``kthena_hashes``).
-        """
-        settings = self._config.for_model(model)
-        salt = body.get("cache_salt") if isinstance(body, dict) else None
-        salt = salt if isinstance(salt, str) else ""
-        if settings.personality == GIE_V1_5:
-            return gie_hashes(model, render_gie(body), settings, salt)
-        return kthena_hashes(model, render_kthena(body), settings, salt)
+        """Render ``body`` per the model's personality and hash it (``hash_body``)."""
+        return hash_body(model, body, self._config.for_model(model))
 
     def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
         """Record that ``pod`` served a request with these block hashes (evicts synchronously)."""

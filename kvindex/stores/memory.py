@@ -73,8 +73,9 @@ class MemoryPreciseStore:
     async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
         return self.index.engine_hashes(pod)
 
-    async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
-        return self.index.match(keys, pods)
+    async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
+                    model: str | None = None) -> dict[str, PodMatch]:
+        return self.index.match(keys, pods)  # keys are global here: ``model`` is only a slot hint
 
     async def export_entries(self) -> list[Entry]:
         return list(self.index.export_entries())

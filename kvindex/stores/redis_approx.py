@@ -1,0 +1,492 @@
+"""The approximate index on Redis: one set of beliefs shared by every kvindex replica and router.
+
+Semantics are exactly ``kvindex.approx.ApproxIndex`` (and so ``MemoryApproxStore``): both
+personalities, Kthena's per-pod LRU of ``(hash, model)`` (deepest block first, refresh-only
+re-adds, synchronous eviction, capacity fixed at the pod's first record) and GIE v1.5.0's per-pod
+LRU of hashes (first block first, stale beliefs capped at the pod's capacity). Rendering and
+hashing stay in this process (``render_request`` / ``hash_body``); only beliefs live in Redis.
+
+Key layout, all under ONE hash tag ``T = {<prefix>:approx}``::
+
+    T:gen                  the store's generation (random id, SET NX by the first opener)
+    T:entries  T:evictions  counters: sum of LRU lengths; capacity evictions (store-wide)
+    T:k:cap                HASH pod -> capacity of its Kthena LRU (present iff the LRU exists)
+    T:k:lru:<pod>          ZSET "<hash> <model>", score = per-pod recency counter (oldest lowest)
+    T:k:h:<hash>:<model>   SET of pods believed to hold the block (Kthena index)
+    T:g:cap                HASH pod -> capacity of its GIE LRU (0: stale beliefs only, no LRU)
+    T:g:lru:<pod>          ZSET of hashes, score = recency counter
+    T:g:stale:<pod>        ZSET of stale hashes (GIE's quirk), score = insertion counter
+    T:g:h:<hash>           SET of pods (GIE index, no model)
+
+Why one tag: a Kthena pod's LRU is shared by all models on that pod, so one record may evict
+another model's key and touch that model's hash -> pods set; and a hash -> pods set spans pods.
+No per-model or per-pod tag keeps a record's keys in one slot, so the whole approximate index
+is one slot: correct on Redis Cluster (every script touches one slot; the scripts carry a
+``#!lua`` shebang, so Redis refuses any cross-slot access instead of silently allowing it), but
+the index is bounded by one node's memory and one node's CPU (it does not spread over shards;
+about 64 pods x 50000 entries fits a few GB; beyond that, run one store per router fleet).
+Scripts declare only ``T:gen`` in KEYS and build the other names inside the same tag.
+
+Invariants:
+- Every operation is ONE script (EVALSHA): ``record`` applies a whole request atomically and
+  returns what it evicted; ``match``/``depth``/``score`` walk the prefix server-side in one round
+  trip. Every script first checks ``T:gen`` against the generation read at ``open()``: missing or
+  different -> ``StoreLost`` and nothing changed. Write scripts are flagged scripts, which Redis
+  refuses up front when out of memory, so a record never half-applies.
+- u64 hashes travel as decimal strings and are never converted to Lua numbers (doubles); only
+  counters and capacities are numbers.
+- Holders tied at the Kthena top-k cut-off are ordered here, in Python (``sorted`` over ``str``:
+  code-point order for any pod name), not by Lua, whose string ``<`` is ``strcoll``. The server
+  returns each depth's newly matched candidates up to the depth where the cut-off falls.
+- ``entries`` counts LRU keys (both personalities), ``T:entries`` is kept equal to that sum by
+  every script. Connection or timeout errors -> ``StoreUnavailable`` with a one-line reason.
+- The caller owns the Redis client; ``close()`` does not close it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as rx
+
+from kvindex.approx import GIE_V1_5, ApproxConfig, ApproxIndex, hash_body, render_request, score_matches
+from kvindex.stores.base import StoreLost, StoreUnavailable
+
+LOST_MARK = "KVI_LOST"
+
+# Every script: KEYS[1] = T:gen, ARGV[1] = the generation read at open(); P = "T:".
+_GUARD = """
+local P = string.sub(KEYS[1], 1, -4)
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('KVI_LOST the approximate index generation vanished or changed')
+end
+local function top_score(key)
+  local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if top[2] then return tonumber(top[2]) end
+  return 0
+end
+local function smismember(key, list)
+  local out = {}
+  for i = 1, #list, 1000 do
+    local part = redis.call('SMISMEMBER', key, unpack(list, i, math.min(i + 999, #list)))
+    for _, f in ipairs(part) do out[#out + 1] = f end
+  end
+  return out
+end
+local function split_key(member)
+  local sp = string.find(member, ' ', 1, true)
+  return string.sub(member, 1, sp - 1), string.sub(member, sp + 1)
+end
+"""
+_WRITE = "#!lua\n" + _GUARD
+_READ = "#!lua flags=no-writes\n" + _GUARD
+
+# ARGV: gen, pod, model, capacity, hashes... (first block first). Returns the evicted models.
+_RECORD_KTHENA = _WRITE + """
+local pod, model = ARGV[2], ARGV[3]
+redis.call('HSETNX', P .. 'k:cap', pod, ARGV[4])
+local cap = tonumber(redis.call('HGET', P .. 'k:cap', pod))
+local lru = P .. 'k:lru:' .. pod
+local seq, added, evicted = top_score(lru), 0, {}
+for i = #ARGV, 5, -1 do
+  local h = ARGV[i]
+  redis.call('SADD', P .. 'k:h:' .. h .. ':' .. model, pod)
+  seq = seq + 1
+  if redis.call('ZADD', lru, string.format('%d', seq), h .. ' ' .. model) == 1 then
+    added = added + 1
+    if redis.call('ZCARD', lru) > cap then
+      local eh, em = split_key(redis.call('ZPOPMIN', lru)[1])
+      redis.call('SREM', P .. 'k:h:' .. eh .. ':' .. em, pod)
+      added = added - 1
+      evicted[#evicted + 1] = em
+    end
+  end
+end
+redis.call('INCRBY', P .. 'entries', added)
+redis.call('INCRBY', P .. 'evictions', #evicted)
+return evicted
+"""
+
+# ARGV: gen, pod, capacity, hashes... Returns the number of evictions.
+_RECORD_GIE = _WRITE + """
+local pod = ARGV[2]
+local cap = tonumber(redis.call('HGET', P .. 'g:cap', pod) or '0')
+if cap == 0 then
+  redis.call('HSET', P .. 'g:cap', pod, ARGV[3])
+  cap = tonumber(ARGV[3])
+end
+local lru, stale = P .. 'g:lru:' .. pod, P .. 'g:stale:' .. pod
+local seq, sseq, added, evicted = top_score(lru), top_score(stale), 0, 0
+for i = 4, #ARGV do
+  local h = ARGV[i]
+  redis.call('ZREM', stale, h)
+  seq = seq + 1
+  if redis.call('ZADD', lru, string.format('%d', seq), h) == 1 then
+    added = added + 1
+    if redis.call('ZCARD', lru) > cap then
+      redis.call('SREM', P .. 'g:h:' .. redis.call('ZPOPMIN', lru)[1], pod)
+      added, evicted = added - 1, evicted + 1
+    end
+  end
+end
+for i = 4, #ARGV do
+  local h = ARGV[i]
+  redis.call('SADD', P .. 'g:h:' .. h, pod)
+  if not redis.call('ZSCORE', lru, h) then
+    sseq = sseq + 1
+    redis.call('ZADD', stale, string.format('%d', sseq), h)
+    if redis.call('ZCARD', stale) > cap then
+      redis.call('SREM', P .. 'g:h:' .. redis.call('ZPOPMIN', stale)[1], pod)
+    end
+  end
+end
+redis.call('INCRBY', P .. 'entries', added)
+redis.call('INCRBY', P .. 'evictions', evicted)
+return evicted
+"""
+
+# ARGV: gen, model, top_k, n, candidates[n] (distinct), hashes... Walks deepest first; returns
+# flat [depth, count, pods...] per depth that matched new candidates, up to the cut-off depth.
+_MATCH_KTHENA = _READ + """
+local model, top_k, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local first = 5 + n
+local open, remaining, out, found = {}, {}, {}, 0
+for i = 1, n do open[ARGV[4 + i]] = true; remaining[i] = ARGV[4 + i] end
+for j = #ARGV, first, -1 do
+  if #remaining == 0 then break end
+  local key = P .. 'k:h:' .. ARGV[j] .. ':' .. model
+  local size = redis.call('SCARD', key)
+  local new = {}
+  if size > 0 and size <= #remaining then
+    for _, pod in ipairs(redis.call('SMEMBERS', key)) do
+      if open[pod] then new[#new + 1] = pod end
+    end
+  elseif size > 0 then
+    for k, f in ipairs(smismember(key, remaining)) do
+      if f == 1 then new[#new + 1] = remaining[k] end
+    end
+  end
+  if #new > 0 then
+    out[#out + 1] = j - first + 1
+    out[#out + 1] = #new
+    for _, pod in ipairs(new) do open[pod] = nil; out[#out + 1] = pod end
+    local rest = {}
+    for _, pod in ipairs(remaining) do if open[pod] then rest[#rest + 1] = pod end end
+    remaining, found = rest, found + #new
+    if found >= top_k then break end
+  end
+end
+return out
+"""
+
+# ARGV: gen, n, candidates[n], hashes... Forward walk; returns the candidates' counts in order.
+_MATCH_GIE = _READ + """
+local n = tonumber(ARGV[2])
+local cands, counts = {}, {}
+for i = 1, n do cands[i] = ARGV[2 + i]; counts[i] = 0 end
+for j = 3 + n, #ARGV do
+  local key = P .. 'g:h:' .. ARGV[j]
+  if redis.call('SCARD', key) == 0 then break end
+  for k, f in ipairs(smismember(key, cands)) do counts[k] = counts[k] + f end
+end
+return counts
+"""
+
+# ARGV: gen, "k" or "g", pod, model, hash.
+_BELIEVES = _READ + """
+local key = P .. 'g:h:' .. ARGV[5]
+if ARGV[2] == 'k' then key = P .. 'k:h:' .. ARGV[5] .. ':' .. ARGV[4] end
+return redis.call('SISMEMBER', key, ARGV[3])
+"""
+
+# ARGV: gen [, pod]. Entries of one pod, or the total.
+_ENTRIES = _READ + """
+if ARGV[2] then
+  return redis.call('ZCARD', P .. 'k:lru:' .. ARGV[2]) + redis.call('ZCARD', P .. 'g:lru:' .. ARGV[2])
+end
+return tonumber(redis.call('GET', P .. 'entries') or '0')
+"""
+
+_EVICTIONS = _READ + """
+return tonumber(redis.call('GET', P .. 'evictions') or '0')
+"""
+
+_PODS = _READ + """
+local out = {}
+for _, pod in ipairs(redis.call('HKEYS', P .. 'k:cap')) do
+  if redis.call('ZCARD', P .. 'k:lru:' .. pod) > 0 then out[#out + 1] = pod end
+end
+for _, pod in ipairs(redis.call('HKEYS', P .. 'g:cap')) do
+  if redis.call('ZCARD', P .. 'g:lru:' .. pod) > 0 or redis.call('EXISTS', P .. 'g:stale:' .. pod) == 1 then
+    out[#out + 1] = pod
+  end
+end
+return out
+"""
+
+# Forget one pod in both personalities (no eviction counted); returns the LRU keys dropped.
+_FORGET_POD = """
+local function forget_pod(pod)
+  local klru, glru, gstale = P .. 'k:lru:' .. pod, P .. 'g:lru:' .. pod, P .. 'g:stale:' .. pod
+  for _, member in ipairs(redis.call('ZRANGE', klru, 0, -1)) do
+    local h, m = split_key(member)
+    redis.call('SREM', P .. 'k:h:' .. h .. ':' .. m, pod)
+  end
+  for _, key in ipairs({glru, gstale}) do
+    for _, h in ipairs(redis.call('ZRANGE', key, 0, -1)) do redis.call('SREM', P .. 'g:h:' .. h, pod) end
+  end
+  local dropped = redis.call('ZCARD', klru) + redis.call('ZCARD', glru)
+  redis.call('DEL', klru, glru, gstale)
+  redis.call('HDEL', P .. 'k:cap', pod)
+  redis.call('HDEL', P .. 'g:cap', pod)
+  return dropped
+end
+"""
+
+_REMOVE_POD = _WRITE + _FORGET_POD + """
+redis.call('DECRBY', P .. 'entries', forget_pod(ARGV[2]))
+return 1
+"""
+
+# Returns {evictions, {{pod, cap, {"<hash> <model>"...}}...}, {{pod, cap, {hash...}, {hash...}}...}}.
+_EXPORT = _READ + """
+local kthena, gie = {}, {}
+local caps = redis.call('HGETALL', P .. 'k:cap')
+for i = 1, #caps, 2 do
+  kthena[#kthena + 1] = {caps[i], caps[i + 1], redis.call('ZRANGE', P .. 'k:lru:' .. caps[i], 0, -1)}
+end
+caps = redis.call('HGETALL', P .. 'g:cap')
+for i = 1, #caps, 2 do
+  gie[#gie + 1] = {caps[i], caps[i + 1], redis.call('ZRANGE', P .. 'g:lru:' .. caps[i], 0, -1),
+                   redis.call('ZRANGE', P .. 'g:stale:' .. caps[i], 0, -1)}
+end
+return {redis.call('GET', P .. 'evictions') or '0', kthena, gie}
+"""
+
+# ARGV: gen, evictions, nk, {pod, cap, n, (hash, model)*n}*nk, ng, {pod, cap, n, hash*n, s, hash*s}*ng
+# (an export already validated and normalised by ApproxIndex). Replaces everything.
+_LOAD = _WRITE + _FORGET_POD + """
+local pods = redis.call('HKEYS', P .. 'k:cap')
+for _, pod in ipairs(redis.call('HKEYS', P .. 'g:cap')) do pods[#pods + 1] = pod end
+for _, pod in ipairs(pods) do forget_pod(pod) end
+local i, total = 4, 0
+for _ = 1, tonumber(ARGV[3]) do
+  local pod, n = ARGV[i], tonumber(ARGV[i + 2])
+  redis.call('HSET', P .. 'k:cap', pod, ARGV[i + 1])
+  i = i + 3
+  for s = 1, n do
+    redis.call('ZADD', P .. 'k:lru:' .. pod, s, ARGV[i] .. ' ' .. ARGV[i + 1])
+    redis.call('SADD', P .. 'k:h:' .. ARGV[i] .. ':' .. ARGV[i + 1], pod)
+    i = i + 2
+  end
+  total = total + n
+end
+local ng = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, ng do
+  local pod = ARGV[i]
+  redis.call('HSET', P .. 'g:cap', pod, ARGV[i + 1])
+  i = i + 2
+  for _, kind in ipairs({'g:lru:', 'g:stale:'}) do
+    local n = tonumber(ARGV[i])
+    i = i + 1
+    for s = 1, n do
+      redis.call('ZADD', P .. kind .. pod, s, ARGV[i])
+      redis.call('SADD', P .. 'g:h:' .. ARGV[i], pod)
+      i = i + 1
+    end
+    if kind == 'g:lru:' then total = total + n end
+  end
+end
+redis.call('SET', P .. 'entries', total)
+redis.call('SET', P .. 'evictions', ARGV[2])
+return total
+"""
+
+_SCRIPTS = {
+    "record_kthena": _RECORD_KTHENA, "record_gie": _RECORD_GIE, "match_kthena": _MATCH_KTHENA,
+    "match_gie": _MATCH_GIE, "believes": _BELIEVES, "entries": _ENTRIES, "evictions": _EVICTIONS,
+    "pods": _PODS, "remove_pod": _REMOVE_POD, "export": _EXPORT, "load": _LOAD,
+}
+
+
+def _text(value: Any) -> str:
+    """A reply element as text (the client may or may not decode responses)."""
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _cut_off(levels: list[Any], top_k: int) -> dict[str, int]:
+    """Kthena's top-k from the server's ``[depth, count, pods...]`` runs, deepest first: holders of
+    one depth in sorted pod-name order (Python ``str`` order), stopping at ``top_k`` pods."""
+    matches: dict[str, int] = {}
+    i = 0
+    while i < len(levels):
+        depth, count = int(levels[i]), int(levels[i + 1])
+        for pod in sorted(_text(p) for p in levels[i + 2 : i + 2 + count]):
+            matches[pod] = depth
+            if len(matches) >= top_k:
+                return matches
+        i += 2 + count
+    return matches
+
+
+def _load_args(state: dict[str, Any]) -> list[Any]:
+    """A normalised ``export_state()`` flattened into the load script's ARGV (hashes as text)."""
+    args: list[Any] = [int(state["evictions"]), len(state["kthena"])]
+    for pod, saved in state["kthena"].items():
+        args += [pod, int(saved["capacity"]), len(saved["keys"])]
+        for h, model in saved["keys"]:
+            args += [str(h), model]
+    args.append(len(state["gie"]))
+    for pod, saved in state["gie"].items():
+        args += [pod, int(saved["capacity"]), len(saved["keys"]), *map(str, saved["keys"])]
+        args += [len(saved["stale"]), *map(str, saved["stale"])]
+    return args
+
+
+def _parse_export(reply: list[Any]) -> dict[str, Any]:
+    """The export script's reply in ``ApproxIndex.export_state()``'s shape."""
+    kthena: dict[str, Any] = {}
+    for pod, cap, members in reply[1]:
+        keys = [_text(m).split(" ", 1) for m in members]
+        kthena[_text(pod)] = {"capacity": int(cap), "keys": [[int(h), model] for h, model in keys]}
+    gie: dict[str, Any] = {}
+    for pod, cap, keys, stale in reply[2]:
+        gie[_text(pod)] = {"capacity": int(cap), "keys": [int(h) for h in keys],
+                           "stale": [int(h) for h in stale]}
+    return {"kthena": kthena, "gie": gie, "evictions": int(reply[0])}
+
+
+class RedisApproxStore:
+    """``ApproxStore`` on Redis (see the module docstring for the layout and its invariants)."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, config: ApproxConfig, *,
+                 on_evict: Callable[[str], None] | None = None, prefix: str = "kvi") -> None:
+        self._client = client
+        self._config = config
+        self._on_evict = on_evict
+        self._gen_key = f"{{{prefix}:approx}}:gen"
+        self._gen: str | None = None
+        self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
+
+    @property
+    def config(self) -> ApproxConfig:
+        return self._config
+
+    @property
+    def generation(self) -> str | None:
+        """The store generation read at ``open()`` (None before)."""
+        return self._gen
+
+    async def open(self) -> None:
+        """Load the scripts; read the store's generation, creating it if the store is new."""
+        fresh = uuid.uuid4().hex
+        try:
+            for src in _SCRIPTS.values():
+                await self._client.script_load(src)
+            old = await self._client.set(self._gen_key, fresh, nx=True, get=True)
+        except (rx.ConnectionError, rx.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"redis approx store unreachable: {_one_line(exc)}") from None
+        except rx.ResponseError as exc:
+            raise StoreUnavailable(f"redis approx store refused open: {_one_line(exc)}") from None
+        self._gen = fresh if old is None else _text(old)
+
+    async def _run(self, script: str, *args: Any) -> Any:
+        """Run one script with the generation guard; map Redis failures to the contract's errors."""
+        if self._gen is None:
+            raise StoreUnavailable("redis approx store: open() was not called")
+        try:
+            return await self._scripts[script](keys=[self._gen_key], args=[self._gen, *args])
+        except (rx.ConnectionError, rx.TimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"redis approx store unreachable: {_one_line(exc)}") from None
+        except rx.ResponseError as exc:
+            if LOST_MARK in str(exc):
+                raise StoreLost("redis approx store lost its state (generation vanished or changed)") from None
+            raise StoreUnavailable(f"redis approx store refused {script}: {_one_line(exc)}") from None
+
+    def render(self, model: str, body: dict[str, Any]) -> str:
+        return render_request(self._config.for_model(model), body)
+
+    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
+        return hash_body(model, body, self._config.for_model(model))
+
+    def _is_gie(self, model: str) -> bool:
+        return self._config.for_model(model).personality == GIE_V1_5
+
+    async def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
+        """One atomic script; ``on_evict`` once per eviction it caused, after it returns."""
+        settings = self._config.for_model(model)
+        texts = [str(int(h)) for h in hashes]
+        if settings.personality == GIE_V1_5:
+            count = await self._run("record_gie", pod, settings.max_hash_cache_size, *texts)
+            evicted = [model] * int(count)
+        else:
+            reply = await self._run("record_kthena", pod, model, settings.max_hash_cache_size, *texts)
+            evicted = [_text(m) for m in reply]
+        if self._on_evict is not None:
+            for evicted_model in evicted:
+                self._on_evict(evicted_model)
+
+    async def _walk(self, model: str, hashes: Sequence[int], candidates: list[str], top_k: int) -> dict[str, int]:
+        """Matched blocks per candidate (0 for misses), candidates' order, one round trip."""
+        if not hashes or not candidates:
+            return dict.fromkeys(candidates, 0)
+        texts = [str(int(h)) for h in hashes]
+        if self._is_gie(model):
+            counts = await self._run("match_gie", len(candidates), *candidates, *texts)
+            return {pod: int(c) for pod, c in zip(candidates, counts)}
+        levels = await self._run("match_kthena", model, top_k, len(candidates), *candidates, *texts)
+        found = _cut_off(levels, top_k)
+        return {pod: found.get(pod, 0) for pod in candidates}
+
+    async def match(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        candidates = list(dict.fromkeys(pods))
+        return await self._walk(model, hashes, candidates, self._config.for_model(model).top_k_matches)
+
+    async def depth(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        candidates = list(dict.fromkeys(pods))
+        return await self._walk(model, hashes, candidates, max(len(candidates), 1))
+
+    async def score(self, model: str, hashes: Sequence[int], pods: Iterable[str]) -> dict[str, int | float]:
+        matches = await self.match(model, hashes, pods)
+        return score_matches(self._config.for_model(model), matches, len(hashes))
+
+    async def believes(self, pod: str, model: str, hash: int) -> bool:
+        kind = "g" if self._is_gie(model) else "k"
+        return bool(await self._run("believes", kind, pod, model, str(int(hash))))
+
+    async def remove_pod(self, pod: str) -> None:
+        await self._run("remove_pod", pod)
+
+    async def pods(self) -> list[str]:
+        return sorted({_text(p) for p in await self._run("pods")})
+
+    async def entries(self, pod: str | None = None) -> int:
+        return int(await self._run("entries", *([pod] if pod is not None else [])))
+
+    async def evictions(self) -> int:
+        return int(await self._run("evictions"))
+
+    async def export_state(self) -> dict[str, Any]:
+        return _parse_export(await self._run("export"))
+
+    async def load_state(self, state: dict[str, Any]) -> int:
+        """Replace everything atomically. A bad shape raises ``ValueError`` before Redis is
+        touched: the state is validated and normalised by loading it into an ``ApproxIndex``."""
+        scratch = ApproxIndex(self._config)
+        scratch.load_state(state)
+        return int(await self._run("load", *_load_args(scratch.export_state())))
+
+    async def close(self) -> None:
+        """Forget the generation; the caller owns (and closes) the Redis client."""
+        self._gen = None

@@ -1,0 +1,738 @@
+"""The precise index on Redis: one store shared by every kvindex replica.
+
+Semantics are ``kvindex.precise.PreciseIndex``'s, reproduced exactly: a batch is replayed
+client-side on a small *overlay* (a ``PreciseIndex`` holding only the worker's entries the batch
+can see), so keys, orphans, copies and media follow the very same code; the store receives the
+resulting differences and applies them in one server-side script.
+
+Invariants:
+- Every key of one model carries the hash tag ``{m:<model>}`` (braces escaped), so each script
+  touches one slot (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation),
+  ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
+- Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
+  size), ``s:<stream id>`` HASH q(last seq) e(epoch) y(synced) r(reason), ``W`` HASH "rank|pod" ->
+  worker id, ``n`` worker id counter (ids are never reused), ``v`` HASH "rank|pod" -> version (bumped
+  by every write to the worker; never deleted), ``w:<id>`` HASH n(name) M(media in first-store
+  order, "\\n"-joined) o(orphans), ``b:<id>:<i>`` HASH engine hash -> key or "o" for the i-th medium,
+  ``x:<id>`` HASH "<i>:<hash>" -> copies beyond the first, ``g:|c:|d:<key>`` HASH id -> copies held
+  in that tier (PreciseIndex's bitmask and ``_dups`` in one counter). Hashes, keys and seqs travel
+  as decimal strings; Lua compares seqs and epochs as numbers (exact below 2^53), never hashes.
+- ``apply`` = at most two round trips: a read script (position, block size, worker version and the
+  entries of every hash the batch names), then, unless the read already shows the batch is not to
+  be applied, the apply script. It re-judges the position (``judge``/``next_position`` of base.py),
+  re-checks the worker version and block size it was computed from (else the client recomputes),
+  and writes everything or nothing: the scripts validate before their first write.
+- Every script checks the model slot's generation copy against the one read at ``open()``; a
+  mismatch (Redis restarted empty, or another generation) raises ``StoreLost``. Connection and
+  timeout errors raise ``StoreUnavailable("redis at <url>: <reason>")``.
+- ``match`` takes an optional keyword ``model``: with it, one round trip (the prefix walk for all
+  candidate workers runs server-side); without it, every model is walked (two round trips), since
+  a key does not say which model's slot holds it.
+- ``load_entries`` needs each pod's model: it is the model of the pod's streams applied or
+  positioned through this store (``<prefix>:pods``); an entry of an unknown pod is refused.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions as rex
+
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, PreciseIndex, tier_of
+from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
+
+RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
+_TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+_CHUNK = 4000  # arguments per unpack() in Lua (its C stack holds ~8000)
+
+LUA = r"""
+local op, base = ARGV[1], ARGV[3]
+if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
+
+local function split(s)
+  local out = {}
+  if s then for part in string.gmatch(s, '[^\n]+') do out[#out + 1] = part end end
+  return out
+end
+local function tier(m)
+  if m == 'GPU' then return 'g' elseif string.sub(m, 1, 3) == 'CPU' then return 'c' end
+  return 'd'
+end
+local function hmget(key, fields)
+  local out = {}
+  for i = 1, #fields, 4000 do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + 3999, #fields)))
+    for j = 1, #part do out[#out + 1] = part[j] end
+  end
+  return out
+end
+local function parse_name(name)
+  local rank, pod = string.match(name, '^([^|]*)|(.*)$')
+  return rank, pod
+end
+local function workers_of(pod, rank)  -- {name, id} of the pod's workers (one rank, or all when rank is nil)
+  local all, out = redis.call('HGETALL', base .. 'W'), {}
+  for i = 1, #all, 2 do
+    local r, p = parse_name(all[i])
+    if p == pod and (rank == nil or r == rank) then out[#out + 1] = {all[i], all[i + 1]} end
+  end
+  return out
+end
+local function clear_worker(name, wid)
+  local media = split(redis.call('HGET', base .. 'w:' .. wid, 'M'))
+  for i, m in ipairs(media) do
+    local t, bkey = tier(m), base .. 'b:' .. wid .. ':' .. i
+    local all = redis.call('HGETALL', bkey)
+    for j = 2, #all, 2 do
+      if all[j] ~= 'o' then redis.call('HDEL', base .. t .. ':' .. all[j], wid) end
+    end
+    redis.call('DEL', bkey)
+  end
+  redis.call('DEL', base .. 'x:' .. wid, base .. 'w:' .. wid)
+  redis.call('HDEL', base .. 'W', name)
+  redis.call('HINCRBY', base .. 'v', name, 1)
+end
+local function read_pos(key) return redis.call('HMGET', key, 'q', 'e', 'y', 'r') end
+local function write_pos(key, q, e, y, r)
+  redis.call('DEL', key)
+  redis.call('HSET', key, 'e', e, 'y', y)
+  if q then redis.call('HSET', key, 'q', q) end
+  if r then redis.call('HSET', key, 'r', r) end
+end
+local function judge(p, seq, epoch, forced)
+  if not p[2] then return 'applied' end
+  local e = tonumber(p[2])
+  if epoch < e then return 'stale' end
+  if epoch > e then return 'behind' end
+  if not p[1] then return 'applied' end
+  local last = tonumber(p[1])
+  if seq <= last then return 'duplicate' end
+  if seq > last + 1 and not forced then return 'gap' end
+  return 'applied'
+end
+local function new_worker(name, media)
+  local wid = tostring(redis.call('INCR', base .. 'n'))
+  redis.call('HSET', base .. 'W', name, wid)
+  redis.call('HSET', base .. 'w:' .. wid, 'n', name, 'M', media, 'o', 0)
+  return wid
+end
+local function free_if_empty(name, wid, nmedia)
+  local probe = {base .. 'x:' .. wid}
+  for i = 1, nmedia do probe[#probe + 1] = base .. 'b:' .. wid .. ':' .. i end
+  if redis.call('EXISTS', unpack(probe)) == 0 then
+    redis.call('DEL', base .. 'w:' .. wid)
+    redis.call('HDEL', base .. 'W', name)
+  end
+end
+
+-- ARGV[4] worker name, ARGV[5..] hashes: position, block size, worker version, media, entries
+local function read_worker()
+  local name = ARGV[4]
+  local p = read_pos(KEYS[2])
+  local wid = redis.call('HGET', base .. 'W', name)
+  local out = {'ok', p[1], p[2], p[3], p[4], redis.call('GET', base .. 'bs'),
+               redis.call('HGET', base .. 'v', name) or '0', false, 0}
+  if not wid then return out end
+  local meta = redis.call('HMGET', base .. 'w:' .. wid, 'M', 'o')
+  out[8], out[9] = meta[1], tonumber(meta[2]) or 0
+  local hashes = {}
+  for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+  if #hashes == 0 then return out end
+  for i, m in ipairs(split(meta[1])) do
+    local fields = {}
+    for j, h in ipairs(hashes) do fields[j] = i .. ':' .. h end
+    out[#out + 1] = hmget(base .. 'b:' .. wid .. ':' .. i, hashes)
+    out[#out + 1] = hmget(base .. 'x:' .. wid, fields)
+  end
+  return out
+end
+
+local function write_worker(name, reset, order, orphans, first, nent, nhold)
+  redis.call('HINCRBY', base .. 'v', name, 1)
+  local wid = redis.call('HGET', base .. 'W', name)
+  if wid and reset then clear_worker(name, wid); wid = false end
+  if nent == 0 and not wid then return end
+  if not wid then wid = new_worker(name, order) end
+  local media, index = split(order), {}
+  for i, m in ipairs(media) do index[m] = i end
+  redis.call('HSET', base .. 'w:' .. wid, 'M', order, 'o', orphans)
+  for i = first, first + 4 * (nent - 1), 4 do
+    local idx, h, val, extra = index[ARGV[i]], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+    local bkey, xfield = base .. 'b:' .. wid .. ':' .. idx, idx .. ':' .. h
+    if val == '' then redis.call('HDEL', bkey, h) else redis.call('HSET', bkey, h, val) end
+    if extra == '0' then redis.call('HDEL', base .. 'x:' .. wid, xfield)
+    else redis.call('HSET', base .. 'x:' .. wid, xfield, extra) end
+  end
+  for i = first + 4 * nent, first + 4 * nent + 3 * (nhold - 1), 3 do
+    local hkey = base .. ARGV[i] .. ':' .. ARGV[i + 1]
+    if redis.call('HINCRBY', hkey, wid, ARGV[i + 2]) <= 0 then redis.call('HDEL', hkey, wid) end
+  end
+  free_if_empty(name, wid, #media)
+end
+
+-- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read, [10] block
+-- size read, [11] block size to set, [12] reset, [13] media order, [14] orphans, [15] entries,
+-- [16] holder deltas, then entries (medium, hash, value, extra) and deltas (tier, key, delta)
+local function apply_batch()
+  local p = read_pos(KEYS[2])
+  local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
+  local outcome = judge(p, seq, epoch, forced)
+  if outcome ~= 'applied' then return {outcome, p[1], p[2], p[3], p[4]} end
+  local name = ARGV[8]
+  if (redis.call('HGET', base .. 'v', name) or '0') ~= ARGV[9] or (redis.call('GET', base .. 'bs') or '') ~= ARGV[10] then
+    return {'retry'}
+  end
+  if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
+  local nent, nhold = tonumber(ARGV[15]), tonumber(ARGV[16])
+  local wid = redis.call('HGET', base .. 'W', name)
+  if ARGV[12] == '1' or nent > 0 or (wid and redis.call('HGET', base .. 'w:' .. wid, 'M') ~= ARGV[13]) then
+    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], 17, nent, nhold)
+  end
+  local y, r = p[3], p[4]
+  if forced then y, r = '0', string.sub(ARGV[6], 2)
+  elseif ARGV[7] == '1' or not p[2] then y, r = '1', false end
+  write_pos(KEYS[2], ARGV[4], ARGV[5], y, r)
+  return {'applied', ARGV[4], ARGV[5], y, r}
+end
+
+-- ARGV[4] pod, [5] seen epoch, [6] ranks ('*': all, else ','-joined)
+local function restart()
+  local p = read_pos(KEYS[2])
+  if tonumber(p[2] or '0') ~= tonumber(ARGV[5]) then return {'pos', p[1], p[2], p[3], p[4]} end
+  local ranks = nil
+  if ARGV[6] ~= '*' then ranks = {}; for r in string.gmatch(ARGV[6], '[^,]+') do ranks[r] = true end end
+  for _, w in ipairs(workers_of(ARGV[4], nil)) do
+    local r = parse_name(w[1])
+    if ranks == nil or ranks[r] then clear_worker(w[1], w[2]) end
+  end
+  local e = tostring(tonumber(ARGV[5]) + 1)
+  write_pos(KEYS[2], false, e, '1', false)
+  return {'pos', false, e, '1', false}
+end
+
+-- ARGV[4] number of pods (-1: all), then pods, then keys: per worker with a match {name, g, c, d}
+local function match()
+  local npods = tonumber(ARGV[4])
+  local first = 5 + math.max(npods, 0)
+  if first > #ARGV then return {} end
+  local alive, names = {}, {}
+  if npods >= 0 then
+    local wanted = {}
+    for i = 5, first - 1 do wanted[ARGV[i]] = true end
+    local all = redis.call('HGETALL', base .. 'W')
+    for i = 1, #all, 2 do
+      local _, pod = parse_name(all[i])
+      if wanted[pod] then alive[#alive + 1] = all[i + 1] end
+    end
+  else
+    local seen = {}
+    for _, t in ipairs({'g', 'c', 'd'}) do
+      for _, w in ipairs(redis.call('HKEYS', base .. t .. ':' .. ARGV[first])) do
+        if not seen[w] then seen[w] = true; alive[#alive + 1] = w end
+      end
+    end
+  end
+  local gd, cd, dd, grun, crun = {}, {}, {}, {}, {}
+  for _, w in ipairs(alive) do gd[w], cd[w], dd[w], grun[w], crun[w] = 0, 0, 0, true, true end
+  local depth = 0
+  for i = first, #ARGV do
+    if #alive == 0 then break end
+    depth = depth + 1
+    local key, nxt, miss = ARGV[i], {}, {}
+    local held = hmget(base .. 'g:' .. key, alive)
+    for j, w in ipairs(alive) do
+      if held[j] then
+        if grun[w] then gd[w] = depth end
+        if crun[w] then cd[w] = depth end
+        dd[w] = depth; nxt[#nxt + 1] = w
+      else grun[w] = false; miss[#miss + 1] = w end
+    end
+    if #miss > 0 then
+      local cpu, miss2 = hmget(base .. 'c:' .. key, miss), {}
+      for j, w in ipairs(miss) do
+        if cpu[j] then
+          if crun[w] then cd[w] = depth end
+          dd[w] = depth; nxt[#nxt + 1] = w
+        else crun[w] = false; miss2[#miss2 + 1] = w end
+      end
+      if #miss2 > 0 then
+        local disk = hmget(base .. 'd:' .. key, miss2)
+        for j, w in ipairs(miss2) do
+          if disk[j] then dd[w] = depth; nxt[#nxt + 1] = w end
+        end
+      end
+    end
+    alive = nxt
+  end
+  local out = {}
+  for w, d in pairs(dd) do
+    if d > 0 then
+      out[#out + 1] = redis.call('HGET', base .. 'w:' .. w, 'n'); out[#out + 1] = gd[w]
+      out[#out + 1] = cd[w]; out[#out + 1] = d
+    end
+  end
+  return out
+end
+
+-- ARGV[4] pod, [5] rank or '*'
+local function clear_pod()
+  local rank = ARGV[5]
+  if rank == '*' then rank = nil end
+  for _, w in ipairs(workers_of(ARGV[4], rank)) do clear_worker(w[1], w[2]) end
+  return {'ok'}
+end
+
+-- ARGV[4] pod or '*': per worker {name, media order, blocks of each medium..., extras}
+local function dump()
+  local out = {}
+  local all = redis.call('HGETALL', base .. 'W')
+  for i = 1, #all, 2 do
+    local _, pod = parse_name(all[i])
+    if ARGV[4] == '*' or pod == ARGV[4] then
+      local wid = all[i + 1]
+      local meta = redis.call('HMGET', base .. 'w:' .. wid, 'M', 'o')
+      local item = {all[i], meta[1], tonumber(meta[2]) or 0}
+      for j = 1, #split(meta[1]) do item[#item + 1] = redis.call('HGETALL', base .. 'b:' .. wid .. ':' .. j) end
+      item[#item + 1] = redis.call('HGETALL', base .. 'x:' .. wid)
+      out[#out + 1] = item
+    end
+  end
+  return out
+end
+
+-- ARGV[4..] groups of (name, medium, hash, key or 'o', copies)
+local function load()
+  for i = 4, #ARGV, 5 do
+    local name, m, h, key, copies = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
+    local wid = redis.call('HGET', base .. 'W', name) or new_worker(name, 'GPU')
+    local media = split(redis.call('HGET', base .. 'w:' .. wid, 'M'))
+    local idx = nil
+    for j, x in ipairs(media) do if x == m then idx = j end end
+    if not idx then
+      media[#media + 1] = m; idx = #media
+      redis.call('HSET', base .. 'w:' .. wid, 'M', table.concat(media, '\n'))
+    end
+    redis.call('HSET', base .. 'b:' .. wid .. ':' .. idx, h, key)
+    if copies > 1 then redis.call('HSET', base .. 'x:' .. wid, idx .. ':' .. h, copies - 1) end
+    if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. wid, 'o', 1)
+    else redis.call('HINCRBY', base .. tier(m) .. ':' .. key, wid, copies) end
+    redis.call('HINCRBY', base .. 'v', name, 1)
+  end
+  return {'ok'}
+end
+
+if op == 'read' then return read_worker()
+elseif op == 'apply' then return apply_batch()
+elseif op == 'match' then return match()
+elseif op == 'restart' then return restart()
+elseif op == 'clear' then return clear_pod()
+elseif op == 'dump' then return dump()
+elseif op == 'load' then return load()
+elseif op == 'pos' then local p = read_pos(KEYS[2]); return {'pos', p[1], p[2], p[3], p[4]}
+elseif op == 'setpos' then
+  write_pos(KEYS[2], ARGV[4] ~= '' and ARGV[4], ARGV[5], ARGV[6], ARGV[7] ~= '-' and string.sub(ARGV[7], 2))
+  return {'ok'}
+elseif op == 'names' then return redis.call('HKEYS', base .. 'W')
+elseif op == 'getbs' then return {'ok', redis.call('GET', base .. 'bs')}
+elseif op == 'setbs' then redis.call('SET', base .. 'bs', ARGV[4]); return {'ok'}
+end
+return redis.error_reply('kvindex: unknown op ' .. tostring(op))
+"""
+
+
+def _text(v: Any) -> Any:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _position(q: Any, e: Any, y: Any, r: Any) -> Position | None:
+    if e is None:
+        return None
+    return Position(None if q is None else int(q), int(e), _text(y) == "1", _text(r))
+
+
+def _fixed(v: Any) -> str:
+    return str(v)
+
+
+def model_base(prefix: str, model: str) -> str:
+    """The key prefix of one model; its hash tag is the escaped model name."""
+    tag = model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
+    return f"{prefix}:{{m:{tag}}}:"
+
+
+def client_url(client: aioredis.Redis) -> str:
+    kw = client.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix://{kw['path']}?db={kw.get('db', 0)}"
+    return f"redis://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerView:
+    """What the read script saw of one worker: the basis of one batch's computation."""
+
+    position: Position | None
+    block_size: int | None
+    version: str
+    media: tuple[str, ...]
+    orphans: int
+    entries: dict[tuple[str, int], tuple[int, int]]  # (medium, hash) -> (key or ORPHAN, extra copies)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A batch's effect on one worker, as the apply script takes it."""
+
+    done: Applied
+    reset: bool
+    media: tuple[str, ...]
+    orphans: int
+    entries: list[str]  # flattened (medium, hash, value, extra)
+    holders: list[str]  # flattened (tier char, key, delta)
+    new_block_size: int | None
+
+
+def _view_of(reply: list[Any], hashes: list[int]) -> _WorkerView:
+    pos = _position(*reply[1:5])
+    bs = None if reply[5] is None else int(reply[5])
+    media = tuple(_text(reply[7]).split("\n")) if reply[7] is not None else ()
+    entries: dict[tuple[str, int], tuple[int, int]] = {}
+    for i, medium in enumerate(media):
+        if 9 + 2 * i >= len(reply):
+            break
+        values, extras = reply[9 + 2 * i], reply[10 + 2 * i]
+        for h, v, x in zip(hashes, values, extras):
+            if v is not None:
+                entries[(medium, h)] = (ORPHAN if _text(v) == "o" else int(v), 0 if x is None else int(x))
+    return _WorkerView(pos, bs, _text(reply[6]), media, int(reply[8] or 0), entries)
+
+
+def _hashes_of(events: Sequence[KVEvent]) -> list[int]:
+    """Every engine hash the batch can read or write (stored, removed, parents), once each."""
+    seen: dict[int, None] = {}
+    for ev in events:
+        if type(ev) is BlockStored:
+            if ev.parent_hash is not None:
+                seen[ev.parent_hash] = None
+            seen.update(dict.fromkeys(ev.block_hashes))
+        elif type(ev) is BlockRemoved:
+            seen.update(dict.fromkeys(ev.block_hashes))
+    return list(seen)
+
+
+def _overlay(pod: str, model: str, rank: int, view: _WorkerView) -> tuple[PreciseIndex, Any]:
+    """A PreciseIndex holding only what ``view`` saw of the worker (its holders stay unused)."""
+    ov = PreciseIndex()
+    if view.block_size is not None:
+        ov.set_block_size(model, view.block_size)
+    w = ov._worker(pod, rank)
+    if view.media:
+        w.media = {m: {} for m in view.media}
+    for (m, h), (key, extra) in view.entries.items():
+        w.media[m][h] = key
+        if extra:
+            w.extra[(m, h)] = extra
+    w.orphans = view.orphans
+    return ov, w
+
+
+def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: _WorkerView, hashes: list[int]) -> _Plan:
+    """Replay the batch on the overlay with PreciseIndex's own code and diff the worker."""
+    ov, w = _overlay(pod, model, rank, view)
+    done, reset = Applied(), False
+    for ev in events:
+        t = type(ev)
+        if t is BlockRemoved:
+            ov._remove(w, ev, done)  # type: ignore[arg-type]
+        elif t is BlockStored:
+            ov._store(w, model, ev, done)  # type: ignore[arg-type]
+        elif t is AllBlocksCleared:  # as apply_batch: the rank's cache restarts empty
+            ov.clear_pod(pod, rank)
+            w = ov._worker(pod, rank)
+            done.cleared += 1
+            reset = True
+        else:
+            raise TypeError(f"not a KV event: {t.__name__}")
+    if reset:
+        before: dict[tuple[str, int], tuple[int, int]] = {}
+        touched = [(m, h) for m, blocks in w.media.items() for h in blocks]
+    else:
+        before = view.entries
+        touched = [(m, h) for m in w.media for h in hashes]
+    entries: list[str] = []
+    deltas: dict[tuple[str, int], int] = {}
+    for m, h in touched:
+        old, new = before.get((m, h)), w.media[m].get(h)
+        new_x = w.extra.get((m, h), 0)
+        if old == ((new, new_x) if new is not None else None):
+            continue
+        entries += [m, str(h), "" if new is None else ("o" if new == ORPHAN else str(new)), str(new_x)]
+        t = _TIER_CHAR[tier_of(m)]
+        if old is not None and old[0] != ORPHAN:
+            deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
+        if new is not None and new != ORPHAN:
+            deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
+    holders = [s for (t, k), d in deltas.items() if d for s in (t, str(k), str(d))]
+    new_bs = ov.block_size(model) if view.block_size is None else None
+    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, new_bs)
+
+
+class RedisPreciseStore:
+    """``PreciseStore`` on one Redis (or one Redis Cluster slot per model)."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "kvi") -> None:
+        self._client = client
+        self._prefix = prefix
+        self._url = client_url(client)
+        self._script = client.register_script(LUA)
+        self._gen: str | None = None
+        self._ready_models: set[str] = set()
+        self._ready_pods: set[tuple[str, str]] = set()
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except (rex.ConnectionError, rex.TimeoutError, TimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+        except rex.ResponseError as exc:
+            raise StoreUnavailable(f"redis at {self._url}: refused: {exc}".splitlines()[0]) from None
+
+    def _lost(self) -> StoreLost:
+        return StoreLost(f"redis at {self._url}: the store's generation changed since open (its data was lost)")
+
+    async def open(self) -> None:
+        """Load the script and read (or create) the store's generation; again after StoreLost."""
+        gen_key = f"{self._prefix}:gen"
+        with self._guard():
+            await self._client.set(gen_key, secrets.token_hex(8), nx=True)
+            self._gen = _text(await self._client.get(gen_key))
+            await self._client.script_load(LUA)
+        self._ready_models.clear()
+        self._ready_pods.clear()
+
+    async def _ensure(self, model: str, pod: str | None = None) -> str:
+        """The model's key prefix, its slot's generation copy checked (once per process)."""
+        base = model_base(self._prefix, model)
+        if self._gen is None:
+            raise StoreUnavailable(f"redis at {self._url}: store not opened")
+        if model in self._ready_models and (pod is None or (pod, model) in self._ready_pods):
+            return base
+        with self._guard():
+            pipe = self._client.pipeline(transaction=False)
+            pipe.get(f"{self._prefix}:gen")
+            pipe.set(base + "gen", self._gen, nx=True, get=True)
+            pipe.sadd(f"{self._prefix}:models", model)
+            if pod is not None:
+                pipe.hset(f"{self._prefix}:pods", pod, model)
+            got = await pipe.execute()
+        if _text(got[0]) != self._gen or _text(got[1]) not in (None, self._gen):
+            raise self._lost()
+        self._ready_models.add(model)
+        if pod is not None:
+            self._ready_pods.add((pod, model))
+        return base
+
+    async def _run(self, base: str, op: str, *args: Any, stream: str = "") -> list[Any]:
+        with self._guard():
+            reply = await self._script(keys=[base + "gen", base + "s:" + stream], args=[op, self._gen, base, *args])
+        if reply and _text(reply[0]) == "lost":
+            raise self._lost()
+        return reply
+
+    async def _models(self) -> list[str]:
+        with self._guard():
+            pipe = self._client.pipeline(transaction=False)
+            pipe.get(f"{self._prefix}:gen")
+            pipe.smembers(f"{self._prefix}:models")
+            gen, models = await pipe.execute()
+        if self._gen is None or _text(gen) != self._gen:
+            raise self._lost()
+        return sorted(_text(m) for m in models)
+
+    async def _each_model(self, op: str, *args: Any) -> list[tuple[str, list[Any]]]:
+        """Run one op on every model's slot (pipelined): for pod-wide reads and clears."""
+        models = await self._models()
+        bases = [await self._ensure(m) for m in models]
+        with self._guard():
+            pipe = self._client.pipeline(transaction=False)
+            for base in bases:
+                await self._script(keys=[base + "gen", base + "s:"], args=[op, self._gen, base, *args], client=pipe)
+            replies = await pipe.execute()
+        if any(r and _text(r[0]) == "lost" for r in replies):
+            raise self._lost()
+        return list(zip(models, replies))
+
+    # -- streams -------------------------------------------------------------------------------
+    async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
+                    *, force: str | None = None) -> ApplyResult:
+        base = await self._ensure(stream.model, stream.pod)
+        name = f"{dp_rank}|{stream.pod}"
+        hashes = _hashes_of(events)
+        cleared = any(type(ev) is AllBlocksCleared for ev in events)
+        for _ in range(RETRIES):
+            reply = await self._run(base, "read", name, *map(_fixed, hashes), stream=stream.id)
+            view = _view_of(reply, hashes)
+            outcome = judge(view.position, seq, epoch, force)
+            if outcome is not Outcome.APPLIED:
+                return ApplyResult(outcome, view.position or Position(epoch=epoch))
+            plan = plan_batch(stream.pod, stream.model, dp_rank, events, view, hashes)
+            args = [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
+                    view.version, "" if view.block_size is None else str(view.block_size),
+                    "" if plan.new_block_size is None else str(plan.new_block_size), "1" if plan.reset else "0",
+                    "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
+                    str(len(plan.holders) // 3), *plan.entries, *plan.holders]
+            reply = await self._run(base, "apply", *args, stream=stream.id)
+            status = _text(reply[0])
+            if status == "retry":
+                continue
+            pos = _position(*reply[1:5])
+            if status != "applied":
+                return ApplyResult(Outcome(status), pos or Position(epoch=epoch))
+            assert pos is not None
+            return ApplyResult(Outcome.APPLIED, pos, plan.done)
+        raise StoreUnavailable(f"redis at {self._url}: worker {name} kept changing under {RETRIES} attempts")
+
+    async def restart(self, stream: StreamRef, seen_epoch: int, ranks: Iterable[int] | None) -> Position:
+        base = await self._ensure(stream.model, stream.pod)
+        spec = "*" if ranks is None else ",".join(str(r) for r in ranks)
+        if spec == "":
+            spec = ","  # no rank: nothing to clear
+        reply = await self._run(base, "restart", stream.pod, str(seen_epoch), spec, stream=stream.id)
+        return _position(*reply[1:5]) or Position()
+
+    async def position(self, stream: StreamRef) -> Position | None:
+        base = await self._ensure(stream.model)
+        reply = await self._run(base, "pos", stream=stream.id)
+        return _position(*reply[1:5])
+
+    async def set_position(self, stream: StreamRef, position: Position) -> None:
+        base = await self._ensure(stream.model, stream.pod)
+        q = "" if position.last_seq is None else str(position.last_seq)
+        await self._run(base, "setpos", q, str(position.epoch), "1" if position.synced else "0",
+                        "-" if position.reason is None else "+" + position.reason, stream=stream.id)
+
+    # -- models and pods -----------------------------------------------------------------------
+    async def set_block_size(self, model: str, block_size: int) -> None:
+        await self._run(await self._ensure(model), "setbs", str(block_size))
+
+    async def block_size(self, model: str) -> int | None:
+        reply = await self._run(await self._ensure(model), "getbs")
+        return None if reply[1] is None else int(reply[1])
+
+    async def block_sizes(self) -> dict[str, int]:
+        out = {}
+        for model, reply in await self._each_model("getbs"):
+            if reply[1] is not None:
+                out[model] = int(reply[1])
+        return out
+
+    async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
+        await self._each_model("clear", pod, "*" if dp_rank is None else str(dp_rank))
+
+    async def _dump(self, pod: str) -> list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int], int]]:
+        """(pod, rank, medium, hash -> key, (medium, hash) -> extra, orphans) per worker medium."""
+        out = []
+        for _, workers in await self._each_model("dump", pod):
+            for item in workers:
+                rank, _, wpod = _text(item[0]).partition("|")
+                media = _text(item[1]).split("\n")
+                extra: dict[tuple[str, int], int] = {}
+                flat = item[-1]
+                for i in range(0, len(flat), 2):
+                    idx, _, h = _text(flat[i]).partition(":")
+                    extra[(media[int(idx) - 1], int(h))] = int(flat[i + 1])
+                for j, medium in enumerate(media):
+                    blocks = item[3 + j]
+                    entries = {int(blocks[i]): ORPHAN if _text(blocks[i + 1]) == "o" else int(blocks[i + 1])
+                               for i in range(0, len(blocks), 2)}
+                    out.append((wpod, int(rank), medium, entries, extra, int(item[2] or 0) if j == 0 else 0))
+        return out
+
+    async def pods(self) -> list[str]:
+        return sorted({_text(n).partition("|")[2] for _, names in await self._each_model("names") for n in names})
+
+    async def blocks_held(self, pod: str) -> dict[str, int]:
+        out = {"gpu": 0, "cpu": 0, "disk": 0, "orphans": 0}
+        for _, _, medium, entries, extra, orphans in await self._dump(pod):
+            out[tier_of(medium)] += len(entries) + sum(n for (m, _), n in extra.items() if m == medium)
+            out["orphans"] += orphans
+        return out
+
+    async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
+        out: dict[int, dict[int, int | None]] = {}
+        for _, rank, _, entries, _, _ in await self._dump(pod):
+            out.setdefault(rank, {}).update({h: None if k == ORPHAN else k for h, k in entries.items()})
+        return out
+
+    # -- queries -------------------------------------------------------------------------------
+    async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
+                    model: str | None = None) -> dict[str, PodMatch]:
+        """Longest prefix of ``keys`` per pod. ``model`` names the slot to walk (one round trip);
+        without it every model's slot is walked."""
+        if not keys:
+            return {}
+        wanted = None if pods is None else sorted(set(pods))
+        if wanted == []:
+            return {}
+        args = ["-1"] if wanted is None else [str(len(wanted)), *wanted]
+        args += map(_fixed, keys)
+        if model is not None:
+            replies = [await self._run(await self._ensure(model), "match", *args)]
+        else:
+            replies = [r for _, r in await self._each_model("match", *args)]
+        return _per_pod(replies)
+
+    # -- state out and in ----------------------------------------------------------------------
+    async def export_entries(self) -> list[Entry]:
+        out = []
+        for pod, rank, medium, entries, extra, _ in await self._dump("*"):
+            for h, key in entries.items():
+                out.append(Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0)))
+        return out
+
+    async def load_entries(self, entries: Iterable[Entry]) -> int:
+        entries = list(entries)
+        if not entries:
+            return 0
+        with self._guard():
+            models = await self._client.hmget(f"{self._prefix}:pods", sorted({e.pod for e in entries}))
+        model_of = dict(zip(sorted({e.pod for e in entries}), (_text(m) for m in models)))
+        unknown = sorted(p for p, m in model_of.items() if m is None)
+        if unknown:
+            raise ValueError(f"load_entries: no model known for pod(s) {', '.join(unknown)} (apply or set_position first)")
+        by_model: dict[str, list[str]] = {}
+        for e in entries:
+            by_model.setdefault(model_of[e.pod], []).extend(
+                [f"{e.dp_rank}|{e.pod}", e.medium, str(e.hash), "o" if e.key is None else str(e.key), str(e.copies)])
+        for model, args in by_model.items():
+            await self._run(await self._ensure(model), "load", *args)
+        return len(entries)
+
+    async def close(self) -> None:
+        return None
+
+
+def _per_pod(replies: list[list[Any]]) -> dict[str, PodMatch]:
+    """Per-worker depths (name, gpu, cpu, disk) into per-pod matches, as PreciseIndex._per_pod."""
+    out: dict[str, PodMatch] = {}
+    for flat in replies:
+        for i in range(0, len(flat), 4):
+            rank, _, pod = _text(flat[i]).partition("|")
+            g, c, d = int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3])
+            prev = out.get(pod)
+            if prev is None:
+                out[pod] = PodMatch(g, c, d, {int(rank): g})
+            else:
+                prev.dp[int(rank)] = g
+                out[pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), prev.dp)
+    return out
