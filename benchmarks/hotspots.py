@@ -75,16 +75,22 @@ def prof_http(wl: common.Workload) -> None:
     from kvindex.query import QueryService
     from kvindex.render import go_json_loads
 
+    from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
+
     index, _ = inproc.kvindex_ingest(wl)
-    qs = QueryService(index, ApproxIndex(ApproxConfig()), lambda m: None, 1 << 20)
+    qs = QueryService(MemoryPreciseStore(index), MemoryApproxStore(ApproxIndex(ApproxConfig())), lambda m: None, 1 << 20)
     bodies = [json.dumps({"token_ids": q["token_ids"], "model_name": common.MODEL}).encode() for q in _queries(wl)]
+
+    async def answer_all() -> None:
+        for _ in range(20):
+            for raw in bodies:
+                body = go_json_loads(raw)
+                tokens = qs.check_token_ids(body["token_ids"])
+                json.dumps(compat_api._scores(await qs.precise(common.MODEL, tokens, None)))
+
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(20):
-        for raw in bodies:
-            body = go_json_loads(raw)
-            tokens = qs.check_token_ids(body["token_ids"])
-            json.dumps(compat_api._scores(qs.precise(common.MODEL, tokens, None)))
+    asyncio.run(answer_all())
     prof.disable()
     _print(prof)
 

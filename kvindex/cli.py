@@ -25,10 +25,18 @@ endpoint=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,pod=vllm-0,model=Qwen/Qw
 block_size=16,dialect=vllm|sglang|llmd-sim,bind=true|false,dp_rank=N. Pod and model default to
 the topic's kv@<pod>@<model>. bind=true binds the SUB socket (llm-d-inference-sim dials kvindex)."""
 
+STORE_HELP = """where the indexes live (also [server] store = "URL"). memory:// (the default): in this
+process. redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or unix:///PATH?db=N: one Redis shared by
+every kvindex replica (leaderless: each subscribes to the engines, every batch is applied once, any
+replica answers queries). With Redis, --state-dir and --peer are refused (the state lives in Redis);
+if Redis cannot be reached at start kvindex exits with code 2; later, queries answer 503 until it
+answers again."""
+
 EPILOG = """examples:
   kvindex demo                                   # everything simulated, dashboard on :8080
   kvindex serve --engine tcp://127.0.0.1:5557    # one vLLM engine (--kv-events-config endpoint)
   kvindex serve --config kvindex.toml
+  kvindex serve --store redis://127.0.0.1:6379/0 --engine tcp://10.0.0.5:5557   # a replica sharing Redis
   kvindex record tcp://127.0.0.1:5557 -o capture.jsonl
   kvindex replay capture.jsonl --publish tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5558
 """
@@ -65,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(its GET /v1/state) so this replica starts warm; if it cannot be reached kvindex logs why and "
                    "starts empty (or from --state-dir)")
 
+    s.add_argument("--store", metavar="URL", help=STORE_HELP)
+    s.add_argument("--store-buffer", type=int, metavar="N", help="batches each engine lane keeps, in order, while "
+                   "the store cannot be reached (retried with backoff); past N they are dropped, the engine's "
+                   "streams are unsynced and replayed from the engine when the store answers (default 10000)")
+
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
                        "(one JSON line per message: {\"t\": seconds, \"frames\": [base64, ...]}).")
@@ -91,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(args: argparse.Namespace) -> Config:
     base = config_from_toml(load_toml(args.config)) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
-                          snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer)
+                          snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
+                          store=args.store, store_buffer=args.store_buffer)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -108,9 +122,14 @@ def read_token(path: Path | None) -> str | None:
 
 async def serve(config: Config, token: str | None) -> int:
     from kvindex.daemon import Daemon
+    from kvindex.stores import describe
+    from kvindex.stores.base import StoreUnavailable
 
     daemon = Daemon(config, token=token)
-    return await run_until_signal(daemon.run_forever)
+    try:
+        return await run_until_signal(daemon.run_forever)
+    except StoreUnavailable as exc:  # at start: nothing was served
+        raise ConfigError(f"store {describe(config.store)} cannot be reached: {exc}") from None
 
 
 async def run_until_signal(body: Callable[[asyncio.Event], Awaitable[None]]) -> int:

@@ -121,7 +121,8 @@ async def register(request: web.Request) -> web.Response:
     if (iid, dp_rank) in regs.by_key:
         raise ApiError(f"instance {iid} dp_rank {dp_rank} is already registered", field="instance_id",
                        status=409, reason="duplicate")
-    fixed = regs.block_sizes.get((model, group)) or services(request).query.index.block_size(model)
+    store = services(request).query.store
+    fixed = regs.block_sizes.get((model, group)) or await store.block_size(model)
     if fixed is not None and fixed != block_size:  # one block size per model: keys are chunked by it
         raise ApiError(f"block_size {block_size} differs from {fixed}, fixed by the first registration of "
                        f"{model}:{group}", field="block_size", reason="block_size_mismatch")
@@ -131,6 +132,7 @@ async def register(request: web.Request) -> web.Response:
     except ConfigError as exc:
         raise ApiError(str(exc), field="endpoint", reason="bad_field") from None
     reg = Registration(iid, model, group, block_size, dp_rank, engine)
+    await store.set_block_size(model, block_size)
     regs.add(reg)
     services(request).fleet.add(reg.lane_key, engine)
     return web.json_response({"status": "registered", "instance_id": iid, "dp_rank": dp_rank}, status=201)
@@ -151,7 +153,7 @@ async def unregister(request: web.Request) -> web.Response:
     for reg in found:
         await svc.fleet.remove(reg.lane_key)
         regs.remove(reg)
-        svc.query.index.clear_pod(iid, reg.dp_rank)
+        await svc.query.store.clear_pod(iid, reg.dp_rank)
     if not regs.matching(iid):
         await svc.pods.remove(iid)
     return web.json_response({"status": "unregistered", "instance_id": iid, "listeners": len(found)})
@@ -180,7 +182,7 @@ async def workers(request: web.Request) -> web.Response:
     return web.json_response(list(out.values()))
 
 
-def _candidates(request: web.Request, model: str, group: str | None) -> list[str] | None:
+async def _candidates(request: web.Request, model: str, group: str | None) -> list[str] | None:
     """The pods a query may answer with: its routing group's (one index per (model, group), as
     Dynamo keeps). The default group also holds every engine not registered through /register."""
     regs = request.app[REGISTRATIONS]
@@ -191,7 +193,7 @@ def _candidates(request: web.Request, model: str, group: str | None) -> list[str
     if not elsewhere:
         return None
     inside = {r.instance_id for r in regs.by_key.values() if r.group == DEFAULT_GROUP}
-    return sorted((set(services(request).query.index.pods()) - elsewhere) | inside)
+    return sorted((set(await services(request).query.store.pods()) - elsewhere) | inside)
 
 
 def _scores(answer: PreciseAnswer) -> dict[str, Any]:
@@ -225,7 +227,7 @@ async def query(request: web.Request) -> web.Response:
     assert model is not None
     token_ids = svc.query.check_token_ids(body.get("token_ids"))
     group = get_str(body, "routing_group", required=False)
-    answer = svc.query.precise(model, token_ids, _candidates(request, model, group),
+    answer = await svc.query.precise(model, token_ids, await _candidates(request, model, group),
                                get_str(body, "lora_name", required=False), get_str(body, "cache_salt", required=False))
     svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
     return reply(request, _scores(answer))
@@ -245,7 +247,8 @@ async def query_by_hash(request: web.Request) -> web.Response:
     if len(hashes) > svc.config.max_token_ids:
         raise ApiError("block_hashes is too long", field="block_hashes", status=413, reason="too_large")
     group = get_str(body, "routing_group", required=False)
-    answer = svc.query.precise_by_local_hashes(model, [h & (1 << 64) - 1 for h in hashes], _candidates(request, model, group))
+    answer = await svc.query.precise_by_local_hashes(model, [h & (1 << 64) - 1 for h in hashes],
+                                                     await _candidates(request, model, group))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
     return reply(request, _scores(answer))
 
@@ -254,10 +257,14 @@ async def dump(request: web.Request) -> web.Response:
     """Every held keyed block as a Dynamo-style stored event; ``tokens_hash`` carries kvindex's key."""
     svc = services(request)
     out: dict[str, Any] = {}
-    for view in svc.pods.views():
+    store = svc.query.store
+    for view in await svc.pods.views():
         pod, model = view["pod"], view.get("model") or "unknown"
-        entry = out.setdefault(f"{model}:{DEFAULT_GROUP}", {"block_size": svc.query.index.block_size(model), "events": []})
-        for rank, blocks in svc.query.index.engine_hashes(pod).items():
+        group = f"{model}:{DEFAULT_GROUP}"
+        if group not in out:
+            out[group] = {"block_size": await store.block_size(model), "events": []}
+        entry = out[group]
+        for rank, blocks in (await store.engine_hashes(pod)).items():
             stored = [{"block_hash": h, "tokens_hash": k} for h, k in blocks.items() if k is not None]
             if stored:
                 entry["events"].append({"worker_id": pod, "dp_rank": rank, "event": {

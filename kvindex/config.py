@@ -18,6 +18,7 @@ from typing import Any
 
 from kvindex.approx import ApproxConfig, ApproxSettings
 from kvindex.drift import DriftSettings
+from kvindex.stores import MEMORY, check_store_url, describe, is_memory
 from kvindex.wal import FSYNC_POLICIES
 
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
@@ -91,8 +92,21 @@ class Config:
     snapshot_seconds: float = 60.0
     fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
     peer: str | None = None  # base URL of a running kvindex whose state is loaded before serving
+    store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
+    store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
 
     def __post_init__(self) -> None:
+        try:
+            check_store_url(self.store)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not is_memory(self.store):
+            for what, value in (("--state-dir", self.state_dir), ("--peer", self.peer)):
+                if value is not None:
+                    raise ConfigError(f"{what} cannot be used with --store {describe(self.store)}: the state lives "
+                                      "in Redis, shared by every replica")
+        if type(self.store_buffer) is not int or self.store_buffer < 1:
+            raise ConfigError("store_buffer must be a positive integer (batches per engine lane)")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync {self.fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if type(self.max_message_bytes) is not int or self.max_message_bytes <= 0:
@@ -180,6 +194,8 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
             host=str(server.get("host", "127.0.0.1")),
             port=int(server.get("port", 8080)),
             max_message_bytes=int(server.get("max_message_bytes", 64 << 20)),
+            store=str(server.get("store", MEMORY)),
+            store_buffer=int(server.get("store_buffer", 10_000)),
             engines=engines,
             models=models,
             approx=approx,
@@ -197,7 +213,7 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
 
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
-                   peer: str | None = None) -> Config:
+                   peer: str | None = None, store: str | None = None, store_buffer: int | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -208,6 +224,8 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         snapshot_seconds=snapshot_seconds if snapshot_seconds is not None else cfg.snapshot_seconds,
         fsync=fsync if fsync is not None else cfg.fsync,
         peer=peer if peer is not None else cfg.peer,
+        store=store if store is not None else cfg.store,
+        store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
     )
 
 

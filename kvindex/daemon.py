@@ -15,6 +15,14 @@ Invariants:
   a change is missing from the log until the next snapshot.
 - Every ZeroMQ socket of the daemon's context refuses messages over ``max_message_bytes`` (the
   context's default ``MAXMSGSIZE``; libzmq drops the connection that sent one).
+- The indexes live in the stores chosen by ``config.store`` (``kvindex.stores.build_stores``):
+  every part reads and writes them through the store contracts. ``start()`` opens them first: a
+  store that cannot be reached then raises ``StoreUnavailable`` before anything is served (the
+  CLI exits 2); ``stop()`` closes them (and the Redis client) after the lanes stopped. A Redis
+  store is wrapped by the ``StoreGuard`` (errors counted, 503s, a loss makes every lane
+  resynchronise); the memory store is used as it is. ``index`` / ``approx`` are the memory
+  store's ``PreciseIndex`` / ``ApproxIndex`` (None with Redis); snapshots, the write-ahead log
+  and peers (``Recovery``) exist only with the memory store.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from kvindex.approx import ApproxIndex
 from kvindex.config import Config, EngineConfig
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
+from kvindex.guard import Guarded, StoreGuard
 from kvindex.http_api import Services, make_app
 from kvindex.ingest import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
@@ -44,6 +53,8 @@ from kvindex.metrics import Metrics, StateCollector
 from kvindex.pods import PodDirectory
 from kvindex.precise import TIERS, PreciseIndex
 from kvindex.query import QueryService
+from kvindex.stores import build_stores, describe, is_memory
+from kvindex.stores.base import StoreUnavailable
 from kvindex.tokenize import CachingTokenizer, Tokenizer
 from kvindex.recovery import Recovery
 
@@ -55,11 +66,17 @@ class Daemon:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.index = PreciseIndex()
-        for model, mc in config.models.items():
-            if mc.block_size:
-                self.index.set_block_size(model, mc.block_size)
-        self.approx = ApproxIndex(config.approx, on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
+        self.stores = build_stores(config.store, config.approx,
+                                   on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
+        self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
+        self.guard.on_lost = self._store_lost
+        memory = is_memory(config.store)
+        # the memory backend's own indexes (tests, snapshots, the write-ahead log); None with Redis
+        self.index: PreciseIndex | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
+        self.approx: ApproxIndex | None = self.stores.approx.index if memory else None  # type: ignore[attr-defined]
+        self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
+        self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
+        self._gauges: tuple[list[dict[str, object]], int] = ([], 0)
         self.ctx = zmq.asyncio.Context()
         # the default of every socket made from this context: the lanes' SUB and replay DEALER
         self.ctx.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
@@ -67,19 +84,23 @@ class Daemon:
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
         self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
         self.fleet = Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane))
-        self.drift = DriftAudit(self.index, self.approx, config.drift)
-        self.pods = PodDirectory(self.fleet, self.index, self.approx, self.drift)
+        self.drift = DriftAudit(self.store, self.approx_store, config.drift)
+        self.pods = PodDirectory(self.fleet, self.store, self.approx_store, self.drift)
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
-        self.query = QueryService(self.index, self.approx, self._tokenizer_for, config.max_token_ids)
+        self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
+                                  behind=self._behind)
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics),
-                                 drift=self.drift, token=token, state=lambda: self.recovery.state_bytes())
+                                 drift=self.drift, token=token,
+                                 state=(lambda: self.recovery.state_bytes()) if memory else None,
+                                 before_metrics=self._refresh_gauges, store_problem=self._store_problem)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, compat_api.routes())
         self.registrations = compat_api.Registrations()
         self.app[compat_api.REGISTRATIONS] = self.registrations
-        self.recovery = Recovery(config, index=self.index, approx=self.approx, fleet=self.fleet, pods=self.pods,
+        self.recovery = Recovery(config, index=self.index or PreciseIndex(),
+                                 approx=self.approx or ApproxIndex(config.approx), fleet=self.fleet, pods=self.pods,
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,
                                  on_wal_error=lambda op: self.wal_errors.labels(op).inc())
         self._runner: web.AppRunner | None = None
@@ -103,9 +124,33 @@ class Daemon:
 
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
         dialect = DIALECTS[engine.dialect]
-        settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm)
+        settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm,
+                                store_buffer=self.config.store_buffer)
         return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
-                          index=self.index, metrics=self.metrics, settings=settings, burst=self._burst)
+                          store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
+                          ensure_open=self.guard.ensure_open)
+
+    # -- the store's health --------------------------------------------------------------------
+    def _behind(self, model: str) -> bool:
+        return any(lane.behind(model) for lane in self.fleet.lanes().values())
+
+    def _store_lost(self) -> None:
+        for lane in self.fleet.lanes().values():
+            lane.store_lost()
+
+    def _store_problem(self) -> str | None:
+        if self.guard.reopen_due:
+            return f"store lost its state ({self.guard.reason}): resynchronising"
+        if not self.guard.up:
+            return f"store unavailable: {self.guard.reason}"
+        return None
+
+    async def _refresh_gauges(self) -> None:
+        """Read the store-backed gauges (before a scrape); the store unreachable: keep the last."""
+        try:
+            self._gauges = (await self.pods.views(), await self.approx_store.entries())
+        except StoreUnavailable:
+            pass  # kvindex_store_up says so
 
     def _tokenizer_for(self, model: str) -> Tokenizer | None:
         if model not in self._tokenizers:
@@ -121,7 +166,7 @@ class Daemon:
         return self._tokenizers[model]
 
     def _state_gauges(self) -> Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
-        views = self.pods.views()
+        views, approx_entries = self._gauges
         yield ("kvindex_blocks_held", "Block copies held per pod and tier (precise index)", ["pod", "tier"],
                [([v["pod"], t], v["blocks"][t]) for v in views for t in TIERS])
         yield ("kvindex_orphan_blocks_held", "Keyless (orphan) engine hashes held per pod", ["pod"],
@@ -139,9 +184,17 @@ class Daemon:
         yield ("kvindex_wal_degraded", "1 while a change is missing from the write-ahead log (a failed append) "
                "and no snapshot covers it yet", [], [([], 1.0 if self.wal_degraded else 0.0)])
         yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",
-               [], [([], float(self.approx.entries()))])
+               [], [([], float(approx_entries))])
 
     async def start(self) -> None:
+        await self.stores.open()  # StoreUnavailable: the store cannot be reached at start
+        log.info("store: %s", describe(self.config.store))
+        for model, mc in self.config.models.items():
+            if mc.block_size:
+                await self.store.set_block_size(model, mc.block_size)
+        for engine in self.config.engines:
+            if engine.model and engine.block_size:
+                await self.store.set_block_size(engine.model, engine.block_size)
         await self.recovery.restore()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:
@@ -186,6 +239,10 @@ class Daemon:
             except Exception:
                 log.exception("stopping the HTTP server failed")
         self.recovery.close()
+        try:
+            await self.stores.close()
+        except Exception:
+            log.exception("closing the store failed")
         session, self._session = self._session, None
         if session is not None:
             await session.close()

@@ -7,6 +7,8 @@ Invariants:
   decision is reported the engine has usually published the request's own blocks), the decision is recorded into the approximate
   index (as the router does after a successful response), and it joins the drift sample.
 - Unknown pods are accepted: a decision is how a router tells kvindex about a pod.
+- The store unreachable (``StoreUnavailable``): the decision fails before it is recorded (the
+  reads come first); in a batch, the decisions before it stay recorded.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ class Decisions:
             if not isinstance(items, list) or not items or len(items) > MAX_BATCH:
                 raise QueryError(f"decisions must be an array of 1..{MAX_BATCH} decisions", field="decisions")
             ready = [await self._validate(item) for item in items]
-            return {"results": [self._commit(r) for r in ready]}
-        return self._commit(await self._validate(body))
+            return {"results": [await self._commit(r) for r in ready]}
+        return await self._commit(await self._validate(body))
 
     async def _validate(self, body: Any) -> _Ready:
         pod, model, request = _parse(body)
@@ -90,14 +92,14 @@ class Decisions:
         return _Ready(pod, model, token_ids, hashes, cached, prompt_tokens,
                       lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None)
 
-    def _commit(self, r: _Ready) -> dict[str, Any]:
+    async def _commit(self, r: _Ready) -> dict[str, Any]:
         q, pod = self._query, r.pod
         precise, scored = None, False
         if r.token_ids is not None:
-            precise = q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt)
+            precise = await q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt)
             recalled = q.scores.recall(r.model, r.token_ids, pod, precise)
             precise, scored = (recalled, True) if recalled is not None else (precise, False)
-        approx = q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
+        approx = await q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
         prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else precise.prompt_tokens if precise else None
         answer = PodAnswer(pod, precise, approx).to_json()
         cached = r.cached_tokens
@@ -112,7 +114,7 @@ class Decisions:
         if precise is not None and precise.block_size == 0 and r.token_ids is not None:
             decision.pending = (precise.root, array("I", r.token_ids[:cacheable_tokens(r.token_ids)]))
         if r.hashes:
-            q.approx.record(pod, r.model, r.hashes)
+            await q.approx.record(pod, r.model, r.hashes)
         self._drift.add(decision)
         self._metrics.observe_decision(decision)
         if approx is not None:

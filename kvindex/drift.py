@@ -18,7 +18,8 @@ Definitions (the README repeats them):
   until half of the decisions are expected to go stale.
 
 Invariants: memory is bounded by ``sample_size`` decisions (keys kept as packed u64 arrays) and
-``history`` snapshots; re-checks read both indexes and never change them.
+``history`` snapshots; re-checks read both stores and never change them; a re-check that cannot
+reach the store (``StoreUnavailable``) changes nothing (the timer tries again next period).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvindex import keys as K
-from kvindex.approx import ApproxIndex
-from kvindex.precise import PreciseIndex
+from kvindex.stores.base import ApproxStore, PreciseStore, StoreUnavailable
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ RECHECK_SLICE = 32  # decisions re-checked between two yields to the event loop
 
 
 class DriftAudit:
-    def __init__(self, precise: PreciseIndex, approx: ApproxIndex, settings: DriftSettings,
+    def __init__(self, precise: PreciseStore, approx: ApproxStore, settings: DriftSettings,
                  clock: Callable[[], float] = time.time) -> None:
         self._precise = precise
         self._approx = approx
@@ -118,36 +118,36 @@ class DriftAudit:
         return [d for d in self._sample if since is None or d.t >= since]
 
     # -- belief and truth ----------------------------------------------------------------------
-    def belief(self, d: Decision, pods: Iterable[str]) -> dict[str, float]:
+    async def belief(self, d: Decision, pods: Iterable[str]) -> dict[str, float]:
         if not d.hashes:
             return {}
-        blocks = self._approx.depth(d.model, d.hashes, pods)  # every pod's belief: no top-k cut-off
+        blocks = await self._approx.depth(d.model, d.hashes, pods)  # every pod's belief: no top-k cut-off
         return {p: n / len(d.hashes) for p, n in blocks.items()}
 
-    def truth(self, d: Decision, pods: Iterable[str] | None) -> dict[str, float]:
+    async def truth(self, d: Decision, pods: Iterable[str] | None) -> dict[str, float]:
         if d.pending is not None:
-            self._resolve_keys(d)
+            await self._resolve_keys(d)
         tokens = d.truth_tokens or d.prompt_tokens
         if not d.keys or not tokens:
             return {}
-        return {p: m.gpu * d.block_size / tokens for p, m in self._precise.match(d.keys, pods).items()}
+        return {p: m.gpu * d.block_size / tokens for p, m in (await self._precise.match(d.keys, pods, model=d.model)).items()}
 
-    def _resolve_keys(self, d: Decision) -> None:
+    async def _resolve_keys(self, d: Decision) -> None:
         """A decision made before any engine published the model's blocks gets its keys now."""
-        bs = self._precise.block_size(d.model)
+        bs = await self._precise.block_size(d.model)
         if bs is None or d.pending is None:
             return
         root, tokens = d.pending
         d.keys, d.block_size, d.pending = array("Q", K.prompt_keys(root, tokens, bs)), bs, None
 
     # -- re-check ------------------------------------------------------------------------------
-    def recheck(self) -> Snapshot:
-        """Re-evaluate every sampled decision against both indexes now (in one go: for tests and
+    async def recheck(self) -> Snapshot:
+        """Re-evaluate every sampled decision against both stores now (in one go: for tests and
         small samples; the timer and the HTTP handler use ``recheck_async``)."""
         now = self._clock()
         sample = list(self._sample)
         th = self.settings.threshold
-        return self._commit(now, sample, [self._recheck_one(d, th) for d in sample], set())
+        return await self._commit(now, sample, [await self._recheck_one(d, th) for d in sample], set())
 
     async def recheck_async(self, every: int = RECHECK_SLICE) -> Snapshot:
         """``recheck`` yielding the event loop every ``every`` decisions (2048 decisions x 64 pods
@@ -165,19 +165,19 @@ class DriftAudit:
             for i, d in enumerate(sample):
                 if i and i % every == 0:
                     await asyncio.sleep(0)
-                results.append(self._recheck_one(d, th))
+                results.append(await self._recheck_one(d, th))
+            return await self._commit(now, sample, results, forgotten)
         finally:
             self._watchers = [w for w in self._watchers if w is not forgotten]
-        return self._commit(now, sample, results, forgotten)
 
-    def _recheck_one(self, d: Decision, th: float) -> tuple[bool, list[str]]:
+    async def _recheck_one(self, d: Decision, th: float) -> tuple[bool, list[str]]:
         """One decision: is it stale, and the pods for which its request is unseen. Reads both
-        indexes and changes nothing (but ``d``'s late-resolved keys)."""
-        b = self.belief(d, [d.pod]).get(d.pod, 0.0)
-        h = self.truth(d, [d.pod]).get(d.pod, 0.0)
-        return d.precise is not None and b - h >= th, self._unseen_pods(d, th)
+        stores and changes nothing (but ``d``'s late-resolved keys)."""
+        b = (await self.belief(d, [d.pod])).get(d.pod, 0.0)
+        h = (await self.truth(d, [d.pod])).get(d.pod, 0.0)
+        return d.precise is not None and b - h >= th, await self._unseen_pods(d, th)
 
-    def _commit(self, now: float, sample: list[Decision], results: list[tuple[bool, list[str]]],
+    async def _commit(self, now: float, sample: list[Decision], results: list[tuple[bool, list[str]]],
                 forgotten: set[str]) -> Snapshot:
         pods: dict[str, PodDrift] = {}
         for d, (stale, unseen) in zip(sample, results):
@@ -185,28 +185,37 @@ class DriftAudit:
                 continue
             mine = pods.setdefault(d.pod, PodDrift())
             mine.sampled += 1
-            d.stale_now = stale
-            if stale:
-                mine.stale += 1
-                if d.stale_at is None:
-                    d.stale_at = now
+            mine.stale += stale
             for q in unseen:
                 if q not in forgotten:
                     pods.setdefault(q, PodDrift()).unseen += 1
-        self.pods = pods
+        held = await self._held(pods)  # before anything changes: a failed read leaves the last re-check
+        for d, (stale, _) in zip(sample, results):
+            if d.pod not in forgotten:
+                d.stale_now = stale
+                if stale and d.stale_at is None:
+                    d.stale_at = now
+        self.pods = {p: v for p, v in pods.items() if p not in forgotten}
         self.rechecks += 1
-        snap = self._snapshot(now)
+        snap = self._snapshot(now, held)
         self.history.append(snap)
         return snap
 
-    def _unseen_pods(self, d: Decision, th: float) -> list[str]:
-        holders = {p: h for p, h in self.truth(d, None).items() if h >= th}
+    async def _held(self, pods: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """(gpu blocks, approx entries) of each pod, read from both stores."""
+        out: dict[str, tuple[int, int]] = {}
+        for pod in pods:
+            out[pod] = ((await self._precise.blocks_held(pod))["gpu"], await self._approx.entries(pod))
+        return out
+
+    async def _unseen_pods(self, d: Decision, th: float) -> list[str]:
+        holders = {p: h for p, h in (await self.truth(d, None)).items() if h >= th}
         if not holders:
             return []
-        belief = self.belief(d, holders)
+        belief = await self.belief(d, holders)
         return [p for p, h in holders.items() if h - belief.get(p, 0.0) >= th]
 
-    def _snapshot(self, now: float) -> Snapshot:
+    def _snapshot(self, now: float, held: dict[str, tuple[int, int]]) -> Snapshot:
         """Per pod: drift counts, holdings, and the hit rates of the decisions made since the
         previous snapshot (``decisions``; the rates are null when there were none)."""
         since = self.history[-1].t if self.history else float("-inf")
@@ -218,7 +227,7 @@ class DriftAudit:
         for pod, s in self.pods.items():
             rates = _aggregate(fresh.get(pod, []), now)
             snap.pods[pod] = {"stale": s.stale, "unseen": s.unseen, "sampled": s.sampled,
-                              "blocks": self._precise.blocks_held(pod)["gpu"], "approx_entries": self._approx.entries(pod),
+                              "blocks": held.get(pod, (0, 0))[0], "approx_entries": held.get(pod, (0, 0))[1],
                               **{k: rates[k] for k in ("decisions", "approx_hit_rate", "precise_hit_rate", "actual_hit_rate")}}
         return snap
 
@@ -226,7 +235,10 @@ class DriftAudit:
         """The re-check timer; owned and cancelled by the daemon."""
         while True:
             await asyncio.sleep(self.settings.recheck_seconds)
-            await self.recheck_async()
+            try:
+                await self.recheck_async()
+            except StoreUnavailable:
+                pass  # counted and logged by the store guard; the next period tries again
 
     # -- summaries -----------------------------------------------------------------------------
     def summary(self, window: float | None = None) -> dict[str, Any]:

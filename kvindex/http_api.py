@@ -3,7 +3,8 @@
 Invariants:
 - Every refused request gets a JSON ``{"error": "<one line>", "field": <name or null>}`` with a
   4xx (or 503 when a dependency is down), and is counted in ``kvindex_http_rejections`` by endpoint
-  and reason. Nothing a request carries can crash the server or change state before it is valid.
+  and reason. The store unreachable is a 503 ``store unavailable: <reason>``, never a 500 and
+  never a partial answer. Nothing a request carries can crash the server or change state before it is valid.
 - Handlers read parts from ``Services``; they hold no state of their own.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
 """
@@ -31,6 +32,7 @@ from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
 from kvindex.query import PodAnswer, QueryError, QueryService
 from kvindex.render import RenderError, go_json_loads
+from kvindex.stores.base import StoreUnavailable
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -48,6 +50,8 @@ class Services:
     drift: DriftAudit
     token: str | None = None  # bearer token for mutating endpoints
     state: Callable[[], Awaitable[bytes]] | None = None  # the snapshot format, for GET /v1/state
+    before_metrics: Callable[[], Awaitable[None]] | None = None  # reads the store-backed gauges
+    store_problem: Callable[[], str | None] | None = None  # why the store cannot serve, for /readyz
 
 
 SERVICES = web.AppKey("services", Services)
@@ -78,6 +82,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except QueryError as exc:
         err = ApiError(str(exc), field=exc.field, status=exc.status, reason=exc.reason)
+    except StoreUnavailable as exc:
+        err = ApiError(f"store unavailable: {exc}", status=503, reason="store_unavailable")
     except ApiError as exc:
         err = exc
     except web.HTTPRequestEntityTooLarge:
@@ -176,25 +182,35 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    problems = services(request).pods.readiness_problems()
+    svc = services(request)
+    try:
+        problems = await svc.pods.readiness_problems()
+    except StoreUnavailable as exc:
+        problems = [f"store unavailable: {exc}"]
+    problem = svc.store_problem() if svc.store_problem is not None else None
+    if problem is not None and problem not in problems:
+        problems.insert(0, problem)
     if problems:
         return web.json_response({"status": "not ready", "reasons": problems}, status=503)
     return web.json_response({"status": "ready"})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    data = generate_latest(services(request).metrics.registry)
+    svc = services(request)
+    if svc.before_metrics is not None:
+        await svc.before_metrics()
+    data = generate_latest(svc.metrics.registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 # -- pods --------------------------------------------------------------------------------------
 async def list_pods(request: web.Request) -> web.Response:
-    return web.json_response({"pods": services(request).pods.views()})
+    return web.json_response({"pods": await services(request).pods.views()})
 
 
 async def get_pod(request: web.Request) -> web.Response:
     pod = pod_from_path(request)
-    for view in services(request).pods.views():
+    for view in await services(request).pods.views():
         if view["pod"] == pod:
             return web.json_response(view)
     raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
@@ -228,11 +244,11 @@ async def score(request: web.Request) -> web.Response:
     token_ids = await q.token_ids_for(model, body)
     precise = None
     if token_ids is not None:
-        precise = q.precise(model, token_ids, pods, get_str(body, "lora_name", required=False),
-                            get_str(body, "cache_salt", required=False))
+        precise = await q.precise(model, token_ids, pods, get_str(body, "lora_name", required=False),
+                                  get_str(body, "cache_salt", required=False))
         q.scores.remember(model, token_ids, pods, precise)
-    candidates = q.candidates(pods, precise)
-    approx = q.approx_answer(model, body, candidates)
+    candidates = await q.candidates(pods, precise)
+    approx = await q.approx_answer(model, body, candidates)
     if precise is None and approx is None:
         raise ApiError("nothing to score: give token_ids, prompt, messages or input", field="request", reason="missing_field")
     if approx is not None and approx.hashes:
@@ -271,8 +287,8 @@ async def explain(request: web.Request) -> web.Response:
     except RenderError as exc:
         raise ApiError(str(exc), field="request", reason="unrenderable") from None
     hashes = svc.query.approx_hashes(model, req) or ()
-    pods = get_pods(body) or svc.query.candidates(None, None)
-    answer = svc.query.approx_match(model, hashes, pods)
+    pods = get_pods(body) or await svc.query.candidates(None, None)
+    answer = await svc.query.approx_match(model, hashes, pods)
     return web.json_response({
         "model": model, "personality": settings.personality, "rendered": rendered,
         "rendered_bytes": len(rendered.encode("utf-8", "replace")),
@@ -306,7 +322,8 @@ async def state(request: web.Request) -> web.Response:
     require_token(request)
     svc = services(request)
     if svc.state is None:
-        raise ApiError("state export is not available", status=503, reason="unavailable")
+        raise ApiError("state export is not available: the state lives in the shared store (--store)", status=503,
+                       reason="unavailable")
     return web.Response(body=await svc.state(), content_type="application/x-kvindex-state")
 
 

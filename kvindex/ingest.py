@@ -1,20 +1,41 @@
-"""Ingest: one ordered lane per engine, from frames to the precise index, with seq tracking.
+"""Ingest: one ordered lane per engine, from frames to the precise store, replica-safe.
 
 Invariants:
 - A lane owns one SUB socket and processes its messages strictly in order, one at a time; while
   it fetches a replay, live messages wait in the socket (they are held, not dropped).
 - A payload is decoded before its seq is looked at: garbage never moves a watermark, never
   triggers a restart, and changes nothing held; it is counted by reason.
-- Per stream (topic): seq == last+1 applies; seq > last+1 is a gap, recovered through the
-  engine's replay endpoint (replayed batches strictly inside the gap, then the live one); seq <=
-  last means the engine restarted: the pod is cleared first. A stream's first message with a seq
-  past the dialect's first seq means kvindex joined mid-stream: recovered the same way.
-- A pod is *unsynced* when a gap could not be filled (no replay endpoint, history gone, replay
-  failed). It becomes synced again on AllBlocksCleared, an engine restart, or an explicit resync.
-- Restored state (snapshot, write-ahead log, peer) enters only before ``run()``: ``restore_streams``
-  seeds the seq state, ``apply_logged``/``resync_logged`` re-apply logged changes through the same
-  decode and apply (no network); ``run()`` first asks the replay endpoint for everything after
-  each restored watermark, then subscribes. Every applied batch goes to ``journal`` when set.
+- The store's ``Position`` of a stream (``StreamRef.of(pod, topic|publisher, model)``, the
+  publisher being its dp rank when configured, else its endpoint) is the shared truth:
+  whether a batch applies is judged by the store, atomically with the apply, so when several
+  replicas offer the same batch exactly one applies it (the others count it ``duplicate``). A
+  lane's ``Stream`` keeps this replica's view: what it received (``last_seq``, for restart
+  detection), the gaps and replays it saw, and the epoch it offers batches at (seeded from the
+  store when the stream first appears).
+- Outcomes: APPLIED; DUPLICATE and STALE are skipped (``kvindex_batches_skipped_total``); GAP
+  recovers ``[last_seq + 1, seq)`` from the engine's replay endpoint and then applies, with
+  ``force=<reason>`` when history is gone (the stream is then unsynced in the store); BEHIND (the
+  store lost writes) resynchronises the stream: clear, then replay the engine's history.
+- A seq that goes back means the engine restarted: ``store.restart(stream, epoch, ranks)`` clears
+  the stream's ranks once (the first replica to announce it); the epoch it returns is adopted, so
+  a later replica's copies of what the first one applied come back DUPLICATE. A stream's first
+  batch with a seq past the dialect's first seq and no stored history means kvindex joined
+  mid-stream: recovered the same way.
+- The store unreachable (``StoreUnavailable``): the lane keeps the batches it cannot apply, in
+  order, up to ``store_buffer`` batches, retrying with capped backoff while live messages keep
+  arriving; past the bound the buffer is dropped and every stream of the lane is locally unsynced
+  (``store_unavailable``) until the store answers and the stream is resynchronised through the
+  engine's replay (clear + replay from the first seq; history gone: the next batch is
+  force-applied and the stream stays unsynced with the reason). After ``StoreLost`` every stream
+  of every lane resynchronises the same way. ``behind(model)`` is true meanwhile, and queries for
+  that model answer 503 rather than a partial answer.
+- Every re-run of a batch after a failed store call is safe: the store's apply and restart are
+  idempotent, and local state moves only after the store answered.
+- Restored state (snapshot, write-ahead log, peer; memory store only) enters only before
+  ``run()``: ``restore_streams`` seeds the seq state, ``apply_logged``/``resync_logged`` re-apply
+  logged changes through the same decode and apply (no network); ``run()`` first asks the replay
+  endpoint for everything after each restored watermark, then subscribes. Every applied batch goes
+  to ``journal`` when set.
 """
 
 from __future__ import annotations
@@ -23,7 +44,8 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,11 +56,13 @@ from kvindex.config import EngineConfig
 from kvindex.events import DecodeError, Decoder, EventBatch, Frame
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
-from kvindex.precise import Applied, PreciseIndex
+from kvindex.precise import Applied
+from kvindex.stores.base import ApplyResult, Outcome, Position, PreciseStore, StoreUnavailable, StreamRef
 from kvindex.transport import Malformed, ReplayError, Subscriber, fetch_replay
 
 log = logging.getLogger("kvindex.ingest")
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
+RETRY_FIRST, RETRY_CAP = 0.05, 2.0  # seconds between attempts to reach the store (doubling)
 
 
 class StreamCounters:
@@ -53,6 +77,9 @@ class StreamCounters:
         self.orphans = m.orphan_blocks.labels(pod)
         self.unknown = m.unknown_removals.labels(pod)
         self.lag = m.lag_seconds.labels(pod)
+        self.duplicate = m.batches_skipped.labels(pod, "duplicate")
+        self.stale = m.batches_skipped.labels(pod, "stale")
+        self.dropped = m.batches_skipped.labels(pod, "dropped")
 
     def add(self, done: Applied) -> None:
         for counter, n in ((self.stored_events, done.stored_events), (self.removed_events, done.removed_events),
@@ -65,30 +92,43 @@ class StreamCounters:
 
 @dataclass(slots=True)
 class Stream:
-    """Seq state of one topic of one engine, and what it tells about its pod."""
+    """One topic of one engine: this replica's view of it (the store holds the shared position)."""
 
     topic: str
     pod: str
     model: str
     counters: StreamCounters
-    last_seq: int | None = None
+    ref: StreamRef
+    last_seq: int | None = None  # the last seq this replica handled (in its epoch)
     expect_from: int | None = 0  # seq a complete history starts at; None: accept any baseline
-    synced: bool = True
+    epoch: int = 0  # the epoch this replica offers batches at (adopted from the store)
+    synced: bool = True  # as the store last said
     unsynced_reason: str | None = None
     gaps: int = 0
     replays: int = 0
     restarts: int = 0
-    batches: int = 0
+    batches: int = 0  # batches this replica applied
+    skipped: int = 0  # batches the store judged duplicate or stale
     last_applied: float | None = None  # wall clock
     ranks: set[int] = field(default_factory=set)  # dp ranks this stream's batches carried
     replayed: dict[int, int] = field(default_factory=dict)  # seq -> CRC of batches a replay applied
                                                              # ahead of the live socket
+    stored: Position | None = None  # the stream's position as the store last answered
+    seeded: bool = False  # the stored position has been read since the stream appeared
+    force: str | None = None  # the next batch applies across a gap with this reason (history gone)
+    needs_resync: str | None = None  # why the stream must be resynchronised before it applies again
+    held: int = 0  # batches of this stream waiting in the lane's buffer
+
+    @property
+    def baseline_unknown(self) -> bool:
+        return self.stored is None or self.stored.last_seq is None
 
 
 @dataclass(frozen=True, slots=True)
 class LaneSettings:
     replay_timeout: float = 2.0
     rcvhwm: int = 1_000_000
+    store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
 
 
 @dataclass(slots=True)
@@ -106,6 +146,10 @@ def split_topic(topic: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+async def _always_open() -> None:
+    return None
+
+
 class EngineLane:
     """Everything about one engine publisher: its socket, its streams, their seq state."""
 
@@ -116,32 +160,36 @@ class EngineLane:
         ctx: zmq.asyncio.Context,
         decoder: Decoder,
         first_seq: int,
-        index: PreciseIndex,
+        store: PreciseStore,
         metrics: Metrics,
         settings: LaneSettings,
         burst: BurstLog,
+        ensure_open: Callable[[], Awaitable[None]] = _always_open,
     ) -> None:
         self.engine = engine
         self.state = LaneState()
         self._ctx = ctx
         self._decoder = decoder
         self._first_seq = first_seq
-        self._index = index
+        self._store = store
         self._metrics = metrics
         self._settings = settings
         self._burst = burst
+        self._ensure_open = ensure_open  # re-opens the stores after a loss (the guard's)
         self._lock = asyncio.Lock()
         self._restored: set[str] = set()
+        self._restored_positions: dict[str, Position] = {}
+        self._held: deque[tuple[Stream, int, EventBatch, bytes]] = deque()
+        self._drainer: asyncio.Task[None] | None = None
         self.key = engine.name  # the fleet's key for this lane (set by Fleet.add)
         # the write-ahead log: .batch(lane key, topic, seq, payload) after each applied batch,
         # .resync(lane key, pod) when an operator's resync clears a pod
         self.journal: Any = None
-        if engine.model and engine.block_size:
-            index.set_block_size(engine.model, engine.block_size)
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
         e = self.engine
+        await self.install_restored()
         await self._catch_up()
         sub = Subscriber(self._ctx, e.endpoint, bind=e.bind, rcvhwm=self._settings.rcvhwm)
         monitor = asyncio.create_task(self._monitor(sub), name=f"monitor {e.endpoint}")
@@ -153,7 +201,10 @@ class EngineLane:
                     await self.handle(msg)
         finally:
             monitor.cancel()
-            await asyncio.gather(monitor, return_exceptions=True)
+            drainer, self._drainer = self._drainer, None
+            if drainer is not None:
+                drainer.cancel()
+            await asyncio.gather(monitor, *([drainer] if drainer else []), return_exceptions=True)
             sub.close()
 
     async def _monitor(self, sub: Subscriber) -> None:
@@ -182,74 +233,194 @@ class EngineLane:
                 self._reject(self.engine.name, "too_many_topics", f"more than {MAX_TOPICS} topics on one publisher")
                 return
             stream = self._stream(msg.topic)
-        await self._sequence(stream, msg.seq, batch, msg.payload)
+        if self._held or stream.needs_resync is not None:
+            self._hold(stream, msg.seq, batch, msg.payload)
+            return
+        try:
+            await self._sequence(stream, msg.seq, batch, msg.payload)
+        except StoreUnavailable:
+            self._hold(stream, msg.seq, batch, msg.payload)
 
+    def behind(self, model: str) -> bool:
+        """Whether a stream of ``model`` waits for the store (buffered batches or a resync due):
+        the store's answers for the model may then lack what the engine published."""
+        return any(st.model == model and (st.held or st.needs_resync is not None)
+                   for st in self.state.streams.values())
+
+    # -- the store is unreachable: hold, retry, resynchronise ------------------------------------
+    def _hold(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
+        if st.needs_resync is not None:
+            st.counters.dropped.inc()  # its resync replays the engine's history, this batch included
+        elif len(self._held) >= self._settings.store_buffer:
+            self._overflow()
+            st.counters.dropped.inc()
+        else:
+            self._held.append((st, seq, batch, payload))
+            st.held += 1
+            self._metrics.store_buffered.inc()
+        self._start_drainer()
+
+    def _overflow(self) -> None:
+        log.error("engine %s: %d batches wait for the store, the bound (--store-buffer): dropping them; its "
+                  "streams are UNSYNCED (store_unavailable) until the store answers and they are replayed",
+                  self.engine.name, len(self._held))
+        self._drop_held()
+        for st in self.state.streams.values():
+            self._needs_resync(st, "store_unavailable")
+
+    def _drop_held(self) -> None:
+        for st, *_ in self._held:
+            st.held -= 1
+            st.counters.dropped.inc()
+        self._metrics.store_buffered.dec(len(self._held))
+        self._held.clear()
+
+    def _needs_resync(self, st: Stream, why: str) -> None:
+        if st.needs_resync is None:
+            st.needs_resync = why
+            st.synced, st.unsynced_reason = False, why
+
+    def store_lost(self) -> None:
+        """The store lost its state: every stream resynchronises once the store answers."""
+        self._drop_held()
+        for st in self.state.streams.values():
+            self._needs_resync(st, "store_lost")
+        if self.state.streams:
+            self._start_drainer()
+
+    def _start_drainer(self) -> None:
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.create_task(self._drain(), name=f"store retry {self.key}")
+
+    async def _drain(self) -> None:
+        """Until the buffer is applied and every due resync is done, retrying with capped backoff."""
+        delay = RETRY_FIRST
+        while True:
+            async with self._lock:
+                try:
+                    await self._drain_once()
+                    return
+                except StoreUnavailable:
+                    pass  # counted and logged by the guard
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_CAP)
+
+    async def _drain_once(self) -> None:
+        await self._ensure_open()
+        for st in list(self.state.streams.values()):
+            if st.needs_resync is not None:
+                await self._resync_stream(st, st.epoch)
+        while self._held:
+            st, seq, batch, payload = self._held[0]
+            if st.needs_resync is None:
+                await self._sequence(st, seq, batch, payload)
+            self._held.popleft()
+            st.held -= 1
+            self._metrics.store_buffered.dec()
+        log.info("engine %s: the store answers; buffered batches applied", self.engine.name)
+
+    async def _resync_stream(self, st: Stream, seen_epoch: int) -> None:
+        """Clear the stream in the store (once, whichever replica comes first) and replay the
+        engine's history from its first seq; history gone: the next batch is force-applied."""
+        why = st.needs_resync or "store_behind"
+        pos = await self._store.restart(st.ref, seen_epoch, sorted(st.ranks) or None)
+        self._reset(st, pos, self._first_seq)
+        reason = await self._recover(st, self._first_seq, None) if self.engine.replay else "gap_no_replay_endpoint"
+        if reason is not None and st.baseline_unknown:
+            st.force = reason
+        st.needs_resync = None
+        self._observe(st, st.stored or pos)
+        log.warning("pod %s: resynchronised after %s%s", st.pod, why,
+                    f" ({reason}: the next batch is applied unsynced)" if st.force else " (history replayed)")
+
+    # -- operator's resync ---------------------------------------------------------------------
     async def resync(self, pod: str) -> bool:
         """Operator's resync: clear the pod, replay the engine's history if it can, mark synced."""
         async with self._lock:
             streams = [s for s in self.state.streams.values() if s.pod == pod]
             if not streams:
                 return False
-            self._resync_reset(pod, streams)
-            if self.journal is not None:
-                self.journal.resync(self.key, pod)
-            for st in streams:
-                if self.engine.replay:
-                    await self._recover(st, self._first_seq, None)
-                self._mark_synced(st, "resync requested")
+            try:
+                await self._resync_reset(streams)
+                if self.journal is not None:
+                    self.journal.resync(self.key, pod)
+                for st in streams:
+                    if self.engine.replay:
+                        await self._recover(st, self._first_seq, None)
+                    self._log_synced(st, "resync requested")
+            except StoreUnavailable:
+                for st in streams:
+                    self._needs_resync(st, "store_unavailable")
+                self._start_drainer()
+                raise
             return True
 
-    def _clear_stream(self, st: Stream) -> None:
-        """Forget the blocks of the dp ranks this stream feeds (other ranks have their own streams);
-        a stream that has not applied a batch since it was restored clears the whole pod."""
-        if not st.ranks:
-            self._index.clear_pod(st.pod)
-        for rank in st.ranks:
-            self._index.clear_pod(st.pod, rank)
-        st.replayed.clear()
-
-    def _resync_reset(self, pod: str, streams: list[Stream]) -> None:
+    async def _resync_reset(self, streams: list[Stream]) -> None:
         for st in streams:
-            self._clear_stream(st)
-            st.last_seq = None
-            st.expect_from = None  # without a replay, the next batch is the new baseline
+            pos = await self._store.restart(st.ref, st.epoch, sorted(st.ranks) or None)
+            self._reset(st, pos, None)  # without a replay, the next batch is the new baseline
+            st.needs_resync = None
+
+    def _reset(self, st: Stream, pos: Position, expect_from: int | None) -> None:
+        """The stream starts over at the store's ``pos`` (after a restart or a clear)."""
+        st.epoch = pos.epoch
+        st.last_seq = None
+        st.expect_from = expect_from
+        st.replayed.clear()
+        st.force = None
+        self._observe(st, pos)
 
     # -- restored state (snapshot, write-ahead log, peer) ----------------------------------------
     def restore_streams(self, saved: list[dict[str, Any]]) -> None:
         """Before ``run()``: seed streams with saved seq state (``topic``, ``last_seq``,
-        ``expect_from``, ``synced``, ``unsynced_reason`` and the counters); ``run()`` then asks
-        the replay endpoint for everything after each restored watermark before subscribing."""
+        ``expect_from``, ``epoch``, ``synced``, ``unsynced_reason`` and the counters);
+        ``install_restored`` writes their positions to the store; ``run()`` then asks the replay
+        endpoint for everything after each restored watermark before subscribing."""
         for d in saved:
             st = self._stream(str(d["topic"]))
-            for name in ("last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays", "restarts", "batches"):
+            for name in ("last_seq", "expect_from", "epoch", "synced", "unsynced_reason", "gaps", "replays",
+                         "restarts", "batches"):
                 if name in d:
                     setattr(st, name, d[name])
+            st.seeded = True
             self._restored.add(st.topic)
+            self._restored_positions[st.topic] = Position(st.last_seq, st.epoch, st.synced, st.unsynced_reason)
 
-    def apply_logged(self, topic: str, seq: int, payload: bytes) -> None:
+    async def install_restored(self) -> None:
+        """The restored streams' positions into the store (the memory store of a restarted kvindex)."""
+        restored, self._restored_positions = self._restored_positions, {}
+        for topic, pos in restored.items():
+            st = self.state.streams[topic]
+            await self._store.set_position(st.ref, pos)
+            st.stored = pos
+
+    async def apply_logged(self, topic: str, seq: int, payload: bytes) -> None:
         """Re-apply a batch this lane applied before (write-ahead log replay, no network): the same
         decode and apply; a seq that went back is the restart it was; a gap is the unsynced
         stretch it was (the live lane could not fill it either)."""
         st = self._stream(topic)
+        if not st.seeded:
+            await self._seed(st)
         batch = self._decode(st.pod, Frame(topic, seq, payload))
         if batch is None:
             return
         if st.last_seq is not None and seq <= st.last_seq:
-            self._restarted(st, seq)
+            await self._restarted(st, seq)
+        force = None
         if st.last_seq is None:
-            if st.expect_from is not None and seq > st.expect_from:
-                self._mark_unsynced(st, "history_lost", st.expect_from, seq)
+            if st.expect_from is not None and seq > st.expect_from and st.baseline_unknown:
+                force = "history_lost"
         elif seq > st.last_seq + 1:
             st.gaps += 1
-            self._mark_unsynced(st, "history_lost", st.last_seq + 1, seq)
-        self._apply(st, seq, batch, payload)
+            force = "history_lost"
+        await self._apply(st, seq, batch, payload, force)
 
-    def resync_logged(self, pod: str) -> None:
+    async def resync_logged(self, pod: str) -> None:
         """Re-apply an operator's resync from the write-ahead log (the batches it replayed follow)."""
         streams = [s for s in self.state.streams.values() if s.pod == pod]
-        self._resync_reset(pod, streams)
+        await self._resync_reset(streams)
         for st in streams:
-            self._mark_synced(st, "resync requested")
+            self._log_synced(st, "resync requested")
 
     async def _catch_up(self) -> None:
         """Restored streams: apply the engine's batches after the watermark (history gone:
@@ -263,10 +434,16 @@ class EngineLane:
                 if st.last_seq is not None:
                     log.info("pod %s: restored at seq %d, asking %s for what followed", st.pod, st.last_seq,
                              self.engine.replay)
-                    await self._recover(st, st.last_seq + 1, None)
+                    reason = await self._recover(st, st.last_seq + 1, None)
+                    if reason is not None:
+                        st.force = reason
 
     # -- seq -----------------------------------------------------------------------------------
     async def _sequence(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
+        """One live batch, from the stream's seq state to the store; safe to re-run after a
+        failed store call (the buffer does)."""
+        if not st.seeded:
+            await self._seed(st)
         if st.replayed:
             if st.replayed.get(seq) == zlib.crc32(payload):
                 return  # already applied from the replay that ran ahead of the socket
@@ -276,40 +453,83 @@ class EngineLane:
             if not batch.events:  # nothing usable: not evidence enough to drop a pod's state
                 self._reject(st.pod, "backward_seq_without_events", f"seq {seq} went back but carries no usable event")
                 return
-            self._restarted(st, seq)
-        if st.last_seq is None:
-            if st.expect_from is not None and seq > st.expect_from:
-                await self._recover(st, st.expect_from, seq)
-        elif seq > st.last_seq + 1:
-            st.gaps += 1
-            self._metrics.seq_gaps.labels(st.pod).inc()
-            log.warning("pod %s: seq gap, expected %d got %d", st.pod, st.last_seq + 1, seq)
-            await self._recover(st, st.last_seq + 1, seq)
-        self._apply(st, seq, batch, payload)
+            await self._restarted(st, seq)
+        force = st.force
+        if force is None and st.baseline_unknown and st.expect_from is not None and seq > st.expect_from:
+            force = await self._recover(st, st.expect_from, seq)
+        result = await self._apply(st, seq, batch, payload, force)
+        if result.outcome is Outcome.GAP:
+            result = await self._fill_gap(st, seq, batch, payload, result.position)
+        elif result.outcome is Outcome.BEHIND:
+            log.warning("pod %s: the store is at epoch %d, this replica at %d: the store lost writes; "
+                        "resynchronising the stream", st.pod, result.position.epoch, st.epoch)
+            await self._resync_stream(st, result.position.epoch)
+            result = await self._apply(st, seq, batch, payload, st.force)
+        elif result.outcome is Outcome.STALE:
+            result = await self._adopt(st, seq, batch, payload, result.position)
+        if result.outcome is Outcome.APPLIED:
+            st.force = None
 
-    def _restarted(self, st: Stream, seq: int) -> None:
+    async def _seed(self, st: Stream) -> None:
+        """Read the stream's stored position: another replica may be ahead (its batches then come
+        back DUPLICATE) or the engine may have restarted (a later epoch)."""
+        if self.engine.block_size:
+            await self._store.set_block_size(st.model, self.engine.block_size)
+        pos = await self._store.position(st.ref)
+        if pos is not None:
+            st.epoch = pos.epoch
+            self._observe(st, pos)
+        st.seeded = True
+
+    async def _fill_gap(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, pos: Position) -> ApplyResult:
+        start = (pos.last_seq if pos.last_seq is not None else self._first_seq - 1) + 1
+        st.gaps += 1
+        self._metrics.seq_gaps.labels(st.pod).inc()
+        log.warning("pod %s: seq gap, expected %d got %d", st.pod, start, seq)
+        reason = await self._recover(st, start, seq)
+        result = await self._apply(st, seq, batch, payload, reason)
+        if result.outcome is Outcome.GAP:  # the store moved meanwhile: apply across what is left
+            result = await self._apply(st, seq, batch, payload, "history_lost")
+        return result
+
+    async def _adopt(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, pos: Position) -> ApplyResult:
+        """STALE: another replica announced an engine restart this one has not seen. When this
+        batch fits the store's new epoch (a copy of what it applied, or the next one), this
+        replica missed the restart: it adopts the epoch; otherwise the batch is of the ended life."""
+        if pos.last_seq is None or seq > pos.last_seq + 1:
+            st.last_seq = seq
+            return ApplyResult(Outcome.STALE, pos)
+        log.info("pod %s: the store is at epoch %d (another replica saw the engine restart): adopting it",
+                 st.pod, pos.epoch)
+        st.epoch = pos.epoch
+        st.expect_from = self._first_seq
+        return await self._apply(st, seq, batch, payload, None)
+
+    async def _restarted(self, st: Stream, seq: int) -> None:
+        pos = await self._store.restart(st.ref, st.epoch, sorted(st.ranks) or None)
         st.restarts += 1
         self._metrics.restarts.labels(st.pod).inc()
-        log.warning("pod %s: seq went back from %d to %d: engine restarted, clearing its blocks",
-                    st.pod, st.last_seq, seq)
-        self._clear_stream(st)
-        st.last_seq = None
-        st.expect_from = self._first_seq
-        self._mark_synced(st, "engine restarted")
+        if pos.epoch == st.epoch + 1 and pos.last_seq is None:
+            log.warning("pod %s: seq went back from %d to %d: engine restarted, clearing its blocks",
+                        st.pod, st.last_seq, seq)
+        else:
+            log.info("pod %s: seq went back from %d to %d: engine restarted (another replica cleared it already)",
+                     st.pod, st.last_seq, seq)
+        self._reset(st, pos, self._first_seq)
+        self._log_synced(st, "engine restarted")
 
-    async def _recover(self, st: Stream, start: int, stop: int | None) -> None:
-        """Apply the engine's batches [start, stop) from its replay endpoint, or mark unsynced."""
+    async def _recover(self, st: Stream, start: int, stop: int | None) -> str | None:
+        """Apply the engine's batches [start, stop) from its replay endpoint; None when complete,
+        else why not (the reason the stream is unsynced with)."""
         if not self.engine.replay:
-            self._mark_unsynced(st, "gap_no_replay_endpoint", start, stop)
-            return
+            return self._unsynced(st, "gap_no_replay_endpoint", start, stop)
         st.replays += 1
         try:
             result = await fetch_replay(self._ctx, self.engine.replay, start, timeout=self._settings.replay_timeout)
         except (ReplayError, zmq.ZMQError) as exc:
             self._metrics.replays.labels(st.pod, "failed").inc()
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.engine.replay, exc)
-            self._mark_unsynced(st, "replay_failed", start, stop)
-            return
+            return self._unsynced(st, "replay_failed", start, stop)
         expected, broken = start, False
         for frame in result.frames:
             if frame.topic not in ("", st.topic) or frame.seq < expected:
@@ -317,17 +537,15 @@ class EngineLane:
             if stop is not None and frame.seq >= stop:
                 break
             batch = self._decode(st.pod, frame) if frame.seq == expected else None
-            if batch is None:
+            if batch is None or (await self._apply(st, frame.seq, batch, frame.payload, None)).outcome is Outcome.GAP:
                 broken = True
                 break
-            self._apply(st, frame.seq, batch, frame.payload)
             if stop is None:  # ahead of the live socket: its copies of these batches are duplicates
                 st.replayed[frame.seq] = zlib.crc32(frame.payload)
             expected += 1
         complete = not broken and (expected == stop if stop is not None else result.complete)
         self._metrics.replays.labels(st.pod, "ok" if complete else "history_lost").inc()
-        if not complete:
-            self._mark_unsynced(st, "history_lost", expected, stop)
+        return None if complete else self._unsynced(st, "history_lost", expected, stop)
 
     # -- applying ------------------------------------------------------------------------------
     def _decode(self, label: str, frame: Frame) -> EventBatch | None:
@@ -337,17 +555,30 @@ class EngineLane:
             self._reject(label, exc.reason, f"undecodable payload (seq {frame.seq})")
             return None
 
-    def _apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
+    async def _apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, force: str | None) -> ApplyResult:
+        """Offer one batch to the store (one await); count what it did."""
         rank = self.engine.dp_rank if self.engine.dp_rank is not None else batch.dp_rank
-        st.ranks.add(rank)
+        result = await self._store.apply(st.ref, seq, st.epoch, rank, batch.events, force=force)
+        outcome = result.outcome
+        self._observe(st, result.position)
+        if outcome is Outcome.APPLIED:
+            st.ranks.add(rank)
+            self._applied(st, seq, batch, payload, result.applied)
+        elif outcome is Outcome.DUPLICATE or outcome is Outcome.STALE:
+            st.skipped += 1
+            (st.counters.duplicate if outcome is Outcome.DUPLICATE else st.counters.stale).inc()
+            if outcome is Outcome.DUPLICATE:
+                st.ranks.add(rank)
+                st.last_seq = seq
+        return result
+
+    def _applied(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, done: Applied | None) -> None:
         for reason in batch.skipped:
             self._reject(st.pod, reason, "skipped an event or field")
-        done = self._index.apply_batch(st.pod, st.model, rank, batch.events)
-        st.counters.add(done)
-        if done.block_size_mismatch:
-            self._reject(st.pod, "block_size_mismatch", "block size differs from the model's")
-        if done.cleared:
-            self._mark_synced(st, "AllBlocksCleared")
+        if done is not None:
+            st.counters.add(done)
+            if done.block_size_mismatch:
+                self._reject(st.pod, "block_size_mismatch", "block size differs from the model's")
         st.last_seq = seq
         st.batches += 1
         now = time.time()
@@ -356,32 +587,46 @@ class EngineLane:
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
 
+    def _observe(self, st: Stream, pos: Position) -> None:
+        """Mirror the store's answer (for logs, snapshots and the hot path's baseline check)."""
+        st.stored = pos
+        if st.needs_resync is not None:
+            return
+        if pos.synced and not st.synced:
+            log.info("pod %s: synced again", st.pod)
+        st.synced, st.unsynced_reason = pos.synced, pos.reason
+
     def _stream(self, topic: str) -> Stream:
         st = self.state.streams.get(topic)
         if st is None:
             pod, model = split_topic(topic)
             pod_id = self.engine.pod or pod or self.engine.endpoint
-            st = Stream(topic=topic, pod=pod_id, model=self.engine.model or model or "unknown",
-                        expect_from=self._first_seq, counters=StreamCounters(self._metrics, pod_id))
-            if self.engine.block_size:
-                self._index.set_block_size(st.model, self.engine.block_size)
+            model_id = self.engine.model or model or "unknown"
+            st = Stream(topic=topic, pod=pod_id, model=model_id, expect_from=self._first_seq,
+                        counters=StreamCounters(self._metrics, pod_id), ref=StreamRef.of(pod_id, self._stream_name(topic), model_id))
             self.state.streams[topic] = st
             log.info("engine %s: new stream topic=%r -> pod %s, model %s", self.engine.name, topic, st.pod, st.model)
         return st
+
+    def _stream_name(self, topic: str) -> str:
+        """The stream's name in the store, the same on every replica: its topic and which publisher
+        of the pod (ranks of one pod publish the same topic on endpoints of their own)."""
+        e = self.engine
+        return f"{topic}|dp{e.dp_rank}" if e.dp_rank is not None else f"{topic}|{e.endpoint}"
 
     def _reject(self, pod: str, reason: str, what: str) -> None:
         self._metrics.decode_errors.labels(pod, reason).inc()
         self._burst.warning((pod, reason), "pod %s: %s: %s", pod, what, reason)
 
-    def _mark_unsynced(self, st: Stream, reason: str, start: int, stop: int | None) -> None:
-        st.synced = False
-        st.unsynced_reason = reason
+    @staticmethod
+    def _unsynced(st: Stream, reason: str, start: int, stop: int | None) -> str:
         log.warning("pod %s: UNSYNCED (%s): batches %d..%s are missing; its index may lack blocks until "
                     "AllBlocksCleared, an engine restart or POST /v1/pods/%s/resync",
                     st.pod, reason, start, "" if stop is None else stop - 1, st.pod)
+        return reason
 
     @staticmethod
-    def _mark_synced(st: Stream, why: str) -> None:
+    def _log_synced(st: Stream, why: str) -> None:
         if not st.synced:
             log.info("pod %s: synced again (%s)", st.pod, why)
         st.synced = True

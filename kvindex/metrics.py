@@ -39,6 +39,15 @@ class Metrics:
         self.query_seconds = Histogram("kvindex_query_duration_seconds", "Time to answer a query, by endpoint", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.approx_match_ratio = Histogram("kvindex_approx_match_ratio", "Approximate index: longest match / prompt blocks per scored request (Kthena's prefix_cache_match_ratio)", ["model"], buckets=RATIO_BUCKETS, registry=r)
         self.approx_evictions = Counter("kvindex_approx_evictions", "Approximate index: capacity evictions (Kthena's prefix_cache_evictions_total)", ["model"], registry=r)
+        self.batches_skipped = Counter("kvindex_batches_skipped", "Engine batches not applied by this replica, by "
+                                       "outcome: duplicate (applied already, e.g. by another replica), stale (an "
+                                       "engine life that has ended), dropped (past the store buffer)",
+                                       ["pod", "outcome"], registry=r)
+        self.store_errors = Counter("kvindex_store_errors", "Store calls that failed (store unreachable or lost), by "
+                                    "operation", ["op"], registry=r)
+        self.store_up = Gauge("kvindex_store_up", "1 while the store answers, 0 after a failed call", registry=r)
+        self.store_buffered = Gauge("kvindex_store_buffered_batches", "Engine batches waiting for the store, summed "
+                                    "over lanes", registry=r)
         self.decisions = Counter("kvindex_decisions", "Routing decisions recorded", ["pod"], registry=r)
         self.decision_fraction = Histogram("kvindex_decision_hit_fraction", "Per decision: the prompt fraction predicted "
                                            "cached (approx, precise) and reported cached by the engine (actual)",

@@ -1,50 +1,65 @@
-"""The pod directory: one view per pod, joined from the engine lanes and both indexes.
+"""The pod directory: one view per pod, joined from the engine lanes and both stores.
 
-Invariants: it owns no state of its own beyond what it reads at call time; removing a pod removes
-it from both indexes and the drift sample (the engine lane, if any, keeps running and may add blocks again).
+Invariants: it owns no state of its own beyond what it reads at call time. Whether a stream is
+synced comes from the store's position (so every replica sharing a store reports the same),
+joined with this replica's own state: its connection, and a resync it still owes (after the store
+was unreachable past the buffer bound, or lost). The store reads of a view are gathered, not
+awaited one by one. Removing a pod removes it from both stores and the drift sample (the engine
+lane, if any, keeps running and may add blocks again).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from kvindex.approx import ApproxIndex
 from kvindex.drift import DriftAudit
-from kvindex.ingest import Fleet
-from kvindex.precise import PreciseIndex
+from kvindex.ingest import EngineLane, Fleet, Stream
+from kvindex.stores.base import ApproxStore, Position, PreciseStore
 
 
 class PodDirectory:
-    def __init__(self, fleet: Fleet, index: PreciseIndex, approx: ApproxIndex, drift: DriftAudit) -> None:
+    def __init__(self, fleet: Fleet, store: PreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
         self._drift = drift
         self._fleet = fleet
-        self._index = index
+        self._store = store
         self._approx = approx
         self.on_remove: Callable[[str], None] | None = None  # the write-ahead log
 
-    def views(self) -> list[dict[str, Any]]:
-        views: dict[str, dict[str, Any]] = {}
-        for key, lane in self._fleet.lanes().items():
-            failure = self._fleet.lane_task_failed(key)
-            for st in lane.state.streams.values():
-                views[st.pod] = {
-                    "pod": st.pod, "model": st.model, "endpoint": lane.engine.endpoint,
-                    "replay_endpoint": lane.engine.replay, "topic": st.topic,
-                    "connected": lane.state.connected_peers > 0 and failure is None,
-                    "listener_error": failure,
-                    "last_seq": st.last_seq, "batches": st.batches, "gaps": st.gaps, "replays": st.replays,
-                    "restarts": st.restarts, "synced": st.synced, "unsynced_reason": st.unsynced_reason,
-                    "last_event_age_seconds": None,
-                }
-        for pod in set(self._index.pods()) | set(self._approx.pods()):
-            views.setdefault(pod, {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True})
-        for pod, view in views.items():
-            view["blocks"] = self._index.blocks_held(pod)
-            view["approx_entries"] = self._approx.entries(pod)
-        return [views[p] for p in sorted(views)]
+    def _streams(self) -> list[tuple[str, EngineLane, Stream]]:
+        return [(key, lane, st) for key, lane in self._fleet.lanes().items() for st in lane.state.streams.values()]
 
-    def readiness_problems(self) -> list[str]:
+    async def _positions(self, streams: list[tuple[str, EngineLane, Stream]]) -> list[tuple[bool, str | None]]:
+        """(synced, reason) per stream: the store's position, unless this replica owes a resync."""
+        positions = await asyncio.gather(*(self._store.position(st.ref) for _, _, st in streams))
+        return [_sync_state(st, pos) for (_, _, st), pos in zip(streams, positions)]
+
+    async def views(self) -> list[dict[str, Any]]:
+        views: dict[str, dict[str, Any]] = {}
+        streams = self._streams()
+        for (key, lane, st), (synced, reason) in zip(streams, await self._positions(streams)):
+            failure = self._fleet.lane_task_failed(key)
+            views[st.pod] = {
+                "pod": st.pod, "model": st.model, "endpoint": lane.engine.endpoint,
+                "replay_endpoint": lane.engine.replay, "topic": st.topic,
+                "connected": lane.state.connected_peers > 0 and failure is None,
+                "listener_error": failure,
+                "last_seq": st.last_seq, "batches": st.batches, "gaps": st.gaps, "replays": st.replays,
+                "restarts": st.restarts, "synced": synced, "unsynced_reason": reason,
+                "last_event_age_seconds": None,
+            }
+        for pod in set(await self._store.pods()) | set(await self._approx.pods()):
+            views.setdefault(pod, {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True})
+        pods = sorted(views)
+        blocks = await asyncio.gather(*(self._store.blocks_held(p) for p in pods))
+        entries = await asyncio.gather(*(self._approx.entries(p) for p in pods))
+        for pod, held, n in zip(pods, blocks, entries):
+            views[pod]["blocks"] = held
+            views[pod]["approx_entries"] = n
+        return [views[p] for p in pods]
+
+    async def readiness_problems(self) -> list[str]:
         problems = []
         for key, lane in self._fleet.lanes().items():
             failure = self._fleet.lane_task_failed(key)
@@ -52,16 +67,25 @@ class PodDirectory:
                 problems.append(f"engine {lane.engine.name}: listener failed: {failure}")
             elif lane.state.connected_peers == 0:
                 problems.append(f"engine {lane.engine.name}: not connected ({lane.engine.endpoint})")
-            for st in lane.state.streams.values():
-                if not st.synced:
-                    problems.append(f"pod {st.pod}: unsynced ({st.unsynced_reason})")
+        streams = self._streams()
+        for (_, _, st), (synced, reason) in zip(streams, await self._positions(streams)):
+            if not synced:
+                problems.append(f"pod {st.pod}: unsynced ({reason})")
         return problems
 
     async def remove(self, pod: str) -> bool:
-        known = pod in self._index.pods() or pod in self._approx.pods()
-        self._index.clear_pod(pod)
-        self._approx.remove_pod(pod)
+        known = pod in await self._store.pods() or pod in await self._approx.pods()
+        await self._store.clear_pod(pod)
+        await self._approx.remove_pod(pod)
         self._drift.forget_pod(pod)
         if self.on_remove is not None:
             self.on_remove(pod)
         return known
+
+
+def _sync_state(st: Stream, pos: Position | None) -> tuple[bool, str | None]:
+    if st.needs_resync is not None:
+        return False, st.needs_resync
+    if pos is None:
+        return st.synced, st.unsynced_reason  # nothing stored yet: what this replica saw
+    return pos.synced, pos.reason

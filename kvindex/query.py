@@ -9,6 +9,10 @@ Invariants:
 - ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
   more than the engine holds (stale), negative when the engine holds what the router never saw.
 - Pure with respect to both indexes: a query changes nothing.
+- Both indexes are read through their stores (``kvindex.stores``): one await per index read. A
+  model whose engine streams wait for the store (buffered batches, a resync after the store was
+  lost) is answered 503 ``store resynchronising``, never with a partial precise answer; a store
+  that cannot be reached raises ``StoreUnavailable`` (the HTTP layer answers 503).
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ import msgspec
 import xxhash
 
 from kvindex import keys as K
-from kvindex.approx import ApproxIndex
-from kvindex.precise import PodMatch, PreciseIndex
+from kvindex.precise import PodMatch
 from kvindex.render import RenderError
+from kvindex.stores.base import ApproxStore, PreciseStore
 from kvindex.tokenize import Tokenizer
 
 
@@ -133,30 +137,45 @@ class ScoreMemory:
         return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, {pod: then} if then else {}, answer.root)
 
 
+def _never_behind(model: str) -> bool:
+    return False
+
+
 class QueryService:
-    def __init__(self, index: PreciseIndex, approx: ApproxIndex,
-                 tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int) -> None:
-        self.index = index
+    def __init__(self, store: PreciseStore, approx: ApproxStore,
+                 tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int,
+                 behind: Callable[[str], bool] = _never_behind) -> None:
+        self.store = store
         self.approx = approx
         self.scores = ScoreMemory()
         self._tokenizer_for = tokenizer_for
         self._max_token_ids = max_token_ids
+        self._behind = behind  # a model whose streams wait for the store (buffer, resync)
 
-    def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
-                lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
+    def check_current(self, model: str) -> None:
+        """503 while the store may lack batches of ``model`` this replica has received."""
+        if self._behind(model):
+            raise QueryError(f"store resynchronising: model {model!r} has engine batches not in the store yet",
+                             field=None, status=503, reason="store_resynchronising")
+
+    async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
+                      lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
         root = K.root_key(model, lora_name, cache_salt)
-        bs = self.index.block_size(model)
+        bs = await self.store.block_size(model)  # the store unreachable says so first
+        self.check_current(model)
         if bs is None:  # no engine has published a block of this model: nobody holds any
             return PreciseAnswer(0, len(token_ids), (), {}, root)
         keys = K.prompt_keys(root, token_ids[:cacheable_tokens(token_ids)], bs)
-        return PreciseAnswer(bs, len(token_ids), tuple(keys), self.index.match(keys, pods), root)
+        return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model), root)
 
-    def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int], pods: Iterable[str] | None) -> PreciseAnswer:
-        bs = self.index.block_size(model)
+    async def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int],
+                                      pods: Iterable[str] | None) -> PreciseAnswer:
+        bs = await self.store.block_size(model)
+        self.check_current(model)
         if bs is None:
             return PreciseAnswer(0, 0, (), {})
         keys = K.chain_keys(K.root_key(model), local_hashes)
-        return PreciseAnswer(bs, len(keys) * bs, tuple(keys), self.index.match(keys, pods))
+        return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods, model=model))
 
     async def token_ids_for(self, model: str, body: dict[str, Any]) -> Sequence[int] | None:
         """Token ids from the body, or from the model's tokenizer; None when neither exists."""
@@ -197,18 +216,19 @@ class QueryService:
         except RenderError as exc:
             raise QueryError(str(exc), field="request", reason="unrenderable") from None
 
-    def approx_match(self, model: str, hashes: tuple[int, ...], pods: Iterable[str]) -> ApproxAnswer:
+    async def approx_match(self, model: str, hashes: tuple[int, ...], pods: Iterable[str]) -> ApproxAnswer:
         pods = list(pods)
-        return ApproxAnswer(hashes, self.approx.match(model, hashes, pods), self.approx.score(model, hashes, pods))
+        return ApproxAnswer(hashes, await self.approx.match(model, hashes, pods),
+                            await self.approx.score(model, hashes, pods))
 
-    def approx_answer(self, model: str, body: dict[str, Any], pods: Iterable[str]) -> ApproxAnswer | None:
+    async def approx_answer(self, model: str, body: dict[str, Any], pods: Iterable[str]) -> ApproxAnswer | None:
         hashes = self.approx_hashes(model, body)
-        return None if hashes is None else self.approx_match(model, hashes, pods)
+        return None if hashes is None else await self.approx_match(model, hashes, pods)
 
-    def candidates(self, requested: Iterable[str] | None, precise: PreciseAnswer | None) -> list[str]:
+    async def candidates(self, requested: Iterable[str] | None, precise: PreciseAnswer | None) -> list[str]:
         if requested is not None:
             return sorted(set(requested))
-        pods = set(self.index.pods()) | set(self.approx.pods())
+        pods = set(await self.store.pods()) | set(await self.approx.pods())
         if precise is not None:
             pods |= set(precise.matches)
         return sorted(pods)

@@ -16,6 +16,10 @@ Invariants:
   entries in the encoding thread: a big index never stalls the event loop for a snapshot.
 - Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
   engine's replay endpoint for what followed.
+- Only with the memory store (``--store memory://``): ``index`` and ``approx`` are its own
+  ``PreciseIndex`` and ``ApproxIndex``; logged batches are re-applied through the lanes, i.e.
+  through the store, so its stream positions are rebuilt with them. With Redis the state lives
+  in Redis and the configuration refuses ``--state-dir`` and ``--peer``.
 """
 
 from __future__ import annotations
@@ -181,14 +185,14 @@ class Recovery:
                 return reg.engine
         return None
 
-    def _replay_log(self, first: int) -> int:
+    async def _replay_log(self, first: int) -> int:
         """Re-apply the write-ahead log's records through lanes that are not running yet."""
         assert self.config.state_dir is not None
         lanes: dict[str, EngineLane] = {}
         n = skipped = 0
         for rec in read_from(self.config.state_dir, first):
             try:
-                applied = self._replay_record(rec, lanes)
+                applied = await self._replay_record(rec, lanes)
             except (IndexError, TypeError, ValueError, KeyError) as exc:
                 applied = False
                 log.warning("write-ahead log: skipping a malformed record: %s", exc)
@@ -200,17 +204,17 @@ class Recovery:
             log.info("write-ahead log: re-applied %d records (%d skipped)", n, skipped)
         return n
 
-    def _replay_record(self, rec: list[Any], lanes: dict[str, EngineLane]) -> bool:
+    async def _replay_record(self, rec: list[Any], lanes: dict[str, EngineLane]) -> bool:
         """One record: b(atch), r(esync), d(ecision), x (pod removed), g (registration)."""
         kind = rec[0]
         if kind in ("b", "r"):
-            lane = lanes.get(rec[1]) or self._replay_lane(rec[1], lanes)
+            lane = lanes.get(rec[1]) or await self._replay_lane(rec[1], lanes)
             if lane is None:
                 return False
             if kind == "b":
-                lane.apply_logged(rec[2], rec[3], rec[4])
+                await lane.apply_logged(rec[2], rec[3], rec[4])
             else:
-                lane.resync_logged(rec[2])
+                await lane.resync_logged(rec[2])
         elif kind == "d":
             self.approx.record(rec[1], rec[2], rec[3])
         elif kind == "x":
@@ -222,13 +226,14 @@ class Recovery:
             return False
         return True
 
-    def _replay_lane(self, key: str, lanes: dict[str, EngineLane]) -> EngineLane | None:
+    async def _replay_lane(self, key: str, lanes: dict[str, EngineLane]) -> EngineLane | None:
         engine = self._engine_for(key)
         if engine is None:
             return None
         lane = lanes[key] = self._make_lane(engine)
         lane.key = key
         lane.restore_streams(self._restored_streams.get(key, []))
+        await lane.install_restored()
         return lane
 
     def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, EngineLane]) -> None:
@@ -262,7 +267,7 @@ class Recovery:
             self._install(st)
         if self.config.state_dir is not None:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
-            if self._replay_log(first) and self.restored_from is None:
+            if await self._replay_log(first) and self.restored_from is None:
                 self.restored_from = "state-dir"
             self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync, on_error=self._on_wal_error,
                                      burst=self._wal_burst)

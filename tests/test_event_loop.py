@@ -14,6 +14,7 @@ from kvindex import state as snapshots
 from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings
 from kvindex.config import Config
 from kvindex.drift import Decision, DriftAudit, DriftSettings
+from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.precise import Entry, PreciseIndex
 
 
@@ -89,7 +90,8 @@ def _fill(precise: PreciseIndex, approx: ApproxIndex, audit: DriftAudit, n: int,
 def _audit(clock: Any) -> tuple[PreciseIndex, ApproxIndex, DriftAudit]:
     precise = PreciseIndex()
     approx = ApproxIndex(ApproxConfig(ApproxSettings(), {}))
-    return precise, approx, DriftAudit(precise, approx, DriftSettings(sample_size=4096), clock=clock)
+    return precise, approx, DriftAudit(MemoryPreciseStore(precise), MemoryApproxStore(approx),
+                                       DriftSettings(sample_size=4096), clock=clock)
 
 
 async def test_recheck_async_yields_and_equals_recheck() -> None:
@@ -101,7 +103,7 @@ async def test_recheck_async_yields_and_equals_recheck() -> None:
     async with Ticker() as t:
         snap_async = await asyn.recheck_async()
     assert t.turns >= 512 // 32 - 1
-    snap_sync = sync.recheck()
+    snap_sync = await sync.recheck()
     assert snap_async.pods == snap_sync.pods and asyn.pods == sync.pods
     assert any(s.stale for s in sync.pods.values()) and any(s.unseen for s in sync.pods.values())
     assert [(d.stale_now, d.stale_at) for d in asyn.decisions()] == [(d.stale_now, d.stale_at) for d in sync.decisions()]

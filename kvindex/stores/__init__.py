@@ -1,1 +1,119 @@
-"""Where the indexes live: the contracts (``base``) and their backends (``memory``, ``redis``)."""
+"""Where the indexes live: the contracts (``base``) and their backends (``memory``, ``redis``).
+
+``--store URL`` picks the backend: ``memory://`` (the default: this process) or a Redis server
+shared by every kvindex replica: ``redis://host:port/db``, ``rediss://host:port/db`` (TLS) or
+``unix:///path/to/redis.sock?db=N``.
+
+Invariants: the URL is validated by ``check_store_url`` (config time, one-line errors); the Redis
+client library and backends are imported only when a Redis URL is used; one Redis client is
+shared by both stores and closed by ``Stores.close``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from kvindex.approx import ApproxConfig, ApproxIndex
+from kvindex.stores.base import ApproxStore, PreciseStore, StoreUnavailable
+from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
+
+MEMORY = "memory://"
+SCHEMES = ("memory", "redis", "rediss", "unix")
+SOCKET_TIMEOUT = 2.0  # seconds a Redis call may take before the store counts as unavailable
+CONNECT_TIMEOUT = 1.0
+
+
+def check_store_url(url: str) -> str:
+    """``url`` if kvindex can use it as a store; ``ValueError`` (one line) otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES or "://" not in url:
+        raise ValueError(f"store {url!r}: expected memory:// or redis://host:port/db, rediss://host:port/db, "
+                         "unix:///path?db=N")
+    if parts.scheme == "memory":
+        if url.rstrip("/") != "memory:":
+            raise ValueError(f"store {url!r}: memory:// takes no host, path or options")
+        return url
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"store {url!r}: unix:// needs the socket path, e.g. unix:///run/redis.sock?db=0")
+        db = parse_qs(parts.query).get("db", ["0"])[0]
+    else:
+        if not parts.hostname:
+            raise ValueError(f"store {url!r}: {parts.scheme}:// needs a host, e.g. {parts.scheme}://127.0.0.1:6379/0")
+        try:
+            parts.port
+        except ValueError:
+            raise ValueError(f"store {url!r}: the port is not a number") from None
+        db = parts.path.strip("/") or "0"
+    if not db.isdigit():
+        raise ValueError(f"store {url!r}: the database must be a number, got {db!r}")
+    return url
+
+
+def is_memory(url: str) -> bool:
+    return urlsplit(url).scheme == "memory"
+
+
+def describe(url: str) -> str:
+    """The URL without a password (for logs and errors)."""
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return parts._replace(netloc=netloc).geturl()
+    return url
+
+
+@dataclass(slots=True)
+class Stores:
+    """Both stores of one daemon and the client they share (None for memory)."""
+
+    url: str
+    precise: PreciseStore
+    approx: ApproxStore
+    client: Any = None
+
+    async def open(self) -> None:
+        """Reach the store (Redis: load scripts, read or create its generation); StoreUnavailable."""
+        for store in (self.precise, self.approx):
+            opener = getattr(store, "open", None)
+            if opener is not None:
+                await opener()
+
+    async def close(self) -> None:
+        for store in (self.precise, self.approx):
+            await store.close()
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.aclose()
+
+
+def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str], None] | None) -> Stores:
+    """The stores for ``url``, not opened yet (no I/O)."""
+    check_store_url(url)
+    if is_memory(url):
+        return Stores(url, MemoryPreciseStore(), MemoryApproxStore(ApproxIndex(approx_config, on_evict=on_evict)))
+    from redis.asyncio import Redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from kvindex.stores.redis_approx import RedisApproxStore
+    from kvindex.stores.redis_precise import RedisPreciseStore
+
+    client = Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
+                            retry=Retry(NoBackoff(), 0))  # the stores retry what is safe to retry
+    return Stores(url, RedisPreciseStore(client), RedisApproxStore(client, approx_config, on_evict=on_evict), client)
+
+
+async def open_stores(url: str, approx_config: ApproxConfig,
+                      on_evict: Callable[[str], None] | None) -> tuple[PreciseStore, ApproxStore]:
+    """Both stores for ``url``, opened (``StoreUnavailable`` when the store cannot be reached)."""
+    stores = build_stores(url, approx_config, on_evict)
+    try:
+        await stores.open()
+    except StoreUnavailable:
+        await stores.close()
+        raise
+    return stores.precise, stores.approx

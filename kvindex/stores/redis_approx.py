@@ -12,27 +12,33 @@ Key layout, all under ONE hash tag ``T = {<prefix>:approx}``::
     T:entries  T:evictions  counters: sum of LRU lengths; capacity evictions (store-wide)
     T:k:cap                HASH pod -> capacity of its Kthena LRU (present iff the LRU exists)
     T:k:lru:<pod>          ZSET "<hash> <model>", score = per-pod recency counter (oldest lowest)
-    T:k:h:<hash>:<model>   SET of pods believed to hold the block (Kthena index)
+    T:k:h:<hash>:<model>   HASH pod -> "" : the pods believed to hold the block (Kthena index)
     T:g:cap                HASH pod -> capacity of its GIE LRU (0: stale beliefs only, no LRU)
     T:g:lru:<pod>          ZSET of hashes, score = recency counter
     T:g:stale:<pod>        ZSET of stale hashes (GIE's quirk), score = insertion counter
-    T:g:h:<hash>           SET of pods (GIE index, no model)
+    T:g:h:<hash>           HASH pod -> "" (GIE index, no model)
+
+Holders are HASH fields rather than SET members: a small HASH is a listpack (compact) on every
+Redis 7 and Valkey, a small SET of strings only from Redis 7.2 on.
 
 Why one tag: a Kthena pod's LRU is shared by all models on that pod, so one record may evict
 another model's key and touch that model's hash -> pods set; and a hash -> pods set spans pods.
 No per-model or per-pod tag keeps a record's keys in one slot, so the whole approximate index
 is one slot: correct on Redis Cluster (every script touches one slot; the scripts carry a
 ``#!lua`` shebang, so Redis refuses any cross-slot access instead of silently allowing it), but
-the index is bounded by one node's memory and one node's CPU (it does not spread over shards;
-about 64 pods x 50000 entries fits a few GB; beyond that, run one store per router fleet).
+the index is bounded by one node's memory and one node's CPU: it does not spread over shards.
+benchmarks/redis_approx.py measures about 300 bytes per entry (190 when 4 pods share each
+block) on Redis 7.0, so 64 pods x 50000 entries is about 1 GB on one node; past that, give each
+router fleet its own prefix (a separate tag, so a separate slot).
 Scripts declare only ``T:gen`` in KEYS and build the other names inside the same tag.
 
 Invariants:
 - Every operation is ONE script (EVALSHA): ``record`` applies a whole request atomically and
   returns what it evicted; ``match``/``depth``/``score`` walk the prefix server-side in one round
   trip. Every script first checks ``T:gen`` against the generation read at ``open()``: missing or
-  different -> ``StoreLost`` and nothing changed. Write scripts are flagged scripts, which Redis
-  refuses up front when out of memory, so a record never half-applies.
+  different -> ``StoreLost`` and nothing changed. Write scripts are flagged (``#!lua``): Redis
+  refuses them up front when out of memory, and never stops one midway for memory, so a record
+  never half-applies.
 - u64 hashes travel as decimal strings and are never converted to Lua numbers (doubles); only
   counters and capacities are numbers.
 - Holders tied at the Kthena top-k cut-off are ordered here, in Python (``sorted`` over ``str``:
@@ -40,6 +46,8 @@ Invariants:
   returns each depth's newly matched candidates up to the depth where the cut-off falls.
 - ``entries`` counts LRU keys (both personalities), ``T:entries`` is kept equal to that sum by
   every script. Connection or timeout errors -> ``StoreUnavailable`` with a one-line reason.
+  A refused connection changed nothing; after a timeout the server may still run the script it
+  received (a record then lands late; recording again only refreshes the same keys).
 - The caller owns the Redis client; ``close()`` does not close it.
 """
 
@@ -49,6 +57,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 from redis import exceptions as rx
 
@@ -57,140 +66,148 @@ from kvindex.stores.base import StoreLost, StoreUnavailable
 
 LOST_MARK = "KVI_LOST"
 
-# Every script: KEYS[1] = T:gen, ARGV[1] = the generation read at open(); P = "T:".
+# Every script: KEYS[1] = T:gen, ARGV[1] = the generation read at open(); P = "T:". Hashes travel
+# as one argument of space-separated decimals, pod lists as one msgpack array (few arguments:
+# each one costs the client more than the server's work per block).
 _GUARD = """
 local P = string.sub(KEYS[1], 1, -4)
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('KVI_LOST the approximate index generation vanished or changed')
+end
+local function words(text)
+  local out = {}
+  for w in string.gmatch(text, '%S+') do out[#out + 1] = w end
+  return out
 end
 local function top_score(key)
   local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
   if top[2] then return tonumber(top[2]) end
   return 0
 end
-local function smismember(key, list)
-  local out = {}
-  for i = 1, #list, 1000 do
-    local part = redis.call('SMISMEMBER', key, unpack(list, i, math.min(i + 999, #list)))
-    for _, f in ipairs(part) do out[#out + 1] = f end
-  end
-  return out
-end
 local function split_key(member)
   local sp = string.find(member, ' ', 1, true)
   return string.sub(member, 1, sp - 1), string.sub(member, sp + 1)
+end
+-- The pods of `list` (all in the set `wanted`) that are fields of the holders hash `key`.
+local function holders(key, list, wanted)
+  local out = {}
+  if #list <= 16 then
+    if #list == 0 then return out end
+    local vals = redis.call('HMGET', key, unpack(list))
+    for k = 1, #list do if vals[k] then out[#out + 1] = list[k] end end
+  else
+    for _, pod in ipairs(redis.call('HKEYS', key)) do if wanted[pod] then out[#out + 1] = pod end end
+  end
+  return out
 end
 """
 _WRITE = "#!lua\n" + _GUARD
 _READ = "#!lua flags=no-writes\n" + _GUARD
 
-# ARGV: gen, pod, model, capacity, hashes... (first block first). Returns the evicted models.
+# ARGV: gen, pod, model, capacity, hashes (first block first). Returns the evicted keys' models.
+# Invariant used: (hash, model) is in the pod's LRU iff the pod is a field of its holders hash,
+# so a refresh touches the LRU only.
 _RECORD_KTHENA = _WRITE + """
 local pod, model = ARGV[2], ARGV[3]
 redis.call('HSETNX', P .. 'k:cap', pod, ARGV[4])
 local cap = tonumber(redis.call('HGET', P .. 'k:cap', pod))
-local lru = P .. 'k:lru:' .. pod
-local seq, added, evicted = top_score(lru), 0, {}
-for i = #ARGV, 5, -1 do
-  local h = ARGV[i]
-  redis.call('SADD', P .. 'k:h:' .. h .. ':' .. model, pod)
+local lru, hashes = P .. 'k:lru:' .. pod, words(ARGV[5])
+local seq, size, evicted = top_score(lru), redis.call('ZCARD', lru), {}
+local start_size = size
+for i = #hashes, 1, -1 do
+  local h = hashes[i]
   seq = seq + 1
-  if redis.call('ZADD', lru, string.format('%d', seq), h .. ' ' .. model) == 1 then
-    added = added + 1
-    if redis.call('ZCARD', lru) > cap then
+  if redis.call('ZADD', lru, seq, h .. ' ' .. model) == 1 then
+    redis.call('HSET', P .. 'k:h:' .. h .. ':' .. model, pod, '')
+    size = size + 1
+    if size > cap then
       local eh, em = split_key(redis.call('ZPOPMIN', lru)[1])
-      redis.call('SREM', P .. 'k:h:' .. eh .. ':' .. em, pod)
-      added = added - 1
+      redis.call('HDEL', P .. 'k:h:' .. eh .. ':' .. em, pod)
+      size = size - 1
       evicted[#evicted + 1] = em
     end
   end
 end
-redis.call('INCRBY', P .. 'entries', added)
+redis.call('INCRBY', P .. 'entries', size - start_size)
 redis.call('INCRBY', P .. 'evictions', #evicted)
 return evicted
 """
 
-# ARGV: gen, pod, capacity, hashes... Returns the number of evictions.
+# ARGV: gen, pod, capacity, hashes. Returns the number of evictions. The stale pops of the
+# record's hashes are done first in one call: they commute with the LRU adds.
 _RECORD_GIE = _WRITE + """
-local pod = ARGV[2]
+local pod, hashes = ARGV[2], words(ARGV[4])
 local cap = tonumber(redis.call('HGET', P .. 'g:cap', pod) or '0')
 if cap == 0 then
   redis.call('HSET', P .. 'g:cap', pod, ARGV[3])
   cap = tonumber(ARGV[3])
 end
 local lru, stale = P .. 'g:lru:' .. pod, P .. 'g:stale:' .. pod
-local seq, sseq, added, evicted = top_score(lru), top_score(stale), 0, 0
-for i = 4, #ARGV do
-  local h = ARGV[i]
-  redis.call('ZREM', stale, h)
+for i = 1, #hashes, 1000 do redis.call('ZREM', stale, unpack(hashes, i, math.min(i + 999, #hashes))) end
+local seq, sseq = top_score(lru), top_score(stale)
+local size, ssize, evicted, in_lru = redis.call('ZCARD', lru), redis.call('ZCARD', stale), 0, {}
+local start_size = size
+for _, h in ipairs(hashes) do
   seq = seq + 1
-  if redis.call('ZADD', lru, string.format('%d', seq), h) == 1 then
-    added = added + 1
-    if redis.call('ZCARD', lru) > cap then
-      redis.call('SREM', P .. 'g:h:' .. redis.call('ZPOPMIN', lru)[1], pod)
-      added, evicted = added - 1, evicted + 1
+  in_lru[h] = true
+  if redis.call('ZADD', lru, seq, h) == 1 then
+    size = size + 1
+    if size > cap then
+      local old = redis.call('ZPOPMIN', lru)[1]
+      redis.call('HDEL', P .. 'g:h:' .. old, pod)
+      in_lru[old], size, evicted = false, size - 1, evicted + 1
     end
   end
 end
-for i = 4, #ARGV do
-  local h = ARGV[i]
-  redis.call('SADD', P .. 'g:h:' .. h, pod)
-  if not redis.call('ZSCORE', lru, h) then
+for _, h in ipairs(hashes) do
+  redis.call('HSET', P .. 'g:h:' .. h, pod, '')
+  if not in_lru[h] then
     sseq = sseq + 1
-    redis.call('ZADD', stale, string.format('%d', sseq), h)
-    if redis.call('ZCARD', stale) > cap then
-      redis.call('SREM', P .. 'g:h:' .. redis.call('ZPOPMIN', stale)[1], pod)
+    if redis.call('ZADD', stale, sseq, h) == 1 then ssize = ssize + 1 end
+    if ssize > cap then
+      redis.call('HDEL', P .. 'g:h:' .. redis.call('ZPOPMIN', stale)[1], pod)
+      ssize = ssize - 1
     end
   end
 end
-redis.call('INCRBY', P .. 'entries', added)
+redis.call('INCRBY', P .. 'entries', size - start_size)
 redis.call('INCRBY', P .. 'evictions', evicted)
 return evicted
 """
 
-# ARGV: gen, model, top_k, n, candidates[n] (distinct), hashes... Walks deepest first; returns
-# flat [depth, count, pods...] per depth that matched new candidates, up to the cut-off depth.
+# ARGV: gen, model, top_k, candidates (msgpack, distinct), hashes. Walks deepest first; returns
+# flat [depth, count, pods...] for each depth that matched new candidates, up to the cut-off's.
 _MATCH_KTHENA = _READ + """
-local model, top_k, n = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local first = 5 + n
-local open, remaining, out, found = {}, {}, {}, 0
-for i = 1, n do open[ARGV[4 + i]] = true; remaining[i] = ARGV[4 + i] end
-for j = #ARGV, first, -1 do
-  if #remaining == 0 then break end
-  local key = P .. 'k:h:' .. ARGV[j] .. ':' .. model
-  local size = redis.call('SCARD', key)
-  local new = {}
-  if size > 0 and size <= #remaining then
-    for _, pod in ipairs(redis.call('SMEMBERS', key)) do
-      if open[pod] then new[#new + 1] = pod end
-    end
-  elseif size > 0 then
-    for k, f in ipairs(smismember(key, remaining)) do
-      if f == 1 then new[#new + 1] = remaining[k] end
-    end
-  end
+local model, top_k = ARGV[2], tonumber(ARGV[3])
+local remaining, hashes = cmsgpack.unpack(ARGV[4]), words(ARGV[5])
+local open, out, found = {}, {}, 0
+for _, pod in ipairs(remaining) do open[pod] = true end
+for j = #hashes, 1, -1 do
+  if #remaining == 0 or found >= top_k then break end
+  local new = holders(P .. 'k:h:' .. hashes[j] .. ':' .. model, remaining, open)
   if #new > 0 then
-    out[#out + 1] = j - first + 1
+    out[#out + 1] = j
     out[#out + 1] = #new
     for _, pod in ipairs(new) do open[pod] = nil; out[#out + 1] = pod end
     local rest = {}
     for _, pod in ipairs(remaining) do if open[pod] then rest[#rest + 1] = pod end end
     remaining, found = rest, found + #new
-    if found >= top_k then break end
   end
 end
 return out
 """
 
-# ARGV: gen, n, candidates[n], hashes... Forward walk; returns the candidates' counts in order.
+# ARGV: gen, candidates (msgpack, distinct), hashes. Forward walk, stopping at the first hash no
+# pod holds (candidate or not); returns the candidates' counts in their order.
 _MATCH_GIE = _READ + """
-local n = tonumber(ARGV[2])
-local cands, counts = {}, {}
-for i = 1, n do cands[i] = ARGV[2 + i]; counts[i] = 0 end
-for j = 3 + n, #ARGV do
-  local key = P .. 'g:h:' .. ARGV[j]
-  if redis.call('SCARD', key) == 0 then break end
-  for k, f in ipairs(smismember(key, cands)) do counts[k] = counts[k] + f end
+local cands, hashes = cmsgpack.unpack(ARGV[2]), words(ARGV[3])
+local index, counts = {}, {}
+for i, pod in ipairs(cands) do index[pod] = i; counts[i] = 0 end
+for _, h in ipairs(hashes) do
+  local key = P .. 'g:h:' .. h
+  local hit = holders(key, cands, index)
+  if #hit == 0 and redis.call('HLEN', key) == 0 then break end
+  for _, pod in ipairs(hit) do counts[index[pod]] = counts[index[pod]] + 1 end
 end
 return counts
 """
@@ -199,7 +216,7 @@ return counts
 _BELIEVES = _READ + """
 local key = P .. 'g:h:' .. ARGV[5]
 if ARGV[2] == 'k' then key = P .. 'k:h:' .. ARGV[5] .. ':' .. ARGV[4] end
-return redis.call('SISMEMBER', key, ARGV[3])
+return redis.call('HEXISTS', key, ARGV[3])
 """
 
 # ARGV: gen [, pod]. Entries of one pod, or the total.
@@ -233,10 +250,10 @@ local function forget_pod(pod)
   local klru, glru, gstale = P .. 'k:lru:' .. pod, P .. 'g:lru:' .. pod, P .. 'g:stale:' .. pod
   for _, member in ipairs(redis.call('ZRANGE', klru, 0, -1)) do
     local h, m = split_key(member)
-    redis.call('SREM', P .. 'k:h:' .. h .. ':' .. m, pod)
+    redis.call('HDEL', P .. 'k:h:' .. h .. ':' .. m, pod)
   end
   for _, key in ipairs({glru, gstale}) do
-    for _, h in ipairs(redis.call('ZRANGE', key, 0, -1)) do redis.call('SREM', P .. 'g:h:' .. h, pod) end
+    for _, h in ipairs(redis.call('ZRANGE', key, 0, -1)) do redis.call('HDEL', P .. 'g:h:' .. h, pod) end
   end
   local dropped = redis.call('ZCARD', klru) + redis.call('ZCARD', glru)
   redis.call('DEL', klru, glru, gstale)
@@ -266,43 +283,37 @@ end
 return {redis.call('GET', P .. 'evictions') or '0', kthena, gie}
 """
 
-# ARGV: gen, evictions, nk, {pod, cap, n, (hash, model)*n}*nk, ng, {pod, cap, n, hash*n, s, hash*s}*ng
-# (an export already validated and normalised by ApproxIndex). Replaces everything.
+# ARGV: gen, msgpack {evictions = "n", kthena = {{pod, cap, {hash, model, ...}}...},
+# gie = {{pod, cap, {hash...}, {stale hash...}}...}} with hashes as text: an export already
+# validated and normalised by ApproxIndex. Replaces everything.
 _LOAD = _WRITE + _FORGET_POD + """
+local state = cmsgpack.unpack(ARGV[2])
 local pods = redis.call('HKEYS', P .. 'k:cap')
 for _, pod in ipairs(redis.call('HKEYS', P .. 'g:cap')) do pods[#pods + 1] = pod end
 for _, pod in ipairs(pods) do forget_pod(pod) end
-local i, total = 4, 0
-for _ = 1, tonumber(ARGV[3]) do
-  local pod, n = ARGV[i], tonumber(ARGV[i + 2])
-  redis.call('HSET', P .. 'k:cap', pod, ARGV[i + 1])
-  i = i + 3
-  for s = 1, n do
-    redis.call('ZADD', P .. 'k:lru:' .. pod, s, ARGV[i] .. ' ' .. ARGV[i + 1])
-    redis.call('SADD', P .. 'k:h:' .. ARGV[i] .. ':' .. ARGV[i + 1], pod)
-    i = i + 2
+local total = 0
+for _, saved in ipairs(state.kthena) do
+  local pod, keys = saved[1], saved[3]
+  redis.call('HSET', P .. 'k:cap', pod, saved[2])
+  for i = 1, #keys, 2 do
+    redis.call('ZADD', P .. 'k:lru:' .. pod, (i + 1) / 2, keys[i] .. ' ' .. keys[i + 1])
+    redis.call('HSET', P .. 'k:h:' .. keys[i] .. ':' .. keys[i + 1], pod, '')
   end
-  total = total + n
+  total = total + #keys / 2
 end
-local ng = tonumber(ARGV[i])
-i = i + 1
-for _ = 1, ng do
-  local pod = ARGV[i]
-  redis.call('HSET', P .. 'g:cap', pod, ARGV[i + 1])
-  i = i + 2
-  for _, kind in ipairs({'g:lru:', 'g:stale:'}) do
-    local n = tonumber(ARGV[i])
-    i = i + 1
-    for s = 1, n do
-      redis.call('ZADD', P .. kind .. pod, s, ARGV[i])
-      redis.call('SADD', P .. 'g:h:' .. ARGV[i], pod)
-      i = i + 1
+for _, saved in ipairs(state.gie) do
+  local pod = saved[1]
+  redis.call('HSET', P .. 'g:cap', pod, saved[2])
+  for part, kind in ipairs({'g:lru:', 'g:stale:'}) do
+    for s, h in ipairs(saved[2 + part]) do
+      redis.call('ZADD', P .. kind .. pod, s, h)
+      redis.call('HSET', P .. 'g:h:' .. h, pod, '')
     end
-    if kind == 'g:lru:' then total = total + n end
   end
+  total = total + #saved[3]
 end
 redis.call('SET', P .. 'entries', total)
-redis.call('SET', P .. 'evictions', ARGV[2])
+redis.call('SET', P .. 'evictions', state.evictions)
 return total
 """
 
@@ -338,18 +349,18 @@ def _cut_off(levels: list[Any], top_k: int) -> dict[str, int]:
     return matches
 
 
-def _load_args(state: dict[str, Any]) -> list[Any]:
-    """A normalised ``export_state()`` flattened into the load script's ARGV (hashes as text)."""
-    args: list[Any] = [int(state["evictions"]), len(state["kthena"])]
-    for pod, saved in state["kthena"].items():
-        args += [pod, int(saved["capacity"]), len(saved["keys"])]
-        for h, model in saved["keys"]:
-            args += [str(h), model]
-    args.append(len(state["gie"]))
-    for pod, saved in state["gie"].items():
-        args += [pod, int(saved["capacity"]), len(saved["keys"]), *map(str, saved["keys"])]
-        args += [len(saved["stale"]), *map(str, saved["stale"])]
-    return args
+def _hash_text(hashes: Iterable[int]) -> str:
+    """Hashes as the scripts take them: decimal text, space-separated (never a Lua number)."""
+    return " ".join([str(int(h)) for h in hashes])
+
+
+def _load_blob(state: dict[str, Any]) -> bytes:
+    """A normalised ``export_state()`` as the load script's msgpack argument (hashes as text)."""
+    kthena = [[pod, int(saved["capacity"]), [str(x) for key in saved["keys"] for x in key]]
+              for pod, saved in state["kthena"].items()]
+    gie = [[pod, int(saved["capacity"]), [str(h) for h in saved["keys"]], [str(h) for h in saved["stale"]]]
+           for pod, saved in state["gie"].items()]
+    return msgpack.packb({"evictions": str(int(state["evictions"])), "kthena": kthena, "gie": gie})
 
 
 def _parse_export(reply: list[Any]) -> dict[str, Any]:
@@ -426,12 +437,12 @@ class RedisApproxStore:
     async def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
         """One atomic script; ``on_evict`` once per eviction it caused, after it returns."""
         settings = self._config.for_model(model)
-        texts = [str(int(h)) for h in hashes]
+        texts = _hash_text(hashes)
         if settings.personality == GIE_V1_5:
-            count = await self._run("record_gie", pod, settings.max_hash_cache_size, *texts)
+            count = await self._run("record_gie", pod, settings.max_hash_cache_size, texts)
             evicted = [model] * int(count)
         else:
-            reply = await self._run("record_kthena", pod, model, settings.max_hash_cache_size, *texts)
+            reply = await self._run("record_kthena", pod, model, settings.max_hash_cache_size, texts)
             evicted = [_text(m) for m in reply]
         if self._on_evict is not None:
             for evicted_model in evicted:
@@ -441,11 +452,11 @@ class RedisApproxStore:
         """Matched blocks per candidate (0 for misses), candidates' order, one round trip."""
         if not hashes or not candidates:
             return dict.fromkeys(candidates, 0)
-        texts = [str(int(h)) for h in hashes]
+        texts, pods = _hash_text(hashes), msgpack.packb(candidates)
         if self._is_gie(model):
-            counts = await self._run("match_gie", len(candidates), *candidates, *texts)
+            counts = await self._run("match_gie", pods, texts)
             return {pod: int(c) for pod, c in zip(candidates, counts)}
-        levels = await self._run("match_kthena", model, top_k, len(candidates), *candidates, *texts)
+        levels = await self._run("match_kthena", model, top_k, pods, texts)
         found = _cut_off(levels, top_k)
         return {pod: found.get(pod, 0) for pod in candidates}
 
@@ -485,7 +496,7 @@ class RedisApproxStore:
         touched: the state is validated and normalised by loading it into an ``ApproxIndex``."""
         scratch = ApproxIndex(self._config)
         scratch.load_state(state)
-        return int(await self._run("load", *_load_args(scratch.export_state())))
+        return int(await self._run("load", _load_blob(scratch.export_state())))
 
     async def close(self) -> None:
         """Forget the generation; the caller owns (and closes) the Redis client."""

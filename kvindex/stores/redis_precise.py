@@ -35,8 +35,8 @@ Invariants:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+import struct
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,11 +49,11 @@ from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, Store
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
-_CHUNK = 4000  # arguments per unpack() in Lua (its C stack holds ~8000)
 
 LUA = r"""
 local op, base = ARGV[1], ARGV[3]
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
+local band, bor, bxor = bit.band, bit.bor, bit.bxor
 
 local function split(s)
   local out = {}
@@ -76,7 +76,7 @@ local function parse_name(name)
   local rank, pod = string.match(name, '^([^|]*)|(.*)$')
   return rank, pod
 end
-local function workers_of(pod, rank)  -- {name, id} of the pod's workers (one rank, or all when rank is nil)
+local function workers_of(pod, rank)  -- {name, slot} of the pod's workers (one rank, or all when rank is nil)
   local all, out = redis.call('HGETALL', base .. 'W'), {}
   for i = 1, #all, 2 do
     local r, p = parse_name(all[i])
@@ -84,18 +84,45 @@ local function workers_of(pod, rank)  -- {name, id} of the pod's workers (one ra
   end
   return out
 end
-local function clear_worker(name, wid)
-  local media = split(redis.call('HGET', base .. 'w:' .. wid, 'M'))
+
+-- holders of (tier, key): bit ``slot`` of the string t:key, copies beyond the first in HASH T:key
+local function hold(t, key, slot, delta)
+  local bits, extra = base .. t .. ':' .. key, base .. string.upper(t) .. ':' .. key
+  if t ~= 'g' and delta > 0 then redis.call('SET', base .. 'off', '1') end  -- sticky: offload tiers in use
+  local cur = redis.call('GETBIT', bits, slot)
+  if cur == 1 then cur = cur + (tonumber(redis.call('HGET', extra, slot)) or 0) end
+  local n = cur + delta
+  if n <= 0 then
+    if cur > 0 then
+      redis.call('HDEL', extra, slot)
+      redis.call('SETBIT', bits, slot, 0)
+      if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+    end
+  else
+    if cur == 0 then redis.call('SETBIT', bits, slot, 1) end
+    if n > 1 then redis.call('HSET', extra, slot, n - 1) elseif cur > 1 then redis.call('HDEL', extra, slot) end
+  end
+end
+local function unhold_all(t, key, slot)
+  local bits = base .. t .. ':' .. key
+  redis.call('HDEL', base .. string.upper(t) .. ':' .. key, slot)
+  redis.call('SETBIT', bits, slot, 0)
+  if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+end
+
+local function clear_worker(name, slot)
+  local media = split(redis.call('HGET', base .. 'w:' .. slot, 'M'))
   for i, m in ipairs(media) do
-    local t, bkey = tier(m), base .. 'b:' .. wid .. ':' .. i
+    local t, bkey = tier(m), base .. 'b:' .. slot .. ':' .. i
     local all = redis.call('HGETALL', bkey)
     for j = 2, #all, 2 do
-      if all[j] ~= 'o' then redis.call('HDEL', base .. t .. ':' .. all[j], wid) end
+      if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
     end
     redis.call('DEL', bkey)
   end
-  redis.call('DEL', base .. 'x:' .. wid, base .. 'w:' .. wid)
+  redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
+  redis.call('SETBIT', base .. 'slots', slot, 0)
   redis.call('HINCRBY', base .. 'v', name, 1)
 end
 local function read_pos(key) return redis.call('HMGET', key, 'q', 'e', 'y', 'r') end
@@ -116,18 +143,20 @@ local function judge(p, seq, epoch, forced)
   if seq > last + 1 and not forced then return 'gap' end
   return 'applied'
 end
-local function new_worker(name, media)
-  local wid = tostring(redis.call('INCR', base .. 'n'))
-  redis.call('HSET', base .. 'W', name, wid)
-  redis.call('HSET', base .. 'w:' .. wid, 'n', name, 'M', media, 'o', 0)
-  return wid
+local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex reuses its bits
+  local slot = tostring(redis.call('BITPOS', base .. 'slots', 0))
+  redis.call('SETBIT', base .. 'slots', slot, 1)
+  redis.call('HSET', base .. 'W', name, slot)
+  redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0)
+  return slot
 end
-local function free_if_empty(name, wid, nmedia)
-  local probe = {base .. 'x:' .. wid}
-  for i = 1, nmedia do probe[#probe + 1] = base .. 'b:' .. wid .. ':' .. i end
+local function free_if_empty(name, slot, nmedia)
+  local probe = {base .. 'x:' .. slot}
+  for i = 1, nmedia do probe[#probe + 1] = base .. 'b:' .. slot .. ':' .. i end
   if redis.call('EXISTS', unpack(probe)) == 0 then
-    redis.call('DEL', base .. 'w:' .. wid)
+    redis.call('DEL', base .. 'w:' .. slot)
     redis.call('HDEL', base .. 'W', name)
+    redis.call('SETBIT', base .. 'slots', slot, 0)
   end
 end
 
@@ -135,11 +164,11 @@ end
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
-  local wid = redis.call('HGET', base .. 'W', name)
+  local slot = redis.call('HGET', base .. 'W', name)
   local out = {'ok', p[1], p[2], p[3], p[4], redis.call('GET', base .. 'bs'),
                redis.call('HGET', base .. 'v', name) or '0', false, 0}
-  if not wid then return out end
-  local meta = redis.call('HMGET', base .. 'w:' .. wid, 'M', 'o')
+  if not slot then return out end
+  local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
   local hashes = {}
   for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
@@ -147,51 +176,51 @@ local function read_worker()
   for i, m in ipairs(split(meta[1])) do
     local fields = {}
     for j, h in ipairs(hashes) do fields[j] = i .. ':' .. h end
-    out[#out + 1] = hmget(base .. 'b:' .. wid .. ':' .. i, hashes)
-    out[#out + 1] = hmget(base .. 'x:' .. wid, fields)
+    out[#out + 1] = hmget(base .. 'b:' .. slot .. ':' .. i, hashes)
+    out[#out + 1] = hmget(base .. 'x:' .. slot, fields)
   end
   return out
 end
 
 local function write_worker(name, reset, order, orphans, first, nent, nhold)
   redis.call('HINCRBY', base .. 'v', name, 1)
-  local wid = redis.call('HGET', base .. 'W', name)
-  if wid and reset then clear_worker(name, wid); wid = false end
-  if nent == 0 and not wid then return end
-  if not wid then wid = new_worker(name, order) end
+  local slot = redis.call('HGET', base .. 'W', name)
+  if slot and reset then clear_worker(name, slot); slot = false end
+  if nent == 0 and not slot then return end
+  if not slot then slot = new_worker(name, order) end
   local media, index = split(order), {}
   for i, m in ipairs(media) do index[m] = i end
-  redis.call('HSET', base .. 'w:' .. wid, 'M', order, 'o', orphans)
+  redis.call('HSET', base .. 'w:' .. slot, 'M', order, 'o', orphans)
   for i = first, first + 4 * (nent - 1), 4 do
     local idx, h, val, extra = index[ARGV[i]], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-    local bkey, xfield = base .. 'b:' .. wid .. ':' .. idx, idx .. ':' .. h
+    local bkey, xfield = base .. 'b:' .. slot .. ':' .. idx, idx .. ':' .. h
     if val == '' then redis.call('HDEL', bkey, h) else redis.call('HSET', bkey, h, val) end
-    if extra == '0' then redis.call('HDEL', base .. 'x:' .. wid, xfield)
-    else redis.call('HSET', base .. 'x:' .. wid, xfield, extra) end
+    if extra == '0' then redis.call('HDEL', base .. 'x:' .. slot, xfield)
+    else redis.call('HSET', base .. 'x:' .. slot, xfield, extra) end
   end
   for i = first + 4 * nent, first + 4 * nent + 3 * (nhold - 1), 3 do
-    local hkey = base .. ARGV[i] .. ':' .. ARGV[i + 1]
-    if redis.call('HINCRBY', hkey, wid, ARGV[i + 2]) <= 0 then redis.call('HDEL', hkey, wid) end
+    hold(ARGV[i], ARGV[i + 1], slot, tonumber(ARGV[i + 2]))
   end
-  free_if_empty(name, wid, #media)
+  free_if_empty(name, slot, #media)
 end
 
--- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read, [10] block
--- size read, [11] block size to set, [12] reset, [13] media order, [14] orphans, [15] entries,
--- [16] holder deltas, then entries (medium, hash, value, extra) and deltas (tier, key, delta)
+-- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
+-- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
+-- [15] entries, [16] holder deltas, then entries (medium, hash, value, extra) and deltas (tier, key, delta)
 local function apply_batch()
   local p = read_pos(KEYS[2])
   local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
   local outcome = judge(p, seq, epoch, forced)
   if outcome ~= 'applied' then return {outcome, p[1], p[2], p[3], p[4]} end
   local name = ARGV[8]
-  if (redis.call('HGET', base .. 'v', name) or '0') ~= ARGV[9] or (redis.call('GET', base .. 'bs') or '') ~= ARGV[10] then
+  if (ARGV[9] ~= '*' and (redis.call('HGET', base .. 'v', name) or '0') ~= ARGV[9])
+     or (ARGV[10] ~= '*' and (redis.call('GET', base .. 'bs') or '') ~= ARGV[10]) then
     return {'retry'}
   end
   if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
   local nent, nhold = tonumber(ARGV[15]), tonumber(ARGV[16])
-  local wid = redis.call('HGET', base .. 'W', name)
-  if ARGV[12] == '1' or nent > 0 or (wid and redis.call('HGET', base .. 'w:' .. wid, 'M') ~= ARGV[13]) then
+  local slot = redis.call('HGET', base .. 'W', name)
+  if ARGV[12] == '1' or nent > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
     write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], 17, nent, nhold)
   end
   local y, r = p[3], p[4]
@@ -216,65 +245,82 @@ local function restart()
   return {'pos', false, e, '1', false}
 end
 
--- ARGV[4] number of pods (-1: all), then pods, then keys: per worker with a match {name, g, c, d}
+-- the prefix walk over bitmaps: alive sets are arrays of bytes, bit (7 - s % 8) of byte s // 8 + 1
+local function bytes_of(s)
+  local out = {}
+  for j = 1, #s do out[j] = string.byte(s, j) end
+  return out
+end
+local function note_dropped(depths, j, bits, depth)
+  for b = 0, 7 do
+    if band(bits, 2 ^ (7 - b)) ~= 0 then depths[(j - 1) * 8 + b] = depth end
+  end
+end
+local function candidates(npods)
+  if npods < 0 then return bytes_of(redis.call('GET', base .. 'slots') or '') end
+  local wanted, out = {}, {}
+  for i = 5, 4 + npods do wanted[ARGV[i]] = true end
+  local all = redis.call('HGETALL', base .. 'W')
+  for i = 1, #all, 2 do
+    local _, pod = parse_name(all[i])
+    if wanted[pod] then
+      local s = tonumber(all[i + 1])
+      local j = math.floor(s / 8) + 1
+      for k = #out + 1, j do out[k] = 0 end
+      out[j] = bor(out[j], 2 ^ (7 - s % 8))
+    end
+  end
+  return out
+end
+
+-- ARGV[4] number of pods (-1: all), then pods, then the keys (8 bytes each, concatenated):
+-- per worker with a match {name, g, c, d}. Consecutive keys mostly have the same holders: the
+-- bitmaps (interned Lua strings) are compared with the previous key's first, bytes only on change.
 local function match()
   local npods = tonumber(ARGV[4])
-  local first = 5 + math.max(npods, 0)
-  if first > #ARGV then return {} end
-  local alive, names = {}, {}
-  if npods >= 0 then
-    local wanted = {}
-    for i = 5, first - 1 do wanted[ARGV[i]] = true end
-    local all = redis.call('HGETALL', base .. 'W')
-    for i = 1, #all, 2 do
-      local _, pod = parse_name(all[i])
-      if wanted[pod] then alive[#alive + 1] = all[i + 1] end
+  local packed = ARGV[5 + math.max(npods, 0)]
+  local ad = candidates(npods)
+  local ag, ac, L = {}, {}, #ad
+  for j = 1, L do ag[j], ac[j] = ad[j], ad[j] end
+  local gdep, cdep, ddep, depth = {}, {}, {}, 0
+  local offload = redis.call('EXISTS', base .. 'off') == 1
+  local pg, pc, pd = false, false, false
+  for i = 1, #packed - 7, 8 do
+    local k = string.sub(packed, i, i + 7)
+    local g, c, d
+    if offload then
+      local r = redis.call('MGET', base .. 'g:' .. k, base .. 'c:' .. k, base .. 'd:' .. k)
+      g, c, d = r[1] or '', r[2] or '', r[3] or ''
+    else
+      g, c, d = redis.call('GET', base .. 'g:' .. k) or '', '', ''
     end
-  else
-    local seen = {}
-    for _, t in ipairs({'g', 'c', 'd'}) do
-      for _, w in ipairs(redis.call('HKEYS', base .. t .. ':' .. ARGV[first])) do
-        if not seen[w] then seen[w] = true; alive[#alive + 1] = w end
+    local any = g == pg and c == pc and d == pd
+    pg, pc, pd = g, c, d
+    if not any then for j = 1, L do
+      local a = ad[j]
+      if a ~= 0 then
+        local gb, cb, db = string.byte(g, j) or 0, string.byte(c, j) or 0, string.byte(d, j) or 0
+        local x = ag[j]
+        local y = band(x, gb)
+        if y ~= x then note_dropped(gdep, j, bxor(x, y), depth); ag[j] = y end
+        x = ac[j]; y = band(x, bor(gb, cb))
+        if y ~= x then note_dropped(cdep, j, bxor(x, y), depth); ac[j] = y end
+        y = band(a, bor(gb, cb, db))
+        if y ~= a then note_dropped(ddep, j, bxor(a, y), depth); ad[j] = y end
+        if y ~= 0 then any = true end
       end
-    end
-  end
-  local gd, cd, dd, grun, crun = {}, {}, {}, {}, {}
-  for _, w in ipairs(alive) do gd[w], cd[w], dd[w], grun[w], crun[w] = 0, 0, 0, true, true end
-  local depth = 0
-  for i = first, #ARGV do
-    if #alive == 0 then break end
+    end end
+    if not any then break end
     depth = depth + 1
-    local key, nxt, miss = ARGV[i], {}, {}
-    local held = hmget(base .. 'g:' .. key, alive)
-    for j, w in ipairs(alive) do
-      if held[j] then
-        if grun[w] then gd[w] = depth end
-        if crun[w] then cd[w] = depth end
-        dd[w] = depth; nxt[#nxt + 1] = w
-      else grun[w] = false; miss[#miss + 1] = w end
-    end
-    if #miss > 0 then
-      local cpu, miss2 = hmget(base .. 'c:' .. key, miss), {}
-      for j, w in ipairs(miss) do
-        if cpu[j] then
-          if crun[w] then cd[w] = depth end
-          dd[w] = depth; nxt[#nxt + 1] = w
-        else crun[w] = false; miss2[#miss2 + 1] = w end
-      end
-      if #miss2 > 0 then
-        local disk = hmget(base .. 'd:' .. key, miss2)
-        for j, w in ipairs(miss2) do
-          if disk[j] then dd[w] = depth; nxt[#nxt + 1] = w end
-        end
-      end
-    end
-    alive = nxt
+  end
+  for j = 1, L do
+    note_dropped(gdep, j, ag[j], depth); note_dropped(cdep, j, ac[j], depth); note_dropped(ddep, j, ad[j], depth)
   end
   local out = {}
-  for w, d in pairs(dd) do
+  for s, d in pairs(ddep) do
     if d > 0 then
-      out[#out + 1] = redis.call('HGET', base .. 'w:' .. w, 'n'); out[#out + 1] = gd[w]
-      out[#out + 1] = cd[w]; out[#out + 1] = d
+      out[#out + 1] = redis.call('HGET', base .. 'w:' .. s, 'n')
+      out[#out + 1] = gdep[s]; out[#out + 1] = cdep[s]; out[#out + 1] = d
     end
   end
   return out
@@ -288,18 +334,18 @@ local function clear_pod()
   return {'ok'}
 end
 
--- ARGV[4] pod or '*': per worker {name, media order, blocks of each medium..., extras}
+-- ARGV[4] pod or '*': per worker {name, media order, orphans, blocks of each medium..., extras}
 local function dump()
   local out = {}
   local all = redis.call('HGETALL', base .. 'W')
   for i = 1, #all, 2 do
     local _, pod = parse_name(all[i])
     if ARGV[4] == '*' or pod == ARGV[4] then
-      local wid = all[i + 1]
-      local meta = redis.call('HMGET', base .. 'w:' .. wid, 'M', 'o')
+      local slot = all[i + 1]
+      local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
       local item = {all[i], meta[1], tonumber(meta[2]) or 0}
-      for j = 1, #split(meta[1]) do item[#item + 1] = redis.call('HGETALL', base .. 'b:' .. wid .. ':' .. j) end
-      item[#item + 1] = redis.call('HGETALL', base .. 'x:' .. wid)
+      for j = 1, #split(meta[1]) do item[#item + 1] = redis.call('HGETALL', base .. 'b:' .. slot .. ':' .. j) end
+      item[#item + 1] = redis.call('HGETALL', base .. 'x:' .. slot)
       out[#out + 1] = item
     end
   end
@@ -310,18 +356,18 @@ end
 local function load()
   for i = 4, #ARGV, 5 do
     local name, m, h, key, copies = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
-    local wid = redis.call('HGET', base .. 'W', name) or new_worker(name, 'GPU')
-    local media = split(redis.call('HGET', base .. 'w:' .. wid, 'M'))
+    local slot = redis.call('HGET', base .. 'W', name) or new_worker(name, 'GPU')
+    local media = split(redis.call('HGET', base .. 'w:' .. slot, 'M'))
     local idx = nil
     for j, x in ipairs(media) do if x == m then idx = j end end
     if not idx then
       media[#media + 1] = m; idx = #media
-      redis.call('HSET', base .. 'w:' .. wid, 'M', table.concat(media, '\n'))
+      redis.call('HSET', base .. 'w:' .. slot, 'M', table.concat(media, '\n'))
     end
-    redis.call('HSET', base .. 'b:' .. wid .. ':' .. idx, h, key)
-    if copies > 1 then redis.call('HSET', base .. 'x:' .. wid, idx .. ':' .. h, copies - 1) end
-    if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. wid, 'o', 1)
-    else redis.call('HINCRBY', base .. tier(m) .. ':' .. key, wid, copies) end
+    redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx, h, key)
+    if copies > 1 then redis.call('HSET', base .. 'x:' .. slot, idx .. ':' .. h, copies - 1) end
+    if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. slot, 'o', 1)
+    else hold(tier(m), key, slot, copies) end
     redis.call('HINCRBY', base .. 'v', name, 1)
   end
   return {'ok'}
@@ -356,8 +402,13 @@ def _position(q: Any, e: Any, y: Any, r: Any) -> Position | None:
     return Position(None if q is None else int(q), int(e), _text(y) == "1", _text(r))
 
 
-def _fixed(v: Any) -> str:
-    return str(v)
+def _u64(v: int) -> bytes:
+    """An engine hash or key as the store holds it: 8 bytes, big-endian (never a Lua number)."""
+    return v.to_bytes(8, "big")
+
+
+def _key_or_orphan(v: bytes) -> int:
+    return ORPHAN if v == b"o" else int.from_bytes(v, "big")
 
 
 def model_base(prefix: str, model: str) -> str:
@@ -393,8 +444,8 @@ class _Plan:
     reset: bool
     media: tuple[str, ...]
     orphans: int
-    entries: list[str]  # flattened (medium, hash, value, extra)
-    holders: list[str]  # flattened (tier char, key, delta)
+    entries: list[str | bytes]  # flattened (medium, hash, value, extra)
+    holders: list[str | bytes]  # flattened (tier char, key, delta)
     new_block_size: int | None
 
 
@@ -409,7 +460,7 @@ def _view_of(reply: list[Any], hashes: list[int]) -> _WorkerView:
         values, extras = reply[9 + 2 * i], reply[10 + 2 * i]
         for h, v, x in zip(hashes, values, extras):
             if v is not None:
-                entries[(medium, h)] = (ORPHAN if _text(v) == "o" else int(v), 0 if x is None else int(x))
+                entries[(medium, h)] = (_key_or_orphan(v), 0 if x is None else int(x))
     return _WorkerView(pos, bs, _text(reply[6]), media, int(reply[8] or 0), entries)
 
 
@@ -465,22 +516,35 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     else:
         before = view.entries
         touched = [(m, h) for m in w.media for h in hashes]
-    entries: list[str] = []
+    entries: list[str | bytes] = []
     deltas: dict[tuple[str, int], int] = {}
     for m, h in touched:
         old, new = before.get((m, h)), w.media[m].get(h)
         new_x = w.extra.get((m, h), 0)
         if old == ((new, new_x) if new is not None else None):
             continue
-        entries += [m, str(h), "" if new is None else ("o" if new == ORPHAN else str(new)), str(new_x)]
+        entries += [m, _u64(h), b"" if new is None else (b"o" if new == ORPHAN else _u64(new)), str(new_x)]
         t = _TIER_CHAR[tier_of(m)]
         if old is not None and old[0] != ORPHAN:
             deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
         if new is not None and new != ORPHAN:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
-    holders = [s for (t, k), d in deltas.items() if d for s in (t, str(k), str(d))]
+    holders: list[str | bytes] = [s for (t, k), d in deltas.items() if d for s in (t, _u64(k), str(d))]
     new_bs = ov.block_size(model) if view.block_size is None else None
     return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, new_bs)
+
+
+def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
+                plan: _Plan) -> list[str | bytes]:
+    """The apply script's arguments; a view of version "*" was not read (nothing to check)."""
+    if view.version == "*":
+        read_bs = "*"
+    else:
+        read_bs = "" if view.block_size is None else str(view.block_size)
+    return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
+            view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
+            str(len(plan.holders) // 3), *plan.entries, *plan.holders]
 
 
 class RedisPreciseStore:
@@ -489,6 +553,8 @@ class RedisPreciseStore:
     name = "redis"
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "kvi") -> None:
+        if client.get_encoder().decode_responses:
+            raise ValueError("RedisPreciseStore needs a client with decode_responses=False (it stores binary hashes)")
         self._client = client
         self._prefix = prefix
         self._url = client_url(client)
@@ -498,14 +564,22 @@ class RedisPreciseStore:
         self._ready_pods: set[tuple[str, str]] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        try:
-            yield
-        except (rex.ConnectionError, rex.TimeoutError, TimeoutError, OSError) as exc:
-            raise StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-        except rex.ResponseError as exc:
-            raise StoreUnavailable(f"redis at {self._url}: refused: {exc}".splitlines()[0]) from None
+    async def _call(self, make: Callable[[], Awaitable[Any]], *, idempotent: bool = True) -> Any:
+        """Await ``make()``; a dropped connection is retried once when the call is idempotent (a
+        pooled connection that died with its server fails first), then reported as unavailable."""
+        for attempt in (0, 1):
+            try:
+                return await make()
+            except rex.ConnectionError as exc:
+                if attempt or not idempotent:
+                    raise self._unavailable(exc) from None
+            except (rex.TimeoutError, TimeoutError, OSError) as exc:
+                raise self._unavailable(exc) from None
+            except rex.ResponseError as exc:
+                raise StoreUnavailable(f"redis at {self._url}: refused: {exc}".splitlines()[0]) from None
+
+    def _unavailable(self, exc: Exception) -> StoreUnavailable:
+        return StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}".splitlines()[0])
 
     def _lost(self) -> StoreLost:
         return StoreLost(f"redis at {self._url}: the store's generation changed since open (its data was lost)")
@@ -513,10 +587,9 @@ class RedisPreciseStore:
     async def open(self) -> None:
         """Load the script and read (or create) the store's generation; again after StoreLost."""
         gen_key = f"{self._prefix}:gen"
-        with self._guard():
-            await self._client.set(gen_key, secrets.token_hex(8), nx=True)
-            self._gen = _text(await self._client.get(gen_key))
-            await self._client.script_load(LUA)
+        await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
+        self._gen = _text(await self._call(lambda: self._client.get(gen_key)))
+        await self._call(lambda: self._client.script_load(LUA))
         self._ready_models.clear()
         self._ready_pods.clear()
 
@@ -527,14 +600,15 @@ class RedisPreciseStore:
             raise StoreUnavailable(f"redis at {self._url}: store not opened")
         if model in self._ready_models and (pod is None or (pod, model) in self._ready_pods):
             return base
-        with self._guard():
+        async def ensure() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
             pipe.set(base + "gen", self._gen, nx=True, get=True)
             pipe.sadd(f"{self._prefix}:models", model)
             if pod is not None:
                 pipe.hset(f"{self._prefix}:pods", pod, model)
-            got = await pipe.execute()
+            return await pipe.execute()
+        got = await self._call(ensure)
         if _text(got[0]) != self._gen or _text(got[1]) not in (None, self._gen):
             raise self._lost()
         self._ready_models.add(model)
@@ -542,19 +616,20 @@ class RedisPreciseStore:
             self._ready_pods.add((pod, model))
         return base
 
-    async def _run(self, base: str, op: str, *args: Any, stream: str = "") -> list[Any]:
-        with self._guard():
-            reply = await self._script(keys=[base + "gen", base + "s:" + stream], args=[op, self._gen, base, *args])
+    async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
+        keys, argv = [base + "gen", base + "s:" + stream], [op, self._gen, base, *args]
+        reply = await self._call(lambda: self._script(keys=keys, args=argv), idempotent=idempotent)
         if reply and _text(reply[0]) == "lost":
             raise self._lost()
         return reply
 
     async def _models(self) -> list[str]:
-        with self._guard():
+        async def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
             pipe.smembers(f"{self._prefix}:models")
-            gen, models = await pipe.execute()
+            return await pipe.execute()
+        gen, models = await self._call(read)
         if self._gen is None or _text(gen) != self._gen:
             raise self._lost()
         return sorted(_text(m) for m in models)
@@ -563,11 +638,12 @@ class RedisPreciseStore:
         """Run one op on every model's slot (pipelined): for pod-wide reads and clears."""
         models = await self._models()
         bases = [await self._ensure(m) for m in models]
-        with self._guard():
+        async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for base in bases:
                 await self._script(keys=[base + "gen", base + "s:"], args=[op, self._gen, base, *args], client=pipe)
-            replies = await pipe.execute()
+            return await pipe.execute()
+        replies = await self._call(run)
         if any(r and _text(r[0]) == "lost" for r in replies):
             raise self._lost()
         return list(zip(models, replies))
@@ -579,18 +655,17 @@ class RedisPreciseStore:
         name = f"{dp_rank}|{stream.pod}"
         hashes = _hashes_of(events)
         cleared = any(type(ev) is AllBlocksCleared for ev in events)
+        blind = not hashes and not any(type(ev) is BlockStored for ev in events)  # nothing to read
         for _ in range(RETRIES):
-            reply = await self._run(base, "read", name, *map(_fixed, hashes), stream=stream.id)
-            view = _view_of(reply, hashes)
-            outcome = judge(view.position, seq, epoch, force)
-            if outcome is not Outcome.APPLIED:
-                return ApplyResult(outcome, view.position or Position(epoch=epoch))
+            if blind:  # clears only (or nothing): one round trip, computed on an empty worker
+                view = _WorkerView(None, None, "*", (), 0, {})
+            else:
+                view = _view_of(await self._run(base, "read", name, *map(_u64, hashes), stream=stream.id), hashes)
+                outcome = judge(view.position, seq, epoch, force)
+                if outcome is not Outcome.APPLIED:
+                    return ApplyResult(outcome, view.position or Position(epoch=epoch))
             plan = plan_batch(stream.pod, stream.model, dp_rank, events, view, hashes)
-            args = [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
-                    view.version, "" if view.block_size is None else str(view.block_size),
-                    "" if plan.new_block_size is None else str(plan.new_block_size), "1" if plan.reset else "0",
-                    "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
-                    str(len(plan.holders) // 3), *plan.entries, *plan.holders]
+            args = _apply_args(seq, epoch, force, cleared, name, view, plan)
             reply = await self._run(base, "apply", *args, stream=stream.id)
             status = _text(reply[0])
             if status == "retry":
@@ -649,11 +724,11 @@ class RedisPreciseStore:
                 extra: dict[tuple[str, int], int] = {}
                 flat = item[-1]
                 for i in range(0, len(flat), 2):
-                    idx, _, h = _text(flat[i]).partition(":")
-                    extra[(media[int(idx) - 1], int(h))] = int(flat[i + 1])
+                    idx, _, h = flat[i].partition(b":")
+                    extra[(media[int(idx) - 1], int.from_bytes(h, "big"))] = int(flat[i + 1])
                 for j, medium in enumerate(media):
                     blocks = item[3 + j]
-                    entries = {int(blocks[i]): ORPHAN if _text(blocks[i + 1]) == "o" else int(blocks[i + 1])
+                    entries = {int.from_bytes(blocks[i], "big"): _key_or_orphan(blocks[i + 1])
                                for i in range(0, len(blocks), 2)}
                     out.append((wpod, int(rank), medium, entries, extra, int(item[2] or 0) if j == 0 else 0))
         return out
@@ -685,7 +760,7 @@ class RedisPreciseStore:
         if wanted == []:
             return {}
         args = ["-1"] if wanted is None else [str(len(wanted)), *wanted]
-        args += map(_fixed, keys)
+        args.append(struct.pack(f">{len(keys)}Q", *keys))
         if model is not None:
             replies = [await self._run(await self._ensure(model), "match", *args)]
         else:
@@ -704,18 +779,17 @@ class RedisPreciseStore:
         entries = list(entries)
         if not entries:
             return 0
-        with self._guard():
-            models = await self._client.hmget(f"{self._prefix}:pods", sorted({e.pod for e in entries}))
+        models = await self._call(lambda: self._client.hmget(f"{self._prefix}:pods", sorted({e.pod for e in entries})))
         model_of = dict(zip(sorted({e.pod for e in entries}), (_text(m) for m in models)))
         unknown = sorted(p for p, m in model_of.items() if m is None)
         if unknown:
             raise ValueError(f"load_entries: no model known for pod(s) {', '.join(unknown)} (apply or set_position first)")
-        by_model: dict[str, list[str]] = {}
+        by_model: dict[str, list[str | bytes]] = {}
         for e in entries:
             by_model.setdefault(model_of[e.pod], []).extend(
-                [f"{e.dp_rank}|{e.pod}", e.medium, str(e.hash), "o" if e.key is None else str(e.key), str(e.copies)])
+                [f"{e.dp_rank}|{e.pod}", e.medium, _u64(e.hash), b"o" if e.key is None else _u64(e.key), str(e.copies)])
         for model, args in by_model.items():
-            await self._run(await self._ensure(model), "load", *args)
+            await self._run(await self._ensure(model), "load", *args, idempotent=False)
         return len(entries)
 
     async def close(self) -> None:

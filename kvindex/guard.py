@@ -1,0 +1,110 @@
+"""The store guard: what this replica knows about its store's health, and the one place that reacts.
+
+Invariants:
+- Every ``StoreUnavailable`` a guarded store raises (lanes, queries, endpoints, timers) is seen
+  here: counted by operation (``kvindex_store_errors_total{op}``), ``kvindex_store_up`` is 0 and
+  ``reason`` holds its one line until a call succeeds again; it is logged once per burst.
+- A ``StoreLost`` (the store lost what it held) is announced to ``on_lost`` once per loss (the
+  daemon makes every lane resynchronise) and the stores are re-opened once, serialised
+  (``ensure_open``), before anything is written to them again.
+- The memory backend is never wrapped (it cannot fail): its hot path stays one plain await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvindex.logs import BurstLog
+from kvindex.metrics import Metrics
+from kvindex.stores import Stores, describe
+from kvindex.stores.base import StoreLost, StoreUnavailable
+
+log = logging.getLogger("kvindex.store")
+
+
+class StoreGuard:
+    def __init__(self, stores: Stores, metrics: Metrics, burst: BurstLog) -> None:
+        self._stores = stores
+        self._metrics = metrics
+        self._burst = burst
+        self._reopen_lock = asyncio.Lock()
+        self._reopen_due = False
+        self.up = True
+        self.reason: str | None = None
+        self.errors = 0
+        self.losses = 0
+        self.on_lost: Callable[[], None] | None = None
+        metrics.store_up.set(1)
+
+    def failed(self, op: str, exc: StoreUnavailable) -> None:
+        self.errors += 1
+        self._metrics.store_errors.labels(op).inc()
+        self._metrics.store_up.set(0)
+        self.up, self.reason = False, str(exc) or type(exc).__name__
+        self._burst.warning(("store", op), "store %s: %s failed: %s", describe(self._stores.url), op, self.reason)
+        if isinstance(exc, StoreLost) and not self._reopen_due:
+            self._reopen_due = True
+            self.losses += 1
+            log.error("store %s LOST its state (%s): every engine stream resynchronises through its replay "
+                      "endpoint; queries answer 503 until their model is resynchronised", describe(self._stores.url),
+                      self.reason)
+            if self.on_lost is not None:
+                self.on_lost()
+
+    def succeeded(self) -> None:
+        if not self.up:
+            log.info("store %s answers again (after %d failed calls)", describe(self._stores.url), self.errors)
+            self.up, self.reason = True, None
+            self._metrics.store_up.set(1)
+
+    @property
+    def reopen_due(self) -> bool:
+        return self._reopen_due
+
+    async def ensure_open(self) -> None:
+        """After a loss: re-open the stores (once, whoever asks first); StoreUnavailable if still down."""
+        if not self._reopen_due:
+            return
+        async with self._reopen_lock:
+            if not self._reopen_due:
+                return
+            try:
+                await self._stores.open()
+            except StoreUnavailable as exc:
+                self.failed("open", exc)
+                raise
+            self._reopen_due = False
+            self.succeeded()
+            log.info("store %s re-opened after its loss", describe(self._stores.url))
+
+
+class Guarded:
+    """A store whose every coroutine reports its failures and successes to the guard."""
+
+    def __init__(self, inner: Any, guard: StoreGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+        self.name = inner.name
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not inspect.iscoroutinefunction(attr):
+            return attr
+        guard = self._guard
+
+        async def call(*args: Any, **kw: Any) -> Any:
+            try:
+                out = await attr(*args, **kw)
+            except StoreUnavailable as exc:
+                guard.failed(name, exc)
+                raise
+            guard.succeeded()
+            return out
+
+        call.__name__ = name
+        setattr(self, name, call)  # resolved once per method
+        return call

@@ -1,0 +1,576 @@
+"""The PreciseStore contract, one suite run against both backends (memory and a real redis-server).
+
+Every case of test_precise_index.py, through the async store interface; the stream watermark rules
+of base.py (``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real
+vLLM captures and a seeded random workload through both backends, compared after every batch."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import sys
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from adapters import DIALECTS
+from kvindex import keys as K
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.query import cacheable_tokens
+from kvindex.record import load_capture
+from kvindex.stores.base import Outcome, Position, PreciseStore, StoreLost, StoreUnavailable, StreamRef
+from kvindex.stores.memory import MemoryPreciseStore
+from kvindex.stores.redis_precise import RedisPreciseStore
+from tests.conftest import FIXTURES
+from tests import redis_server
+from tests.redis_server import RedisServer
+from tests.test_precise_fixtures import meta, predictable, requests_in_order
+
+sys.modules.setdefault("redis_server", redis_server)  # conftest imports it by its bare name
+
+BS = 4
+TOKENS = list(range(100, 116))  # 4 blocks of 4
+Factory = Callable[[], Awaitable[PreciseStore]]
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: Any) -> BlockStored:
+    return BlockStored(block_hashes=tuple(hashes), parent_hash=parent, token_ids=array("I", tokens), block_size=BS, **kw)
+
+
+def keys_of(tokens: list[int], model: str = "m", lora: str | None = None, salt: str | None = None) -> list[int]:
+    return K.prompt_keys(K.root_key(model, lora, salt), tokens, BS)
+
+
+async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseStore:
+    client = aioredis.Redis.from_url(url)
+    clients.append(client)
+    s = RedisPreciseStore(client)
+    await s.open()
+    return s
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """Clients of one store: for memory the same object; for Redis a new client each call."""
+    clients: list[aioredis.Redis] = []
+    if request.param == "memory":
+        shared = MemoryPreciseStore()
+
+        async def make() -> PreciseStore:
+            return shared
+    else:
+        url = request.getfixturevalue("redis_url")
+
+        async def make() -> PreciseStore:
+            return await redis_store(url, clients)
+    yield make
+    for c in clients:
+        await c.aclose()
+
+
+@pytest.fixture
+async def store(peers: Factory) -> PreciseStore:
+    s = await peers()
+    await s.set_block_size("m", BS)
+    return s
+
+
+class Feed:
+    """Applies events as (pod, rank)'s own stream, one seq after the other."""
+
+    def __init__(self, store: PreciseStore) -> None:
+        self.store = store
+        self.seqs: dict[str, int] = {}
+
+    async def __call__(self, pod: str, rank: int, *events: KVEvent, model: str = "m") -> Any:
+        stream = StreamRef(f"{pod}|{rank}", pod, model)
+        seq = self.seqs[stream.id] = self.seqs.get(stream.id, -1) + 1
+        result = await self.store.apply(stream, seq, 0, rank, events)
+        assert result.outcome is Outcome.APPLIED, result
+        return result.applied
+
+
+@pytest.fixture
+def feed(store: PreciseStore) -> Feed:
+    return Feed(store)
+
+
+async def depth(store: PreciseStore, pod: str, keys: list[int]) -> int:
+    m = (await store.match(keys, [pod], model="m")).get(pod)
+    return m.gpu if m else 0
+
+
+async def residue(store: PreciseStore) -> int:
+    """Inverted entries (holders, duplicate counts) and worker records left in the store."""
+    if isinstance(store, MemoryPreciseStore):
+        i = store.index
+        return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
+    assert isinstance(store, RedisPreciseStore)
+    n = 0
+    for pattern in ("*}:[gcdGCD]:*", "*}:[bxw]:*"):
+        n += len([k async for k in store._client.scan_iter(match=pattern)])
+    return n + sum([await store._client.hlen(k) async for k in store._client.scan_iter(match="*}:W")])
+
+
+# -- the cases of test_precise_index.py ------------------------------------------------------------
+def test_keys_match_dynamo_local_hash_vector() -> None:
+    assert K.local_hashes(list(range(1000, 1032)), 16) == [17863182269597592868, 14340445833846710668]
+
+
+async def test_chain_across_events_and_longest_prefix(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    await feed("a", 0, stored([3], 2, TOKENS[8:12]))
+    await feed("b", 0, stored([1], None, TOKENS[:4]))
+    ks = keys_of(TOKENS)
+    assert await depth(store, "a", ks) == 3 and await depth(store, "b", ks) == 1
+    assert set(await store.match(ks)) == {"a", "b"} == set(await store.match(ks, model="m"))
+    only_b = await store.match(ks, ["b"])
+    assert only_b["b"].gpu == 1 and "a" not in only_b
+
+
+async def test_engine_hashes_need_not_agree_across_pods(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    await feed("b", 0, stored([77, 78], None, TOKENS[:8]))
+    assert await depth(store, "b", keys_of(TOKENS)) == 2
+
+
+async def test_refcount_per_copy(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 0, BlockRemoved((1,)))
+    assert await depth(store, "a", keys_of(TOKENS)) == 1
+    await feed("a", 0, BlockRemoved((1,)))
+    assert await depth(store, "a", keys_of(TOKENS)) == 0
+    assert (await store.blocks_held("a"))["gpu"] == 0
+    assert (await feed("a", 0, BlockRemoved((1,)))).unknown_removals == 1
+
+
+async def test_orphans_are_kept_for_removal_but_never_match(store: PreciseStore, feed: Feed) -> None:
+    done = await feed("a", 0, stored([5, 6], 999, TOKENS[4:12]))
+    assert done.orphans == 2
+    assert await store.blocks_held("a") == {"gpu": 2, "cpu": 0, "disk": 0, "orphans": 2}
+    assert await store.match(keys_of(TOKENS)) == {}
+    await feed("a", 0, BlockRemoved((5,)))
+    assert (await store.blocks_held("a"))["orphans"] == 1
+
+
+async def test_block_size_mismatch_is_an_orphan(store: PreciseStore, feed: Feed) -> None:
+    ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=array("I", TOKENS[:8]), block_size=8)
+    done = await feed("a", 0, ev)
+    assert done.block_size_mismatch and done.orphans == 1
+
+
+async def test_the_first_block_stored_sets_an_unconfigured_block_size(store: PreciseStore, feed: Feed) -> None:
+    ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=array("I", TOKENS[:8]), block_size=8)
+    assert (await feed("z", 0, ev, model="other")).block_size_mismatch == 0
+    assert await store.block_size("other") == 8 and await store.block_sizes() == {"m": BS, "other": 8}
+    assert (await feed("z", 0, stored([2], None, TOKENS[:4]), model="other")).block_size_mismatch == 1
+
+
+async def test_all_blocks_cleared_clears_every_medium_of_its_rank(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 1, stored([1], None, TOKENS[:4]))
+    await feed("a", 0, stored([1], None, [], medium="CPU"))
+    await feed("b", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 0, AllBlocksCleared())
+    assert (await store.match(keys_of(TOKENS)))["a"].dp == {1: 1}
+    assert await store.blocks_held("a") == {"gpu": 1, "cpu": 0, "disk": 0, "orphans": 0}
+    await store.clear_pod("a")
+    assert (await store.match(keys_of(TOKENS))).keys() == {"b"}
+
+
+async def test_dp_ranks_reported_separately(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 1, stored([1, 2], None, TOKENS[:8]))
+    m = (await store.match(keys_of(TOKENS)))["a"]
+    assert m.dp == {0: 1, 1: 2} and m.gpu == 2
+
+
+async def test_tiers_are_cumulative_through_the_device(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    await feed("a", 0, stored([3], 2, TOKENS[8:12], medium="CPU"))
+    await feed("a", 0, stored([4], 3, TOKENS[12:16], medium="DISK"))
+    m = (await store.match(keys_of(TOKENS), model="m"))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (2, 3, 4)
+    await feed("a", 0, stored([1], None, [], medium="CPU"))
+    assert await store.blocks_held("a") == {"gpu": 2, "cpu": 2, "disk": 1, "orphans": 0}
+
+
+async def test_salts_and_loras_never_match_each_other(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1], None, TOKENS[:4], cache_salt="tenant-1"))
+    await feed("a", 0, stored([2], None, TOKENS[:4], lora_name="sql"))
+    assert await depth(store, "a", keys_of(TOKENS)) == 0
+    assert await depth(store, "a", keys_of(TOKENS, salt="tenant-2")) == 0
+    assert await depth(store, "a", keys_of(TOKENS, salt="tenant-1")) == 1
+    assert await depth(store, "a", keys_of(TOKENS, lora="sql")) == 1
+    assert await depth(store, "a", keys_of(TOKENS, model="other")) == 0
+
+
+async def test_a_keyless_copy_learns_its_key_later(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1], None, [], medium="CPU"))
+    assert (await store.blocks_held("a"))["orphans"] == 1
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    m = (await store.match(keys_of(TOKENS)))["a"]
+    assert (m.gpu, m.cpu) == (1, 1) and (await store.blocks_held("a"))["orphans"] == 0
+
+
+async def test_clear_pod_leaves_no_inverted_entries(store: PreciseStore, feed: Feed) -> None:
+    for pod in ("a", "b"):
+        await feed(pod, 0, stored([1, 2, 3, 4], None, TOKENS))
+    assert await residue(store) > 0
+    await store.clear_pod("a")
+    await store.clear_pod("b")
+    assert await store.pods() == [] and await residue(store) == 0
+
+
+async def test_export_and_load_reproduce_the_index(store: PreciseStore, feed: Feed, peers: Factory) -> None:
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 1, stored([3], 999, TOKENS[4:8]))
+    await feed("b", 0, stored([1, 2, 3], None, TOKENS[:12], medium="CPU"))
+    exported = await store.export_entries()
+    before = {p: await store.blocks_held(p) for p in ("a", "b")}
+    ks = keys_of(TOKENS)
+    match_before = await store.match(ks)
+    for pod in ("a", "b"):
+        await store.clear_pod(pod)
+    assert await store.load_entries(exported) == 6
+    assert sorted(await store.export_entries()) == sorted(exported)
+    assert await store.match(ks) == match_before
+    assert {p: await store.blocks_held(p) for p in ("a", "b")} == before
+    await feed("a", 0, BlockRemoved((1,)))
+    await feed("a", 0, BlockRemoved((1,)))
+    assert await depth(store, "a", ks) == 0
+
+
+async def test_a_rank_clears_only_itself_and_empty_workers_are_freed(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    await feed("a", 1, stored([1, 2], None, TOKENS[:8]))
+    await feed("a", 1, AllBlocksCleared())
+    assert (await store.match(keys_of(TOKENS)))["a"].dp == {0: 2}
+    await feed("a", 7, BlockRemoved((5,)))
+    await feed("a", 0, BlockRemoved((1,)))
+    await feed("a", 0, BlockRemoved((2,)))
+    assert await store.pods() == [] and await residue(store) == 0
+
+
+# -- stream positions: judge / next_position / restart -------------------------------------------
+A = StreamRef.of("a", "kv@a@m", "m")
+ONE = (stored([1], None, TOKENS[:4]),)
+
+
+async def test_positions_follow_judge_and_next_position(store: PreciseStore) -> None:
+    assert await store.position(A) is None
+    r = await store.apply(A, 5, 0, 0, ONE)
+    assert r.outcome is Outcome.APPLIED and r.position == Position(5, 0, True, None) and r.applied.stored == 1
+    r = await store.apply(A, 5, 0, 0, ONE)
+    assert r.outcome is Outcome.DUPLICATE and r.applied is None and r.position.last_seq == 5
+    assert (await store.apply(A, 4, 0, 0, ONE)).outcome is Outcome.DUPLICATE
+    r = await store.apply(A, 7, 0, 0, ONE)
+    assert r.outcome is Outcome.GAP and r.position == Position(5, 0, True, None)
+    assert (await store.blocks_held("a"))["gpu"] == 1  # nothing of the refused batches applied
+    r = await store.apply(A, 7, 0, 0, ONE, force="gap_no_replay_endpoint")
+    assert r.outcome is Outcome.APPLIED and r.position == Position(7, 0, False, "gap_no_replay_endpoint")
+    r = await store.apply(A, 8, 0, 0, ONE)
+    assert r.position == Position(8, 0, False, "gap_no_replay_endpoint")  # still unsynced
+    r = await store.apply(A, 9, 0, 0, (AllBlocksCleared(), *ONE))
+    assert r.position == Position(9, 0, True, None) and r.applied.cleared == 1
+    assert (await store.blocks_held("a"))["gpu"] == 1
+    assert await store.position(A) == Position(9, 0, True, None)
+
+
+async def test_batches_of_clears_only_follow_the_same_rules(store: PreciseStore, feed: Feed) -> None:
+    """Nothing to read for them: the store's atomic step alone judges them."""
+    clear = (AllBlocksCleared(),)
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.APPLIED
+    assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.DUPLICATE
+    assert (await store.apply(A, 5, 0, 0, clear)).position == Position(3, 0, True, None)
+    assert (await store.apply(A, 5, 0, 0, clear)).outcome is Outcome.GAP
+    assert (await store.apply(A, 5, 0, 0, (), force="lost")).position == Position(5, 0, False, "lost")
+    r = await store.apply(A, 6, 0, 0, clear)
+    assert r.position == Position(6, 0, True, None) and r.applied.cleared == 1
+    assert (await store.apply(A, 7, 1, 0, clear)).outcome is Outcome.BEHIND
+    await store.set_position(A, Position(7, 2, True, None))
+    assert (await store.apply(A, 8, 1, 0, clear)).outcome is Outcome.STALE
+    assert (await store.match(keys_of(TOKENS)))["a"].gpu == 1  # another worker's blocks: untouched
+
+
+async def test_epochs_stale_and_behind(store: PreciseStore) -> None:
+    await store.set_position(A, Position(3, 2, True, None))
+    r = await store.apply(A, 4, 1, 0, ONE)
+    assert r.outcome is Outcome.STALE and r.position == Position(3, 2, True, None)
+    assert (await store.apply(A, 4, 3, 0, ONE)).outcome is Outcome.BEHIND
+    assert (await store.apply(A, 4, 2, 0, ONE, force="x")).outcome is Outcome.APPLIED
+    assert await store.pods() == ["a"]
+    await store.set_position(A, Position(None, 5, False, "operator"))
+    assert await store.position(A) == Position(None, 5, False, "operator")
+    r = await store.apply(A, 0, 5, 0, ONE)
+    assert r.outcome is Outcome.APPLIED and r.position == Position(0, 5, False, "operator")
+
+
+async def test_restart_applies_once_across_two_clients(store: PreciseStore, peers: Factory) -> None:
+    other = await peers()
+    b = StreamRef.of("a", "kv@a@m:rank1", "m")
+    await store.apply(A, 10, 0, 0, ONE)
+    await store.apply(b, 3, 0, 1, ONE)
+    first = await store.restart(A, 0, [0])
+    assert first == Position(None, 1, True, None)
+    assert await other.restart(A, 0, [0]) == first  # the other replica saw epoch 0 too: nothing changes
+    assert (await store.match(keys_of(TOKENS)))["a"].dp == {1: 1}
+    assert await other.position(A) == first
+    assert (await other.apply(A, 0, 1, 0, ONE)).outcome is Outcome.APPLIED
+    assert (await store.apply(A, 0, 1, 0, ONE)).outcome is Outcome.DUPLICATE
+    assert await store.restart(A, 1, None) == Position(None, 2, True, None)  # all ranks of the pod
+    assert await store.pods() == []
+    fresh = StreamRef.of("c", "kv@c@m", "m")
+    assert await other.restart(fresh, 0, None) == Position(None, 1, True, None)
+    assert await other.restart(fresh, 0, None) == Position(None, 1, True, None)
+
+
+async def test_concurrent_offers_of_one_batch_apply_once(store: PreciseStore, peers: Factory) -> None:
+    other = await peers()
+    for seq in range(20):
+        batch = (stored([seq + 1], seq or None, TOKENS[:4]),) if seq % 3 else (stored([seq + 1], None, TOKENS[:4]),)
+        results = await asyncio.gather(store.apply(A, seq, 0, 0, batch), other.apply(A, seq, 0, 0, batch))
+        assert sorted(r.outcome.value for r in results) == ["applied", "duplicate"], results
+    assert (await store.blocks_held("a"))["gpu"] == 20
+
+
+# -- differential: memory vs Redis -----------------------------------------------------------------
+@pytest.fixture
+async def pair(redis_url: str) -> AsyncIterator[tuple[MemoryPreciseStore, list[RedisPreciseStore]]]:
+    clients: list[aioredis.Redis] = []
+    replicas = [await redis_store(redis_url, clients) for _ in range(2)]
+    yield MemoryPreciseStore(), replicas
+    for c in clients:
+        await c.aclose()
+
+
+async def assert_same(mem: MemoryPreciseStore, red: RedisPreciseStore, prompts: list[list[int]], models: list[str]) -> None:
+    pods = await mem.pods()
+    assert await red.pods() == pods
+    for pod in pods + ["nobody"]:
+        assert await red.blocks_held(pod) == await mem.blocks_held(pod), pod
+        assert await red.engine_hashes(pod) == await mem.engine_hashes(pod), pod
+    assert sorted(await red.export_entries()) == sorted(await mem.export_entries())
+    for ks in prompts:
+        want = await mem.match(ks)
+        assert await red.match(ks) == want
+        for model in models:
+            assert await red.match(ks, model=model) == {p: m for p, m in want.items() if p in await pods_of(mem, model)}
+        assert await red.match(ks, pods[:1]) == await mem.match(ks, pods[:1])
+
+
+async def pods_of(mem: MemoryPreciseStore, model: str) -> set[str]:
+    return {p for p in await mem.pods() if p.startswith(model)}
+
+
+async def test_two_replicas_offered_every_batch_apply_each_once(pair: Any) -> None:
+    mem, (r1, r2) = pair
+    batches = [(stored([1, 2], None, TOKENS[:8]),), (stored([3], 2, TOKENS[8:12]),), (BlockRemoved((3,)),),
+               (stored([3, 4], 2, TOKENS[8:16]),), (AllBlocksCleared(), stored([9], None, TOKENS[:4])), (BlockRemoved((9,)),)]
+    stream = StreamRef.of("m-a", "kv@m-a@m", "m")
+    for seq, batch in enumerate(batches):
+        await mem.apply(stream, seq, 0, 0, batch)
+        first, second = (r1, r2) if seq % 2 else (r2, r1)
+        assert (await first.apply(stream, seq, 0, 0, batch)).outcome is Outcome.APPLIED
+        assert (await second.apply(stream, seq, 0, 0, batch)).outcome is Outcome.DUPLICATE
+        await assert_same(mem, r1, [keys_of(TOKENS)], ["m"])
+    assert await r2.position(stream) == await mem.position(stream) == Position(5, 0, True, None)
+
+
+def decoded(capture: str) -> list[tuple[str, str, int, Any]]:
+    decoder = DIALECTS["vllm"].decoder()
+    out = []
+    for c in load_capture(FIXTURES / capture / "events.jsonl"):
+        topic, seq, payload = c.frames
+        _, pod, model = topic.decode().split("@")
+        out.append((pod, model, int.from_bytes(seq, "big"), decoder.decode(payload), c.t))
+    return out
+
+
+@pytest.mark.parametrize("capture", ["small", "small_bytes_hashes", "reset_restart", "two_engines"])
+async def test_real_vllm_captures_give_equal_answers(capture: str, pair: Any) -> None:
+    mem, (r1, r2) = pair
+    frames = decoded(capture)
+    bs = meta(capture)["block_size"]
+    checked = set() if capture == "two_engines" else {r["i"] for r in predictable(capture)}
+    epochs: dict[str, int] = {}
+    last: dict[str, int] = {}
+    pos = matched = 0
+    for req in requests_in_order(capture) + [None]:
+        while pos < len(frames) and (req is None or frames[pos][4] < req["t_sent"]):
+            pod, model, seq, batch, _ = frames[pos]
+            stream = StreamRef.of(pod, f"kv@{pod}@{model}", model)
+            if stream.id in last and seq <= last[stream.id]:  # the engine restarted
+                for s in (mem, r1, r2):
+                    await s.restart(stream, epochs[stream.id], None)
+                epochs[stream.id] += 1
+            last[stream.id], e = seq, epochs.setdefault(stream.id, 0)
+            a = await mem.apply(stream, seq, e, batch.dp_rank, batch.events)
+            b = await (r1 if pos % 2 else r2).apply(stream, seq, e, batch.dp_rank, batch.events)
+            assert a.outcome is b.outcome is Outcome.APPLIED and a.applied == b.applied and a.position == b.position
+            pos += 1
+        if req is None:
+            break
+        ids = req["prompt_token_ids"]
+        ks = K.prompt_keys(K.root_key("tiny"), ids[:cacheable_tokens(ids)], bs)
+        want = await mem.match(ks)
+        assert await r1.match(ks, model="tiny") == await r2.match(ks) == want
+        if req["i"] in checked:
+            pod = req["server"].split("//")[1]
+            assert (want[pod].gpu if pod in want else 0) * bs == req["cached_tokens"], req["i"]
+            matched += 1
+    assert matched == len(checked) >= (0 if capture == "two_engines" else 20)
+    await assert_same(mem, r1, [], [])
+
+
+class RandomFleet:
+    """A seeded random event source: stores chained on held hashes (or unknown parents), tokenless
+    offload copies, duplicates, removals child-first as vLLM evicts, clears, block-size strays."""
+
+    MEDIA = ("GPU", "GPU", "GPU", "CPU", "DISK")
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.held: dict[tuple[str, int], list[tuple[str, int]]] = {}  # worker -> [(medium, hash)] in store order
+        self.next_hash = 1
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(4) for _ in range(n * BS)]  # few distinct tokens: shared prefixes
+
+    def batch(self, worker: tuple[str, int]) -> list[KVEvent]:
+        rng, held = self.rng, self.held.setdefault(worker, [])
+        events: list[KVEvent] = []
+        for _ in range(rng.randint(1, 4)):
+            roll = rng.random()
+            if roll < 0.5:
+                events.append(self.store(held))
+            elif roll < 0.85 and held:
+                n = rng.randint(1, min(4, len(held)))
+                gone = [held.pop(rng.randrange(len(held))) for _ in range(n)]
+                medium = gone[0][0]
+                events.append(BlockRemoved(tuple(h for _, h in reversed(gone)), medium=medium))
+            elif roll < 0.88:
+                events.append(AllBlocksCleared())
+                held.clear()
+            else:
+                h = rng.randrange(1, self.next_hash + 3)
+                events.append(BlockRemoved((h,), medium=rng.choice(self.MEDIA)))  # maybe unknown
+        return events
+
+    def store(self, held: list[tuple[str, int]]) -> BlockStored:
+        rng = self.rng
+        n = rng.randint(1, 4)
+        medium = rng.choice(self.MEDIA)
+        if held and rng.random() < 0.4:  # a copy (or offload) of hashes already held
+            hashes = [h for _, h in rng.sample(held, min(n, len(held)))]
+        else:
+            hashes = list(range(self.next_hash, self.next_hash + n))
+            self.next_hash += n
+        parent = None
+        if held and rng.random() < 0.6:
+            parent = rng.choice(held)[1]
+        elif rng.random() < 0.1:
+            parent = 10**6 + rng.randrange(10)  # unknown: orphans
+        tokens = [] if rng.random() < 0.15 else self.tokens(n if rng.random() < 0.8 else n - 1)
+        held.extend((medium, h) for h in hashes)
+        bs = BS if rng.random() < 0.95 else 2 * BS
+        return BlockStored(block_hashes=tuple(hashes), parent_hash=parent, token_ids=array("I", tokens),
+                           block_size=bs, medium=medium, lora_name="l" if rng.random() < 0.05 else None)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_random_workload_gives_equal_state_after_every_batch(seed: int, pair: Any) -> None:
+    mem, (r1, r2) = pair
+    fleet = RandomFleet(seed)
+    await mem.set_block_size("m", BS)
+    await r1.set_block_size("m", BS)
+    workers = [("m-a", 0), ("m-a", 1), ("m-b", 0), ("n-c", 0)]
+    seqs: dict[str, int] = {}
+    prompts: list[list[int]] = []
+    for step in range(140):
+        pod, rank = fleet.rng.choice(workers)
+        model = pod[0]
+        stream = StreamRef.of(pod, f"kv@{pod}@{model}:{rank}", model)
+        seq = seqs[stream.id] = seqs.get(stream.id, -1) + 1
+        events = fleet.batch((pod, rank))
+        for ev in events:
+            if type(ev) is BlockStored and len(ev.token_ids) and ev.block_size == BS and ev.parent_hash is None:
+                prompts.append(K.prompt_keys(K.root_key(model, ev.lora_name), list(ev.token_ids) + fleet.tokens(2), BS))
+        a = await mem.apply(stream, seq, 0, rank, events)
+        b = await (r1 if step % 2 else r2).apply(stream, seq, 0, rank, events)
+        assert (a.outcome, a.position, a.applied) == (b.outcome, b.position, b.applied), (step, events)
+        if step % 37 == 36:
+            await mem.clear_pod(pod, rank if step % 2 else None)
+            await r2.clear_pod(pod, rank if step % 2 else None)
+            fleet.held = {w: h for w, h in fleet.held.items() if w[0] != pod}
+        await assert_same(mem, r1, prompts[-6:], ["m", "n"])
+    assert len(prompts) > 10 and await mem.pods()
+
+
+# -- failures: a real redis-server stopped, killed, restarted ----------------------------------------
+@pytest.fixture
+async def own_server(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    yield server
+    server.stop()
+
+
+async def test_store_down_is_unavailable_and_nothing_changes(own_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(own_server.url, socket_timeout=2, retry_on_timeout=False)
+    s = RedisPreciseStore(client)
+    await s.open()
+    await s.apply(A, 0, 0, 0, ONE)
+    own_server.stop(signal.SIGTERM)  # a clean shutdown: the AOF keeps what was applied
+    for call in (s.apply(A, 1, 0, 0, (BlockRemoved((1,)),)), s.match(keys_of(TOKENS), model="m"),
+                 s.position(A), s.blocks_held("a"), s.pods()):
+        with pytest.raises(StoreUnavailable, match=r"^redis at unix://") as err:
+            await call
+        assert not isinstance(err.value, StoreLost) and "\n" not in str(err.value)
+    own_server.start()
+    assert await s.position(A) == Position(0, 0, True, None)
+    assert (await s.match(keys_of(TOKENS), model="m"))["a"].gpu == 1
+    assert (await s.apply(A, 1, 0, 0, (BlockRemoved((1,)),))).outcome is Outcome.APPLIED
+    await client.aclose()
+
+
+async def test_store_restarted_empty_is_lost_until_reopened(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        client = aioredis.Redis.from_url(server.url)
+        s = RedisPreciseStore(client)
+        await s.open()
+        await s.apply(A, 0, 0, 0, ONE)
+        server.stop()  # SIGKILL, no persistence
+        server.start()
+        for call in (s.apply(A, 1, 0, 0, ONE), s.match(keys_of(TOKENS), model="m"), s.match(keys_of(TOKENS)),
+                     s.position(A), s.pods()):
+            with pytest.raises(StoreLost):
+                await call
+        other = RedisPreciseStore(aioredis.Redis.from_url(server.url))
+        await other.open()  # a new generation: the old client stays lost
+        with pytest.raises(StoreLost):
+            await s.position(A)
+        await s.open()
+        assert await s.position(A) is None and await s.pods() == []
+        assert (await s.apply(A, 0, 0, 0, ONE)).outcome is Outcome.APPLIED
+        await client.aclose()
+        await other._client.aclose()
+    finally:
+        server.stop()
+
+
+def test_the_layout_is_one_slot_per_model() -> None:
+    from kvindex.stores.redis_precise import model_base
+
+    assert model_base("kvi", "m") == "kvi:{m:m}:"
+    assert model_base("kvi", "a}{b") == "kvi:{m:a%7D%7Bb}:"  # braces escaped: the tag is the whole name
+    assert msgspec.json.encode(model_base("kvi", "x%")) == b'"kvi:{m:x%25}:"'
