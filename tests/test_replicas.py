@@ -18,7 +18,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,16 +148,22 @@ def wait_applied(ports: list[int], seqs: dict[str, int], timeout: float = 10.0) 
     wait_until(done, timeout, f"replicas {ports} to apply {seqs}")
 
 
-def precise(port: int, r: dict[str, Any]) -> list[tuple[int, Any]]:
-    """``/query`` and ``/v1/score`` for request ``r``: (200, matched tokens) or (status, error body)."""
+def ask(port: int, r: dict[str, Any], endpoint: str) -> tuple[int, Any]:
+    """``endpoint`` (/query or /v1/score) for request ``r``: (200, matched tokens) or (status, error body)."""
     pod = r["server"].split("//")[1]
-    url = f"http://127.0.0.1:{port}"
-    out = []
-    status, q = http(url + "/query", "POST", {"token_ids": r["prompt_token_ids"], "model_name": MODEL})
-    out.append((status, q["instances"].get(pod, {}).get("longest_matched", 0) if status == 200 else q))
-    status, s = http(url + "/v1/score", "POST", {"model": MODEL, "token_ids": r["prompt_token_ids"], "pods": [pod]})
-    out.append((status, s["pods"][pod]["precise"]["tokens"] if status == 200 else s))
-    return out
+    url = f"http://127.0.0.1:{port}{endpoint}"
+    if endpoint == "/query":
+        status, q = http(url, "POST", {"token_ids": r["prompt_token_ids"], "model_name": MODEL})
+        return status, q["instances"].get(pod, {}).get("longest_matched", 0) if status == 200 else q
+    status, s = http(url, "POST", {"model": MODEL, "token_ids": r["prompt_token_ids"], "pods": [pod]})
+    return status, s["pods"][pod]["precise"]["tokens"] if status == 200 else s
+
+
+ENDPOINTS = ("/query", "/v1/score")
+
+
+def precise(port: int, r: dict[str, Any]) -> list[tuple[int, Any]]:
+    return [ask(port, r, endpoint) for endpoint in ENDPOINTS]
 
 
 def assert_exact(ports: list[int], r: dict[str, Any]) -> None:
@@ -224,25 +231,43 @@ def test_a_decision_posted_to_one_replica_changes_the_others_approx_scores(fleet
     assert approx_of(fleet.ports["a"], one, pod) == seen_by_b
 
 
-# -- d.: Redis killed and restarted mid-stream --------------------------------------------------
-SAMPLES_WHILE_DOWN = 6  # per request published during the outage, per replica
+# -- d.: Redis killed and restarted (or cut off) mid-stream ---------------------------------------
+@dataclass(frozen=True)
+class Outage:
+    """How the store goes away and comes back, and how many answers to sample while it is away."""
+
+    down: Callable[[RedisServer], None]
+    up: Callable[[RedisServer], None]
+    requests: int  # recorded requests whose events are published while the store is away
+    samples: int  # answers per endpoint and replica for each of them
+
+
+OUTAGES = {
+    # a crash: the new server is empty, so every replica must resynchronise through engine replay
+    "killed_restarted_empty": Outage(lambda r: r.stop(signal.SIGKILL), lambda r: r.start(), requests=5, samples=6),
+    # a network cut: nothing answers (each call ends at kvindex's socket timeout), nothing is lost
+    "cut_then_back": Outage(lambda r: r.proc.send_signal(signal.SIGSTOP), lambda r: r.proc.send_signal(signal.SIGCONT),
+                            requests=2, samples=1),
+}
 SAMPLE_LIMIT, SAMPLE_SECONDS = 600, 30.0
 
 
 def sample(ports: list[int], r: dict[str, Any], seen: dict[str, int], *, down: bool) -> bool:
-    """One answer per endpoint per replica for ``r``; each must be 503 with a reason or exact (only a
-    503 while Redis is down). True when every answer was exact."""
+    """One answer per endpoint per replica for ``r`` (asked concurrently); each must be 503 with a
+    reason or exact (only a 503 while the store is away). True when every answer was exact."""
+    asks = [(port, endpoint) for port in ports for endpoint in ENDPOINTS]
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(lambda pe: ask(pe[0], r, pe[1]), asks))
     exact = True
-    for port in ports:
-        for status, got in precise(port, r):
-            if status == 200 and got == r["cached_tokens"] and not down:
-                seen["exact"] += 1
-                continue
-            assert is_503_with_reason(status, got), (f"request {r['i']} on :{port} while Redis is "
-                                                     f"{'down' if down else 'back'}: {status} {got!r}, "
-                                                     f"engine cached {r['cached_tokens']}")
-            seen["503"] += 1
-            exact = False
+    for (port, endpoint), (status, value) in zip(asks, answers):
+        if status == 200 and value == r["cached_tokens"] and not down:
+            seen["exact"] += 1
+            continue
+        assert is_503_with_reason(status, value), (f"request {r['i']} {endpoint} on :{port} while the store is "
+                                                   f"{'away' if down else 'back'}: {status} {value!r}, "
+                                                   f"engine cached {r['cached_tokens']}")
+        seen["503"] += 1
+        exact = False
     return exact
 
 
@@ -257,31 +282,31 @@ def converge(ports: list[int], r: dict[str, Any], seen: dict[str, int]) -> None:
     raise AssertionError(f"no convergence in {SAMPLE_LIMIT} samples: {seen}")
 
 
-def test_redis_killed_and_restarted_mid_stream_never_wrong_then_converges(fleet: Fleet) -> None:
-    capture = "small"
-    stream = Stream(capture, fleet.engine)
-    reqs = requests_in_order(capture)
-    down_from, up_from = reqs[6]["t_sent"], reqs[11]["t_sent"]
+@pytest.mark.parametrize("outage", sorted(OUTAGES))
+def test_redis_away_mid_stream_never_a_wrong_answer_then_converges(outage: str, fleet: Fleet) -> None:
+    how = OUTAGES[outage]
+    stream = Stream("small", fleet.engine)
+    reqs = requests_in_order("small")
+    first_down = 6
+    away = reqs[first_down:first_down + how.requests]
     seen = {"exact": 0, "503": 0}
-    for r in reqs:
-        if r["t_sent"] < down_from:
-            wait_applied(fleet.live, stream.publish_until(r["t_sent"]))
-            assert_exact(fleet.live, r)
-        elif r["t_sent"] < up_from:
-            if fleet.redis.proc is not None:
-                fleet.redis.stop(signal.SIGKILL)
-            stream.publish_until(r["t_sent"])  # the engine goes on while the store is gone
-            for _ in range(SAMPLES_WHILE_DOWN):
-                sample(fleet.live, r, seen, down=True)
-            status, ready = http(f"http://127.0.0.1:{fleet.ports['a']}/readyz")
-            assert status == 503 and ready["reasons"], ready
-        else:
-            if fleet.redis.proc is None:
-                fleet.redis.start()  # empty: every replica must resynchronise through replay
-                converge(fleet.live, reqs[reqs.index(r) - 1], seen)
-            wait_applied(fleet.live, stream.publish_until(r["t_sent"]))
-            converge(fleet.live, r, seen)  # exact now, or 503 while a resync is still running
-    assert seen["503"] >= 5 * SAMPLES_WHILE_DOWN * 2 * 2 and seen["exact"] >= 9 * 2 * 2, seen
+    for r in reqs[:first_down]:
+        wait_applied(fleet.live, stream.publish_until(r["t_sent"]))
+        assert_exact(fleet.live, r)
+    how.down(fleet.redis)
+    for r in away:
+        stream.publish_until(r["t_sent"])  # the engine goes on while the store is away
+        for _ in range(how.samples):
+            sample(fleet.live, r, seen, down=True)
+    status, ready = http(f"http://127.0.0.1:{fleet.ports['a']}/readyz")
+    assert status == 503 and ready["reasons"], ready
+    assert seen == {"exact": 0, "503": how.requests * how.samples * 2 * 2}, seen
+    how.up(fleet.redis)
+    converge(fleet.live, away[-1], seen)  # sampled all through the resync
+    for r in reqs[first_down + how.requests:]:
+        wait_applied(fleet.live, stream.publish_until(r["t_sent"]))
+        converge(fleet.live, r, seen)  # exact now, or 503 while a resync is still running
+    assert seen["exact"] >= (len(reqs) - first_down - how.requests + 1) * 2 * 2, seen
     wait_applied(fleet.live, stream.publish_rest())
     for port in fleet.live:
         wait_until(lambda: http(f"http://127.0.0.1:{port}/readyz")[0] == 200, 10, f"replica :{port} ready again")
