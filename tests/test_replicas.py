@@ -55,9 +55,13 @@ class Engine:
     def publish(self, c: Captured) -> None:
         pod, seq = pod_of(c), int.from_bytes(c.frames[1], "big")
         if seq <= self.last_seq.get(pod, -1):
-            self.fake.clear_buffer()  # only read on the engine's loop, between two coroutines: no race
+            self._run(self._forget())
         self._run(self.fake.publish(c.frames))
         self.last_seq[pod] = seq
+
+    async def _forget(self) -> None:
+        """On the engine's loop, so that no replay answer is iterating over the history meanwhile."""
+        self.fake.clear_buffer()
 
     def close(self) -> None:
         try:
@@ -75,6 +79,8 @@ def pod_of(c: Captured) -> str:
 # -- the fleet: one Redis, two replicas, one engine -----------------------------------------------
 @dataclass
 class Fleet:
+    """The processes of one test: replicas by name ("a", "b"), each keeping its port across restarts."""
+
     tmp: Path
     redis: RedisServer
     engine: Engine
@@ -96,9 +102,6 @@ class Fleet:
     def live(self) -> list[int]:
         return [self.ports[n] for n in self.procs]
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in self.tmp.glob("*.log"))
-
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
@@ -116,6 +119,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         time.sleep(0.3)
         yield f
     finally:
+        if redis.proc is not None:
+            redis.proc.send_signal(signal.SIGCONT)  # a test that failed during a cut: let replicas stop quickly
         for name in list(f.procs):
             stop(f.procs.pop(name))
         engine.close()
