@@ -14,8 +14,10 @@ Every wait and every sampling loop is bounded in count and in time.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +29,7 @@ from typing import Any
 import pytest
 
 from kvindex.record import Captured, FakeEngine, load_capture
-from tests.conftest import FIXTURES, ipc_endpoint
+from tests.conftest import FIXTURES, ROOT, ipc_endpoint
 from tests.faultkit import free_port, http, pods, serve, stop, wait_until
 from tests.redis_server import RedisServer, available
 from tests.test_precise_fixtures import predictable, requests_in_order
@@ -315,3 +317,19 @@ def test_redis_away_mid_stream_never_a_wrong_answer_then_converges(outage: str, 
     wait_applied(fleet.live, stream.publish_rest())
     for port in fleet.live:
         wait_until(lambda: http(f"http://127.0.0.1:{port}/readyz")[0] == 200, 10, f"replica :{port} ready again")
+
+
+# -- the replica benchmark runs end to end, every answer right (no timings asserted) ------------
+def test_replica_benchmark_smoke_run_answers_every_request_right(tmp_path: Path) -> None:
+    out = tmp_path / "replicas.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replicas.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["setups"]) == {"memoryx1", "redisx1", "redisx3"} and doc["machine"]["cores"]
+    for name, res in doc["setups"].items():
+        assert set(res["load"]) == {"/v1/score", "/query"}, name
+        for r in res["load"].values():
+            assert r["ok"] == r["requests"] > 0 and r["wrong"] == r["errors"] == 0, (name, r)
+    assert {"redis_x3_over_redis_x1", "redis_x1_over_memory_x1"} <= set(doc["ratios"]["/v1/score"])
+    assert "3 replicas / 1 replica" in proc.stdout and "cores on this machine" in proc.stdout
