@@ -1,7 +1,7 @@
 """Command line: ``kvindex serve | record | replay | demo``.
 
 Invariants: arguments become frozen config objects here, and bad ones end the program with exit
-code 2 and a one-line message; SIGINT and SIGTERM stop the daemon cleanly (tasks cancelled and
+code 2 and a one-line message (so does a store that cannot be reached at start); SIGINT and SIGTERM stop the daemon cleanly (tasks cancelled and
 awaited, sockets closed) and exit 0.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvindex.config import Config, ConfigError, config_from_toml, load_toml, with_overrides
 from kvindex.demo import add_demo_parser, demo_main
+from kvindex.stores.base import StoreUnavailable
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -123,7 +124,6 @@ def read_token(path: Path | None) -> str | None:
 async def serve(config: Config, token: str | None) -> int:
     from kvindex.daemon import Daemon
     from kvindex.stores import describe
-    from kvindex.stores.base import StoreUnavailable
 
     daemon = Daemon(config, token=token)
     try:
@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(dispatch(args))
     except ConfigError as exc:
         print(f"kvindex: {exc}", file=sys.stderr)
+        return 2
+    except StoreUnavailable as exc:  # the demo's store, at start
+        print(f"kvindex: the store cannot be reached: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"kvindex: {exc}", file=sys.stderr)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 import aiohttp
@@ -59,6 +60,7 @@ from kvindex.tokenize import CachingTokenizer, Tokenizer
 from kvindex.recovery import Recovery
 
 log = logging.getLogger("kvindex.daemon")
+SHARED_GAUGES_SECONDS = 10.0  # the pod gauges of a shared store are read at most this often
 
 
 class Daemon:
@@ -66,17 +68,9 @@ class Daemon:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
-        self.stores = build_stores(config.store, config.approx,
-                                   on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
-        self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
-        self.guard.on_lost = self._store_lost
-        memory = is_memory(config.store)
-        # the memory backend's own indexes (tests, snapshots, the write-ahead log); None with Redis
-        self.index: PreciseIndex | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
-        self.approx: ApproxIndex | None = self.stores.approx.index if memory else None  # type: ignore[attr-defined]
-        self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
-        self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
+        memory = self._wire_stores(config)
         self._gauges: tuple[list[dict[str, object]], int] = ([], 0)
+        self._gauges_at = float("-inf")
         self.ctx = zmq.asyncio.Context()
         # the default of every socket made from this context: the lanes' SUB and replay DEALER
         self.ctx.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
@@ -109,6 +103,20 @@ class Daemon:
         self._snapshot_task: asyncio.Task[None] | None = None
         self._fsync_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+
+    def _wire_stores(self, config: Config) -> bool:
+        """The stores of ``config.store`` (not opened yet), guarded unless in memory; True for memory."""
+        self.stores = build_stores(config.store, config.approx,
+                                   on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
+        self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
+        self.guard.on_lost = self._store_lost
+        memory = is_memory(config.store)
+        # the memory backend's own indexes (tests, snapshots, the write-ahead log); None with Redis
+        self.index: PreciseIndex | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
+        self.approx: ApproxIndex | None = self.stores.approx.index if memory else None  # type: ignore[attr-defined]
+        self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
+        self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
+        return memory
 
     @property
     def restored_from(self) -> str | None:
@@ -146,9 +154,15 @@ class Daemon:
         return None
 
     async def _refresh_gauges(self) -> None:
-        """Read the store-backed gauges (before a scrape); the store unreachable: keep the last."""
+        """Read the store-backed gauges (before a scrape); the store unreachable: keep the last.
+        A shared store is read at most every ``SHARED_GAUGES_SECONDS`` (per-pod holdings are a
+        scan of the pod's entries there; every replica's scrape would repeat it)."""
+        now = time.monotonic()
+        if self.index is None and now - self._gauges_at < SHARED_GAUGES_SECONDS:
+            return
         try:
             self._gauges = (await self.pods.views(), await self.approx_store.entries())
+            self._gauges_at = now
         except StoreUnavailable:
             pass  # kvindex_store_up says so
 

@@ -76,6 +76,7 @@ class DemoOptions:
     seed: int = 0
     quiet: bool = False
     model: str = "demo-model"
+    store: str = "memory://"  # where kvindex keeps its indexes (--store)
 
 
 @dataclass(slots=True)
@@ -239,7 +240,8 @@ class Demo:
             await rep.engine.start()
         engines = tuple(EngineConfig(r.engine.endpoint, replay=r.engine.replay_address, model=o.model,
                                      block_size=BLOCK_SIZE) for r in self.replicas.values())
-        self.daemon = Daemon(Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2)))
+        self.daemon = Daemon(Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2),
+                                    store=o.store))
         await self.daemon.start()
         self.session = aiohttp.ClientSession()
         self.router = Router(self.session, self.api, o.model, self.replicas, settle=self._settled)
@@ -422,12 +424,15 @@ def add_demo_parser(sub: Any) -> None:
     d.add_argument("--port", type=int, default=8080, help="kvindex HTTP port (default 8080; 0 picks a free one)")
     d.add_argument("--seed", type=int, default=0, help="traffic seed (default 0): the same seed sends the same requests")
     d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
+    d.add_argument("--store", default="memory://", metavar="URL", help="where kvindex keeps its indexes: memory:// "
+                   "(default) or a Redis URL (redis://host:port/db), as for kvindex serve")
 
 
 async def demo_main(args: argparse.Namespace) -> int:
     """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
     opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks, rate=args.rate,
-                       duration=args.duration, host=args.host, port=args.port, seed=args.seed, quiet=args.quiet)
+                       duration=args.duration, host=args.host, port=args.port, seed=args.seed, quiet=args.quiet,
+                       store=args.store)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kvindex").setLevel(logging.WARNING)  # keep the terminal for the table
     stop = asyncio.Event()

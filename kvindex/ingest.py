@@ -63,6 +63,8 @@ from kvindex.transport import Malformed, ReplayError, Subscriber, fetch_replay
 log = logging.getLogger("kvindex.ingest")
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
 RETRY_FIRST, RETRY_CAP = 0.05, 2.0  # seconds between attempts to reach the store (doubling)
+NOT_THIS_LIFE = "not_this_life"  # a recovery's verdict: the engine's history ends before the batch
+LIFE_CHECK_EVERY = 64  # STALE batches in a row between two replay checks of the batch's engine life
 
 
 class StreamCounters:
@@ -118,6 +120,7 @@ class Stream:
     force: str | None = None  # the next batch applies across a gap with this reason (history gone)
     needs_resync: str | None = None  # why the stream must be resynchronised before it applies again
     held: int = 0  # batches of this stream waiting in the lane's buffer
+    stale_run: int = 0  # STALE batches in a row (replay checks of their engine life are spaced)
 
     @property
     def baseline_unknown(self) -> bool:
@@ -302,6 +305,8 @@ class EngineLane:
                     return
                 except StoreUnavailable:
                     pass  # counted and logged by the guard
+                except Exception:  # a bug must not leave the lane's streams waiting forever
+                    log.exception("engine %s: applying the buffered batches failed; retrying", self.engine.name)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_CAP)
 
@@ -311,12 +316,14 @@ class EngineLane:
             if st.needs_resync is not None:
                 await self._resync_stream(st, st.epoch)
         while self._held:
-            st, seq, batch, payload = self._held[0]
+            item = self._held[0]
+            st, seq, batch, payload = item
             if st.needs_resync is None:
                 await self._sequence(st, seq, batch, payload)
-            self._held.popleft()
-            st.held -= 1
-            self._metrics.store_buffered.dec()
+            if self._held and self._held[0] is item:  # a loss meanwhile may have dropped the buffer
+                self._held.popleft()
+                st.held -= 1
+                self._metrics.store_buffered.dec()
         log.info("engine %s: the store answers; buffered batches applied", self.engine.name)
 
     async def _resync_stream(self, st: Stream, seen_epoch: int) -> None:
@@ -442,8 +449,9 @@ class EngineLane:
     async def _sequence(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
         """One live batch, from the stream's seq state to the store; safe to re-run after a
         failed store call (the buffer does)."""
-        if not st.seeded:
-            await self._seed(st)
+        if not st.seeded and not await self._seed(st, seq, payload):
+            self._skip_stale(st, seq)
+            return
         if st.replayed:
             if st.replayed.get(seq) == zlib.crc32(payload):
                 return  # already applied from the replay that ran ahead of the socket
@@ -457,6 +465,9 @@ class EngineLane:
         force = st.force
         if force is None and st.baseline_unknown and st.expect_from is not None and seq > st.expect_from:
             force = await self._recover(st, st.expect_from, seq)
+            if force == NOT_THIS_LIFE:
+                self._skip_stale(st, seq)
+                return
         result = await self._apply(st, seq, batch, payload, force)
         if result.outcome is Outcome.GAP:
             result = await self._fill_gap(st, seq, batch, payload, result.position)
@@ -469,17 +480,26 @@ class EngineLane:
             result = await self._adopt(st, seq, batch, payload, result.position)
         if result.outcome is Outcome.APPLIED:
             st.force = None
+        if result.outcome is not Outcome.STALE:
+            st.stale_run = 0
 
-    async def _seed(self, st: Stream) -> None:
+    async def _seed(self, st: Stream, seq: int | None = None, payload: bytes = b"") -> bool:
         """Read the stream's stored position: another replica may be ahead (its batches then come
-        back DUPLICATE) or the engine may have restarted (a later epoch)."""
+        back DUPLICATE) or the engine may have restarted (a later epoch, adopted). When the store
+        has history and the engine a replay endpoint, the first batch must be of the engine's
+        current life (it may have been queued before a restart other replicas applied): False
+        when it is not (skipped; the next batch seeds)."""
         if self.engine.block_size:
             await self._store.set_block_size(st.model, self.engine.block_size)
         pos = await self._store.position(st.ref)
+        if pos is not None and pos.last_seq is not None and seq is not None:
+            if await self._life_of(st, seq, payload) is False:
+                return False
         if pos is not None:
             st.epoch = pos.epoch
             self._observe(st, pos)
         st.seeded = True
+        return True
 
     async def _fill_gap(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, pos: Position) -> ApplyResult:
         start = (pos.last_seq if pos.last_seq is not None else self._first_seq - 1) + 1
@@ -487,16 +507,21 @@ class EngineLane:
         self._metrics.seq_gaps.labels(st.pod).inc()
         log.warning("pod %s: seq gap, expected %d got %d", st.pod, start, seq)
         reason = await self._recover(st, start, seq)
+        if reason == NOT_THIS_LIFE:  # queued before an engine restart another replica applied
+            return self._skip_stale(st, seq)
         result = await self._apply(st, seq, batch, payload, reason)
         if result.outcome is Outcome.GAP:  # the store moved meanwhile: apply across what is left
             result = await self._apply(st, seq, batch, payload, "history_lost")
         return result
 
     async def _adopt(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, pos: Position) -> ApplyResult:
-        """STALE: another replica announced an engine restart this one has not seen. When this
-        batch fits the store's new epoch (a copy of what it applied, or the next one), this
-        replica missed the restart: it adopts the epoch; otherwise the batch is of the ended life."""
-        if pos.last_seq is None or seq > pos.last_seq + 1:
+        """STALE: another replica announced an engine restart this one has not seen (yet). Either
+        this batch is of the ended life (this replica lags: its seq will go back soon), or this
+        replica missed the restart. The engine's replay decides: when it holds this very batch
+        (same seq, same bytes), the batch is of the current life and the store's epoch is
+        adopted. Checks are spaced (every ``LIFE_CHECK_EVERY`` STALE batches in a row)."""
+        st.stale_run += 1
+        if (st.stale_run - 1) % LIFE_CHECK_EVERY or not await self._life_of(st, seq, payload):
             st.last_seq = seq
             return ApplyResult(Outcome.STALE, pos)
         log.info("pod %s: the store is at epoch %d (another replica saw the engine restart): adopting it",
@@ -504,6 +529,33 @@ class EngineLane:
         st.epoch = pos.epoch
         st.expect_from = self._first_seq
         return await self._apply(st, seq, batch, payload, None)
+
+    async def _life_of(self, st: Stream, seq: int, payload: bytes) -> bool | None:
+        """Whether batch ``seq`` is of the engine's current life, by its replay: True (it holds
+        these very bytes at ``seq``), False (other bytes there, or its history stops before),
+        None (no replay endpoint, the replay failed, or its history no longer reaches ``seq``)."""
+        if not self.engine.replay:
+            return None
+        try:
+            result = await fetch_replay(self._ctx, self.engine.replay, seq, timeout=self._settings.replay_timeout,
+                                        max_frames=64)
+        except (ReplayError, zmq.ZMQError) as exc:
+            log.warning("pod %s: replay from %s failed: %s", st.pod, self.engine.replay, exc)
+            return None
+        mine = [f for f in result.frames if f.topic in ("", st.topic)]
+        at = next((f for f in mine if f.seq == seq), None)
+        if at is not None:
+            return zlib.crc32(at.payload) == zlib.crc32(payload)
+        return False if not mine and result.complete else None
+
+    def _skip_stale(self, st: Stream, seq: int) -> ApplyResult:
+        """A batch of an engine life that has ended (the engine's history ends before it): skipped,
+        and it does not move this replica's seq (its own restart is still to come)."""
+        st.skipped += 1
+        st.counters.stale.inc()
+        self._burst.warning((st.pod, "ended_life"), "pod %s: seq %d is of an engine life that has ended (another "
+                            "replica applied the restart): skipped", st.pod, seq)
+        return ApplyResult(Outcome.STALE, st.stored or Position(epoch=st.epoch))
 
     async def _restarted(self, st: Stream, seq: int) -> None:
         pos = await self._store.restart(st.ref, st.epoch, sorted(st.ranks) or None)
@@ -530,9 +582,12 @@ class EngineLane:
             self._metrics.replays.labels(st.pod, "failed").inc()
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.engine.replay, exc)
             return self._unsynced(st, "replay_failed", start, stop)
-        expected, broken = start, False
+        expected, broken, newest = start, False, None
         for frame in result.frames:
-            if frame.topic not in ("", st.topic) or frame.seq < expected:
+            if frame.topic not in ("", st.topic):
+                continue
+            newest = frame.seq if newest is None else max(newest, frame.seq)
+            if frame.seq < expected:
                 continue
             if stop is not None and frame.seq >= stop:
                 break
@@ -544,6 +599,10 @@ class EngineLane:
                 st.replayed[frame.seq] = zlib.crc32(frame.payload)
             expected += 1
         complete = not broken and (expected == stop if stop is not None else result.complete)
+        if (not complete and not broken and result.complete and stop is not None and newest is not None
+                and newest < stop - 1):
+            self._metrics.replays.labels(st.pod, "ok").inc()
+            return NOT_THIS_LIFE  # the engine never published stop - 1 in its current life
         self._metrics.replays.labels(st.pod, "ok" if complete else "history_lost").inc()
         return None if complete else self._unsynced(st, "history_lost", expected, stop)
 

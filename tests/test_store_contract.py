@@ -113,7 +113,7 @@ async def residue(store: PreciseStore) -> int:
         return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
     assert isinstance(store, RedisPreciseStore)
     n = 0
-    for pattern in ("*}:[gcdGCD]:*", "*}:[bxw]:*"):
+    for pattern in ("*}:[gcdGCD]:*", "*}:[bxwk]:*"):
         n += len([k async for k in store._client.scan_iter(match=pattern)])
     return n + sum([await store._client.hlen(k) async for k in store._client.scan_iter(match="*}:W")])
 
@@ -288,7 +288,7 @@ async def test_positions_follow_judge_and_next_position(store: PreciseStore) -> 
 async def test_batches_of_clears_only_follow_the_same_rules(store: PreciseStore, feed: Feed) -> None:
     """Nothing to read for them: the store's atomic step alone judges them."""
     clear = (AllBlocksCleared(),)
-    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 1, stored([1], None, TOKENS[:4]))
     assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.APPLIED
     assert (await store.apply(A, 3, 0, 0, clear)).outcome is Outcome.DUPLICATE
     assert (await store.apply(A, 5, 0, 0, clear)).position == Position(3, 0, True, None)
@@ -299,7 +299,7 @@ async def test_batches_of_clears_only_follow_the_same_rules(store: PreciseStore,
     assert (await store.apply(A, 7, 1, 0, clear)).outcome is Outcome.BEHIND
     await store.set_position(A, Position(7, 2, True, None))
     assert (await store.apply(A, 8, 1, 0, clear)).outcome is Outcome.STALE
-    assert (await store.match(keys_of(TOKENS)))["a"].gpu == 1  # another worker's blocks: untouched
+    assert (await store.match(keys_of(TOKENS)))["a"].dp == {1: 1}  # another rank's blocks: untouched
 
 
 async def test_epochs_stale_and_behind(store: PreciseStore) -> None:
@@ -353,6 +353,13 @@ async def pair(redis_url: str) -> AsyncIterator[tuple[MemoryPreciseStore, list[R
         await c.aclose()
 
 
+async def assert_same_entries(mem: MemoryPreciseStore, red: RedisPreciseStore, prompts: list[list[int]]) -> None:
+    """The quick comparison: every held entry, and the answers for ``prompts``."""
+    assert sorted(await red.export_entries()) == sorted(await mem.export_entries())
+    for ks in prompts:
+        assert await red.match(ks) == await mem.match(ks)
+
+
 async def assert_same(mem: MemoryPreciseStore, red: RedisPreciseStore, prompts: list[list[int]], models: list[str]) -> None:
     pods = await mem.pods()
     assert await red.pods() == pods
@@ -384,6 +391,32 @@ async def test_two_replicas_offered_every_batch_apply_each_once(pair: Any) -> No
         assert (await second.apply(stream, seq, 0, 0, batch)).outcome is Outcome.DUPLICATE
         await assert_same(mem, r1, [keys_of(TOKENS)], ["m"])
     assert await r2.position(stream) == await mem.position(stream) == Position(5, 0, True, None)
+
+
+async def test_many_workers_over_several_bitmap_bytes(store: PreciseStore, feed: Feed) -> None:
+    """21 pods (one with two ranks, four with offloaded copies): slots past the first byte."""
+    tokens = list(range(200, 200 + 10 * BS))
+    ks = keys_of(tokens)
+    for i in range(21):
+        depth = i % 7 + (3 if i >= 14 else 0)
+        hashes = list(range(100 * i + 1, 100 * i + 1 + depth))
+        await feed(f"p{i:02d}", 0, stored(hashes, None, tokens[:depth * BS]))
+        if i % 5 == 4:  # one more block, offloaded to CPU: the cpu tier reaches one deeper
+            await feed(f"p{i:02d}", 0, stored([100 * i + 50], hashes[-1] if hashes else None, tokens[depth * BS:(depth + 1) * BS], medium="CPU"))
+    await feed("p20", 1, stored([7, 8], None, tokens[:2 * BS]))
+    await feed("p03", 0, BlockRemoved((303,)))  # p03 now holds 2
+    got = await store.match(ks, model="m")
+    want = {}
+    for i in range(21):
+        depth = 2 if i == 3 else i % 7 + (3 if i >= 14 else 0)
+        cpu = depth + 1 if i % 5 == 4 else depth
+        if cpu:
+            want[f"p{i:02d}"] = (depth, cpu, cpu)
+    assert {p: (m.gpu, m.cpu, m.disk) for p, m in got.items()} == want
+    assert got["p20"].dp == {0: 9, 1: 2} and got["p19"].dp == {0: 8}
+    some = ["p09", "p17", "p20", "nobody"]
+    assert await store.match(ks, some) == {p: got[p] for p in some if p in got}
+    assert await store.match(ks[:4], ["p16"]) == {"p16": (4, 4, 4, {0: 4})}
 
 
 def decoded(capture: str) -> list[tuple[str, str, int, Any]]:
@@ -512,7 +545,10 @@ async def test_random_workload_gives_equal_state_after_every_batch(seed: int, pa
             await mem.clear_pod(pod, rank if step % 2 else None)
             await r2.clear_pod(pod, rank if step % 2 else None)
             fleet.held = {w: h for w, h in fleet.held.items() if w[0] != pod}
-        await assert_same(mem, r1, prompts[-6:], ["m", "n"])
+        if step % 10 == 9:
+            await assert_same(mem, r1, prompts[-6:], ["m", "n"])
+        else:
+            await assert_same_entries(mem, r1, prompts[-2:])
     assert len(prompts) > 10 and await mem.pods()
 
 

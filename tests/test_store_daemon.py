@@ -159,6 +159,13 @@ async def stopped_then_restarted(make_harness: Any, make_engine: Any, tmp_path: 
     assert status == 503 and score["error"].startswith("store unavailable: redis at "), score
     status, ready = await redis.get("/readyz")
     assert status == 503 and any(r.startswith("store unavailable: ") for r in ready["reasons"]), ready
+    decision = {"pod": POD, "request": {"model": "tiny", "prompt": "hello"}, "token_ids": [1, 2, 3]}
+    for method, path, body in (("GET", "/v1/pods", None), ("POST", "/query", {"token_ids": [1, 2], "model_name": "x"}),
+                               ("POST", "/v1/decisions", decision),
+                               ("DELETE", f"/v1/pods/{POD}", None), ("GET", "/dump", None)):
+        async with redis.session.request(method, redis.url + path, json=body) as resp:
+            got = await resp.json()
+        assert resp.status == 503 and got["error"].startswith("store unavailable: "), (path, got)
     status, metrics = await redis.get("/metrics")
     assert status == 200 and b"kvindex_store_up 0.0" in metrics and b'kvindex_store_errors_total{op="apply"}' in metrics
 

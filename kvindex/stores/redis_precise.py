@@ -10,24 +10,34 @@ Invariants:
   touches one slot (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation),
   ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
 - Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
-  size), ``s:<stream id>`` HASH q(last seq) e(epoch) y(synced) r(reason), ``W`` HASH "rank|pod" ->
-  worker id, ``n`` worker id counter (ids are never reused), ``v`` HASH "rank|pod" -> version (bumped
-  by every write to the worker; never deleted), ``w:<id>`` HASH n(name) M(media in first-store
-  order, "\\n"-joined) o(orphans), ``b:<id>:<i>`` HASH engine hash -> key or "o" for the i-th medium,
-  ``x:<id>`` HASH "<i>:<hash>" -> copies beyond the first, ``g:|c:|d:<key>`` HASH id -> copies held
-  in that tier (PreciseIndex's bitmask and ``_dups`` in one counter). Hashes, keys and seqs travel
-  as decimal strings; Lua compares seqs and epochs as numbers (exact below 2^53), never hashes.
+  size), ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
+  y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot (``N``: its inverse), ``slots`` bitmap of slots in use (the
+  lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
+  by every write to the worker, never deleted: a recreated worker is a new version), ``w:<slot>``
+  HASH n(name) M(media in first-store order, "\\n"-joined) o(orphans) c(entries);
+  ``b:<slot>:<i>:<bucket>`` HASH engine hash -> key or "o" of the i-th medium, in 512 buckets by the
+  hash's low 9 bits (small listpack hashes: ~32 bytes per entry), ``k:<slot>:<i>`` bitmap of the
+  buckets in use, ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier
+  t in g|c|d: ``t:<key>`` bitmap of the slots holding the key and ``T:<key>`` HASH slot -> copies
+  beyond the first (PreciseIndex's ``_holders`` bitmask and ``_dups``). Engine hashes and keys are
+  8 big-endian bytes (binary strings: compact, and Lua never turns them into numbers); a batch's
+  reads and writes travel as packed records; seqs and epochs are decimal strings that Lua compares
+  as numbers (exact below 2^53).
 - ``apply`` = at most two round trips: a read script (position, block size, worker version and the
   entries of every hash the batch names), then, unless the read already shows the batch is not to
   be applied, the apply script. It re-judges the position (``judge``/``next_position`` of base.py),
   re-checks the worker version and block size it was computed from (else the client recomputes),
-  and writes everything or nothing: the scripts validate before their first write.
+  and writes everything or nothing: the scripts validate before their first write. A batch of
+  clears only (nothing to read) is one round trip. A call that timed out may still have been
+  applied; offering it again is safe (DUPLICATE).
 - Every script checks the model slot's generation copy against the one read at ``open()``; a
   mismatch (Redis restarted empty, or another generation) raises ``StoreLost``. Connection and
   timeout errors raise ``StoreUnavailable("redis at <url>: <reason>")``.
-- ``match`` takes an optional keyword ``model``: with it, one round trip (the prefix walk for all
-  candidate workers runs server-side); without it, every model is walked (two round trips), since
-  a key does not say which model's slot holds it.
+- ``match`` takes an optional keyword ``model``: with it, one round trip (the prefix walk over the
+  holder bitmaps for all candidate workers runs server-side); without it, every model is walked
+  (two round trips), since a key does not say which model's slot holds it.
+- A pod's streams share the pod's model: ``restart`` clears the pod's ranks in its stream's model;
+  ``clear_pod``, ``pods``, ``blocks_held``, ``engine_hashes`` and ``export_entries`` visit every model.
 - ``load_entries`` needs each pod's model: it is the model of the pod's streams applied or
   positioned through this store (``<prefix>:pods``); an entry of an unknown pod is refused.
 """
@@ -43,17 +53,21 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 
-from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, PreciseIndex, tier_of
 from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+_ENTRY = struct.Struct(">BQBQI")  # medium index, hash, kind (0 delete, 1 orphan, 2 key), key, extra copies
+_DELTA = struct.Struct(">1sQi")  # tier char, key, change of copies held
+UNCHANGED = (1 << 32) - 1  # extra copies not changed
 
 LUA = r"""
 local op, base = ARGV[1], ARGV[3]
 if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
+local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
 local function split(s)
   local out = {}
@@ -110,18 +124,57 @@ local function unhold_all(t, key, slot)
   if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
 end
 
+-- a worker's engine hashes of one medium live in 512 small hashes by the hash's low 9 bits
+-- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~60k hashes per
+-- worker and medium); the bitmap k:<slot>:<i> marks the buckets in use
+local function bucket_of(h) return (string.byte(h, 7) % 2) * 256 + string.byte(h, 8) end
+local function set_entry(slot, idx, h, v)
+  local b = bucket_of(h)
+  local added = redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx .. ':' .. b, h, v)
+  if added == 1 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 1) end
+  return added
+end
+local function del_entry(slot, idx, h)
+  local b = bucket_of(h)
+  local bkey = base .. 'b:' .. slot .. ':' .. idx .. ':' .. b
+  redis.call('HDEL', bkey, h)
+  if redis.call('EXISTS', bkey) == 0 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 0) end
+end
+local function buckets_used(slot, idx)  -- bucket key names of one medium
+  local used, out = redis.call('GET', base .. 'k:' .. slot .. ':' .. idx) or '', {}
+  for j = 1, #used do
+    local byte = string.byte(used, j)
+    for b = 0, 7 do
+      if band(byte, BIT[b]) ~= 0 then out[#out + 1] = base .. 'b:' .. slot .. ':' .. idx .. ':' .. ((j - 1) * 8 + b) end
+    end
+  end
+  return out
+end
+local function medium_entries(slot, idx)  -- flat {hash, key or 'o', ...} of one medium
+  local out = {}
+  for _, bkey in ipairs(buckets_used(slot, idx)) do
+    local all = redis.call('HGETALL', bkey)
+    for j = 1, #all do out[#out + 1] = all[j] end
+  end
+  return out
+end
+
 local function clear_worker(name, slot)
   local media = split(redis.call('HGET', base .. 'w:' .. slot, 'M'))
   for i, m in ipairs(media) do
-    local t, bkey = tier(m), base .. 'b:' .. slot .. ':' .. i
-    local all = redis.call('HGETALL', bkey)
-    for j = 2, #all, 2 do
-      if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
+    local t = tier(m)
+    for _, bkey in ipairs(buckets_used(slot, i)) do
+      local all = redis.call('HGETALL', bkey)
+      for j = 2, #all, 2 do
+        if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
+      end
+      redis.call('DEL', bkey)
     end
-    redis.call('DEL', bkey)
+    redis.call('DEL', base .. 'k:' .. slot .. ':' .. i)
   end
   redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
+  redis.call('HDEL', base .. 'N', slot)
   redis.call('SETBIT', base .. 'slots', slot, 0)
   redis.call('HINCRBY', base .. 'v', name, 1)
 end
@@ -147,20 +200,21 @@ local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex
   local slot = tostring(redis.call('BITPOS', base .. 'slots', 0))
   redis.call('SETBIT', base .. 'slots', slot, 1)
   redis.call('HSET', base .. 'W', name, slot)
-  redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0)
+  redis.call('HSET', base .. 'N', slot, name)
+  redis.call('HSET', base .. 'w:' .. slot, 'n', name, 'M', media, 'o', 0, 'c', 0)
   return slot
 end
-local function free_if_empty(name, slot, nmedia)
-  local probe = {base .. 'x:' .. slot}
-  for i = 1, nmedia do probe[#probe + 1] = base .. 'b:' .. slot .. ':' .. i end
-  if redis.call('EXISTS', unpack(probe)) == 0 then
+local function count_entries(name, slot, delta)  -- a worker without entries is freed
+  if redis.call('HINCRBY', base .. 'w:' .. slot, 'c', delta) <= 0 then
+    for i = 1, #split(redis.call('HGET', base .. 'w:' .. slot, 'M')) do redis.call('DEL', base .. 'k:' .. slot .. ':' .. i) end
     redis.call('DEL', base .. 'w:' .. slot)
     redis.call('HDEL', base .. 'W', name)
+    redis.call('HDEL', base .. 'N', slot)
     redis.call('SETBIT', base .. 'slots', slot, 0)
   end
 end
 
--- ARGV[4] worker name, ARGV[5..] hashes: position, block size, worker version, media, entries
+-- ARGV[4] worker name, ARGV[5] hashes (8 bytes each): position, block size, version, media, entries
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
@@ -171,42 +225,54 @@ local function read_worker()
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
   local hashes = {}
-  for i = 5, #ARGV do hashes[#hashes + 1] = ARGV[i] end
+  for i = 1, #ARGV[5] - 7, 8 do hashes[#hashes + 1] = string.sub(ARGV[5], i, i + 7) end
   if #hashes == 0 then return out end
   for i, m in ipairs(split(meta[1])) do
-    local fields = {}
-    for j, h in ipairs(hashes) do fields[j] = i .. ':' .. h end
-    out[#out + 1] = hmget(base .. 'b:' .. slot .. ':' .. i, hashes)
+    local fields, values = {}, {}
+    for j, h in ipairs(hashes) do
+      fields[j] = i .. ':' .. h
+      values[j] = redis.call('HGET', base .. 'b:' .. slot .. ':' .. i .. ':' .. bucket_of(h), h)
+    end
+    out[#out + 1] = values
     out[#out + 1] = hmget(base .. 'x:' .. slot, fields)
   end
   return out
 end
 
-local function write_worker(name, reset, order, orphans, first, nent, nhold)
+local function u32(s, i)
+  local b1, b2, b3, b4 = string.byte(s, i, i + 3)
+  return ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+end
+
+-- entries: 22-byte records (medium index u8, hash 8, kind u8 0 delete | 1 orphan | 2 key, key 8,
+-- extra copies u32, 2^32-1: unchanged); deltas: 13-byte records (tier char, key 8, delta i32)
+local function write_worker(name, reset, order, orphans, entries, deltas, counted)
   redis.call('HINCRBY', base .. 'v', name, 1)
   local slot = redis.call('HGET', base .. 'W', name)
   if slot and reset then clear_worker(name, slot); slot = false end
-  if nent == 0 and not slot then return end
+  if #entries == 0 and not slot then return end
   if not slot then slot = new_worker(name, order) end
-  local media, index = split(order), {}
-  for i, m in ipairs(media) do index[m] = i end
+  local xkey = base .. 'x:' .. slot
   redis.call('HSET', base .. 'w:' .. slot, 'M', order, 'o', orphans)
-  for i = first, first + 4 * (nent - 1), 4 do
-    local idx, h, val, extra = index[ARGV[i]], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-    local bkey, xfield = base .. 'b:' .. slot .. ':' .. idx, idx .. ':' .. h
-    if val == '' then redis.call('HDEL', bkey, h) else redis.call('HSET', bkey, h, val) end
-    if extra == '0' then redis.call('HDEL', base .. 'x:' .. slot, xfield)
-    else redis.call('HSET', base .. 'x:' .. slot, xfield, extra) end
+  for i = 1, #entries, 22 do
+    local idx, h, kind, extra = string.byte(entries, i), string.sub(entries, i + 1, i + 8), string.byte(entries, i + 9), u32(entries, i + 18)
+    if kind == 0 then del_entry(slot, idx, h)
+    elseif kind == 1 then set_entry(slot, idx, h, 'o')
+    else set_entry(slot, idx, h, string.sub(entries, i + 10, i + 17)) end
+    if extra == 0 then redis.call('HDEL', xkey, idx .. ':' .. h)
+    elseif extra < 4294967295 then redis.call('HSET', xkey, idx .. ':' .. h, extra) end
   end
-  for i = first + 4 * nent, first + 4 * nent + 3 * (nhold - 1), 3 do
-    hold(ARGV[i], ARGV[i + 1], slot, tonumber(ARGV[i + 2]))
+  for i = 1, #deltas, 13 do
+    local d = u32(deltas, i + 9)
+    if d >= 2147483648 then d = d - 4294967296 end
+    hold(string.sub(deltas, i, i), string.sub(deltas, i + 1, i + 8), slot, d)
   end
-  free_if_empty(name, slot, #media)
+  count_entries(name, slot, counted)
 end
 
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
--- [15] entries, [16] holder deltas, then entries (medium, hash, value, extra) and deltas (tier, key, delta)
+-- [15] entries, [16] holder deltas (packed records, see write_worker), [17] change of entries held
 local function apply_batch()
   local p = read_pos(KEYS[2])
   local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
@@ -218,10 +284,9 @@ local function apply_batch()
     return {'retry'}
   end
   if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
-  local nent, nhold = tonumber(ARGV[15]), tonumber(ARGV[16])
   local slot = redis.call('HGET', base .. 'W', name)
-  if ARGV[12] == '1' or nent > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
-    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], 17, nent, nhold)
+  if ARGV[12] == '1' or #ARGV[15] > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
+    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16], tonumber(ARGV[17]))
   end
   local y, r = p[3], p[4]
   if forced then y, r = '0', string.sub(ARGV[6], 2)
@@ -252,8 +317,9 @@ local function bytes_of(s)
   return out
 end
 local function note_dropped(depths, j, bits, depth)
+  if bits == 0 then return end
   for b = 0, 7 do
-    if band(bits, 2 ^ (7 - b)) ~= 0 then depths[(j - 1) * 8 + b] = depth end
+    if band(bits, BIT[b]) ~= 0 then depths[(j - 1) * 8 + b] = depth end
   end
 end
 local function candidates(npods)
@@ -267,10 +333,42 @@ local function candidates(npods)
       local s = tonumber(all[i + 1])
       local j = math.floor(s / 8) + 1
       for k = #out + 1, j do out[k] = 0 end
-      out[j] = bor(out[j], 2 ^ (7 - s % 8))
+      out[j] = bor(out[j], BIT[s % 8])
     end
   end
   return out
+end
+
+local CHUNK = 64  -- keys fetched per MGET (a walk reads at most CHUNK - 1 keys past its end)
+local function holders_from(packed, first, offload)  -- bitmaps of CHUNK keys: g (and c, d) per key
+  local names = {}
+  for i = first, math.min(first + 8 * CHUNK, #packed + 1) - 8, 8 do
+    local k = string.sub(packed, i, i + 7)
+    names[#names + 1] = base .. 'g:' .. k
+    if offload then names[#names + 1] = base .. 'c:' .. k; names[#names + 1] = base .. 'd:' .. k end
+  end
+  if #names == 0 then return {} end
+  return redis.call('MGET', unpack(names))
+end
+-- one key of the walk: narrow the three alive sets (w.g within w.c within w.d), noting at
+-- ``depth`` the workers each drops; returns whether any worker is left
+local function narrow(w, g, c, d, depth)
+  local any = false
+  for j = 1, #w.d do
+    local a = w.d[j]
+    if a ~= 0 then
+      local gb, cb, db = string.byte(g, j) or 0, string.byte(c, j) or 0, string.byte(d, j) or 0
+      local x = w.g[j]
+      local y = band(x, gb)
+      if y ~= x then note_dropped(w.gdep, j, bxor(x, y), depth); w.g[j] = y end
+      x = w.c[j]; y = band(x, bor(gb, cb))
+      if y ~= x then note_dropped(w.cdep, j, bxor(x, y), depth); w.c[j] = y end
+      y = band(a, bor(gb, cb, db))
+      if y ~= a then note_dropped(w.ddep, j, bxor(a, y), depth); w.d[j] = y end
+      if y ~= 0 then any = true end
+    end
+  end
+  return any
 end
 
 -- ARGV[4] number of pods (-1: all), then pods, then the keys (8 bytes each, concatenated):
@@ -279,49 +377,32 @@ end
 local function match()
   local npods = tonumber(ARGV[4])
   local packed = ARGV[5 + math.max(npods, 0)]
-  local ad = candidates(npods)
-  local ag, ac, L = {}, {}, #ad
-  for j = 1, L do ag[j], ac[j] = ad[j], ad[j] end
-  local gdep, cdep, ddep, depth = {}, {}, {}, 0
+  local w = {d = candidates(npods), g = {}, c = {}, gdep = {}, cdep = {}, ddep = {}}
+  for j = 1, #w.d do w.g[j], w.c[j] = w.d[j], w.d[j] end
   local offload = redis.call('EXISTS', base .. 'off') == 1
-  local pg, pc, pd = false, false, false
-  for i = 1, #packed - 7, 8 do
-    local k = string.sub(packed, i, i + 7)
-    local g, c, d
-    if offload then
-      local r = redis.call('MGET', base .. 'g:' .. k, base .. 'c:' .. k, base .. 'd:' .. k)
-      g, c, d = r[1] or '', r[2] or '', r[3] or ''
-    else
-      g, c, d = redis.call('GET', base .. 'g:' .. k) or '', '', ''
+  local pg, pc, pd, depth, alive, step = false, false, false, 0, true, offload and 3 or 1
+  for first = 1, #packed - 7, 8 * CHUNK do
+    local r = holders_from(packed, first, offload)
+    for j = 1, #r, step do
+      local g, c, d = r[j] or '', offload and r[j + 1] or '', offload and r[j + 2] or ''
+      if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
+      pg, pc, pd, depth = g, c, d, depth + 1
     end
-    local any = g == pg and c == pc and d == pd
-    pg, pc, pd = g, c, d
-    if not any then for j = 1, L do
-      local a = ad[j]
-      if a ~= 0 then
-        local gb, cb, db = string.byte(g, j) or 0, string.byte(c, j) or 0, string.byte(d, j) or 0
-        local x = ag[j]
-        local y = band(x, gb)
-        if y ~= x then note_dropped(gdep, j, bxor(x, y), depth); ag[j] = y end
-        x = ac[j]; y = band(x, bor(gb, cb))
-        if y ~= x then note_dropped(cdep, j, bxor(x, y), depth); ac[j] = y end
-        y = band(a, bor(gb, cb, db))
-        if y ~= a then note_dropped(ddep, j, bxor(a, y), depth); ad[j] = y end
-        if y ~= 0 then any = true end
-      end
-    end end
-    if not any then break end
-    depth = depth + 1
+    if not alive then break end
   end
-  for j = 1, L do
-    note_dropped(gdep, j, ag[j], depth); note_dropped(cdep, j, ac[j], depth); note_dropped(ddep, j, ad[j], depth)
+  for j = 1, #w.d do
+    note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth); note_dropped(w.ddep, j, w.d[j], depth)
   end
-  local out = {}
-  for s, d in pairs(ddep) do
+  local out, slots = {}, {}
+  for s, d in pairs(w.ddep) do
     if d > 0 then
-      out[#out + 1] = redis.call('HGET', base .. 'w:' .. s, 'n')
-      out[#out + 1] = gdep[s]; out[#out + 1] = cdep[s]; out[#out + 1] = d
+      slots[#slots + 1] = s
+      out[#out + 1] = false; out[#out + 1] = w.gdep[s]; out[#out + 1] = w.cdep[s]; out[#out + 1] = d
     end
+  end
+  if #slots > 0 then
+    local names = hmget(base .. 'N', slots)
+    for i = 1, #slots do out[4 * i - 3] = names[i] end
   end
   return out
 end
@@ -344,7 +425,7 @@ local function dump()
       local slot = all[i + 1]
       local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
       local item = {all[i], meta[1], tonumber(meta[2]) or 0}
-      for j = 1, #split(meta[1]) do item[#item + 1] = redis.call('HGETALL', base .. 'b:' .. slot .. ':' .. j) end
+      for j = 1, #split(meta[1]) do item[#item + 1] = medium_entries(slot, j) end
       item[#item + 1] = redis.call('HGETALL', base .. 'x:' .. slot)
       out[#out + 1] = item
     end
@@ -364,7 +445,7 @@ local function load()
       media[#media + 1] = m; idx = #media
       redis.call('HSET', base .. 'w:' .. slot, 'M', table.concat(media, '\n'))
     end
-    redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx, h, key)
+    if set_entry(slot, idx, h, key) == 1 then count_entries(name, slot, 1) end
     if copies > 1 then redis.call('HSET', base .. 'x:' .. slot, idx .. ':' .. h, copies - 1) end
     if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. slot, 'o', 1)
     else hold(tier(m), key, slot, copies) end
@@ -444,8 +525,9 @@ class _Plan:
     reset: bool
     media: tuple[str, ...]
     orphans: int
-    entries: list[str | bytes]  # flattened (medium, hash, value, extra)
-    holders: list[str | bytes]  # flattened (tier char, key, delta)
+    entries: bytes  # _ENTRY records
+    holders: bytes  # _DELTA records
+    counted: int  # change of the number of entries (medium, hash) held
     new_block_size: int | None
 
 
@@ -510,28 +592,37 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
             reset = True
         else:
             raise TypeError(f"not a KV event: {t.__name__}")
-    if reset:
-        before: dict[tuple[str, int], tuple[int, int]] = {}
-        touched = [(m, h) for m, blocks in w.media.items() for h in blocks]
+    if reset:  # the store clears the worker first: everything the overlay holds is new
+        entries, holders, counted = _diff(w, {}, [(m, h) for m, blocks in w.media.items() for h in blocks])
     else:
-        before = view.entries
-        touched = [(m, h) for m in w.media for h in hashes]
-    entries: list[str | bytes] = []
+        entries, holders, counted = _diff(w, view.entries, [(m, h) for m in w.media for h in hashes])
+    new_bs = ov.block_size(model) if view.block_size is None else None
+    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, counted, new_bs)
+
+
+def _diff(w: Any, before: dict[tuple[str, int], tuple[int, int]], touched: list[tuple[str, int]]) -> tuple[bytes, bytes, int]:
+    """The changed entries, the holder deltas (copies per tier and key) and the change of the
+    number of entries, between ``before`` and the overlay worker ``w`` over ``touched``."""
+    entries: list[bytes] = []
     deltas: dict[tuple[str, int], int] = {}
+    index = {m: i for i, m in enumerate(w.media, 1)}
+    counted = 0
     for m, h in touched:
         old, new = before.get((m, h)), w.media[m].get(h)
         new_x = w.extra.get((m, h), 0)
         if old == ((new, new_x) if new is not None else None):
             continue
-        entries += [m, _u64(h), b"" if new is None else (b"o" if new == ORPHAN else _u64(new)), str(new_x)]
+        counted += (new is not None) - (old is not None)
+        kind = 0 if new is None else (1 if new == ORPHAN else 2)
+        keep = old is not None and old[1] == new_x or old is None and new_x == 0
+        entries.append(_ENTRY.pack(index[m], h, kind, new if kind == 2 else 0, UNCHANGED if keep else new_x))
         t = _TIER_CHAR[tier_of(m)]
         if old is not None and old[0] != ORPHAN:
             deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
         if new is not None and new != ORPHAN:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
-    holders: list[str | bytes] = [s for (t, k), d in deltas.items() if d for s in (t, _u64(k), str(d))]
-    new_bs = ov.block_size(model) if view.block_size is None else None
-    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, new_bs)
+    holders = b"".join(_DELTA.pack(t.encode(), k, d) for (t, k), d in deltas.items() if d)
+    return b"".join(entries), holders, counted
 
 
 def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
@@ -543,8 +634,8 @@ def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: st
         read_bs = "" if view.block_size is None else str(view.block_size)
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
-            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), str(len(plan.entries) // 4),
-            str(len(plan.holders) // 3), *plan.entries, *plan.holders]
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), plan.entries, plan.holders,
+            str(plan.counted)]
 
 
 class RedisPreciseStore:
@@ -660,7 +751,8 @@ class RedisPreciseStore:
             if blind:  # clears only (or nothing): one round trip, computed on an empty worker
                 view = _WorkerView(None, None, "*", (), 0, {})
             else:
-                view = _view_of(await self._run(base, "read", name, *map(_u64, hashes), stream=stream.id), hashes)
+                packed = struct.pack(f">{len(hashes)}Q", *hashes)
+                view = _view_of(await self._run(base, "read", name, packed, stream=stream.id), hashes)
                 outcome = judge(view.position, seq, epoch, force)
                 if outcome is not Outcome.APPLIED:
                     return ApplyResult(outcome, view.position or Position(epoch=epoch))
