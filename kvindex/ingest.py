@@ -20,7 +20,10 @@ Invariants:
   the stream's ranks once (the first replica to announce it); the epoch it returns is adopted, so
   a later replica's copies of what the first one applied come back DUPLICATE. A stream's first
   batch with a seq past the dialect's first seq and no stored history means kvindex joined
-  mid-stream: recovered the same way.
+  mid-stream: recovered the same way. Whether a batch belongs to the engine's current life is
+  asked of its replay endpoint where the store alone cannot tell (a replica's first batch, a
+  STALE batch, a gap the engine's history does not reach): a lagging replica never applies a
+  batch of an ended life, and a restart while no replica ran is seen by the next one.
 - The store unreachable (``StoreUnavailable``): the lane keeps the batches it cannot apply, in
   order, up to ``store_buffer`` batches, retrying with capped backoff while live messages keep
   arriving; past the bound the buffer is dropped and every stream of the lane is locally unsynced
@@ -495,6 +498,8 @@ class EngineLane:
         if pos is not None and pos.last_seq is not None and seq is not None:
             if await self._life_of(st, seq, payload) is False:
                 return False
+            if seq <= pos.last_seq and await self._history_ends_before(st, pos.last_seq):
+                pos = await self._restarted_unseen(st, pos)
         if pos is not None:
             st.epoch = pos.epoch
             self._observe(st, pos)
@@ -547,6 +552,29 @@ class EngineLane:
         if at is not None:
             return zlib.crc32(at.payload) == zlib.crc32(payload)
         return False if not mine and result.complete else None
+
+    async def _history_ends_before(self, st: Stream, seq: int) -> bool:
+        """Whether the engine's replay history stops before ``seq`` (so the store holds batches of
+        an earlier life of the engine); False when it cannot tell."""
+        if not self.engine.replay:
+            return False
+        try:
+            result = await fetch_replay(self._ctx, self.engine.replay, seq, timeout=self._settings.replay_timeout,
+                                        max_frames=1)
+        except (ReplayError, zmq.ZMQError) as exc:
+            log.warning("pod %s: replay from %s failed: %s", st.pod, self.engine.replay, exc)
+            return False
+        return result.complete and not any(f.topic in ("", st.topic) for f in result.frames)
+
+    async def _restarted_unseen(self, st: Stream, pos: Position) -> Position:
+        """The engine restarted while no replica was watching: the store holds its earlier life."""
+        log.warning("pod %s: the store is at seq %d but the engine's history ends before it: the engine restarted "
+                    "while no replica watched; clearing its blocks", st.pod, pos.last_seq)
+        st.restarts += 1
+        self._metrics.restarts.labels(st.pod).inc()
+        after = await self._store.restart(st.ref, pos.epoch, None)
+        st.expect_from = self._first_seq
+        return after
 
     def _skip_stale(self, st: Stream, seq: int) -> ApplyResult:
         """A batch of an engine life that has ended (the engine's history ends before it): skipped,

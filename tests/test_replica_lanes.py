@@ -42,6 +42,14 @@ def _other(f: Frame) -> Frame:
     return Frame(f.topic, f.seq, msgpack.packb([2.0, [ev], 0]))
 
 
+def _rebased(f: Frame, base: int) -> Frame:
+    """The same seq storing block ``base + seq`` (chained on ``base + seq - 1``, or on 1000 at seq 1)."""
+    parent = 1000 if f.seq == 1 else base + f.seq - 1
+    ev = {"type": "BlockStored", "block_hashes": [base + f.seq], "parent_block_hash": parent,
+          "token_ids": [7 + f.seq * BS + i for i in range(BS)], "block_size": BS}
+    return Frame(f.topic, f.seq, msgpack.packb([3.0, [ev], 0]))
+
+
 def lanes(store: MemoryPreciseStore, n: int, ctx: zmq.asyncio.Context, *, replay: str | None = None,
           endpoint: str = "tcp://127.0.0.1:1") -> list[EngineLane]:
     import logging
@@ -165,5 +173,29 @@ async def test_a_store_behind_the_replica_is_resynchronised_from_the_replay(tmp_
         assert (await store.position(st.ref)) == Position(7, 1, True, None) and st.epoch == 1
         assert held(store) == {1000 + s for s in range(8)}
         assert engine.replays_served == 1
+    finally:
+        ctx.term()
+
+
+async def test_an_engine_restart_while_no_replica_ran_is_seen_by_the_next_one(tmp_path: Path, make_engine: Any) -> None:
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
+    ctx = zmq.asyncio.Context()
+    try:
+        store = MemoryPreciseStore()
+        (a,) = lanes(store, 1, ctx, replay=engine.replay_address)
+        for seq in range(10):
+            await publish(engine, batch(seq))
+            await a.handle(batch(seq))
+        engine.clear_buffer()  # a is gone; the engine restarts and serves another prompt
+        new_life = [_other(batch(0))] + [_rebased(batch(seq), 5000) for seq in range(1, 5)]
+        for f in new_life:
+            await publish(engine, f)
+        (c,) = lanes(store, 1, ctx, replay=engine.replay_address)  # a new replica starts
+        for f in new_life[2:]:  # it joins at seq 2: 0 and 1 come from the replay
+            await c.handle(f)
+        st = c.state.streams[TOPIC]
+        assert st.restarts == 1 and st.epoch == 1 and st.batches == 5
+        assert (await store.position(st.ref)) == Position(4, 1, True, None)
+        assert held(store) == {1000} | {5000 + s for s in range(1, 5)}  # the first life is gone
     finally:
         ctx.term()

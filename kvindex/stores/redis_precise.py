@@ -885,6 +885,7 @@ class RedisPreciseStore:
         return len(entries)
 
     async def close(self) -> None:
+        """Nothing to release: the client is the caller's (it may serve other stores too)."""
         return None
 
 
