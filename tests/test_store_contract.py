@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import redis.asyncio as aioredis
 
@@ -343,6 +342,33 @@ async def test_concurrent_offers_of_one_batch_apply_once(store: PreciseStore, pe
     assert (await store.blocks_held("a"))["gpu"] == 20
 
 
+async def test_two_streams_of_one_worker_racing_lose_nothing(store: PreciseStore, peers: Factory) -> None:
+    """Batches computed from a read another writer has since overtaken are recomputed."""
+    other = await peers()
+    first, second = StreamRef.of("a", "kv@a@m", "m"), StreamRef.of("a", "kv@a@m:again", "m")
+
+    async def offer(s: PreciseStore, stream: StreamRef, base: int) -> None:
+        for seq in range(15):
+            h = base + 2 * seq
+            batch = (stored([h, h + 1], 10**6, TOKENS[:8]), stored([h], None, [], medium="CPU"))
+            assert (await s.apply(stream, seq, 0, 0, batch)).outcome is Outcome.APPLIED
+
+    await asyncio.gather(offer(store, first, 1000), offer(other, second, 5000))
+    assert await store.blocks_held("a") == {"gpu": 60, "cpu": 30, "disk": 0, "orphans": 90}
+    assert len((await other.engine_hashes("a"))[0]) == 60
+
+
+async def test_the_first_block_size_wins_a_race(peers: Factory) -> None:
+    one, two = await peers(), await peers()
+    for round_ in range(5):
+        model = f"race{round_}"
+        evs = [BlockStored((1,), None, array("I", TOKENS[:bs]), bs) for bs in (BS, 2 * BS)]
+        results = await asyncio.gather(*(s.apply(StreamRef.of(f"{model}-{i}", "t", model), 0, 0, 0, (ev,))
+                                         for i, (s, ev) in enumerate(zip((one, two), evs))))
+        assert sorted(r.applied.block_size_mismatch for r in results) == [0, 1]
+        assert await one.block_size(model) in (BS, 2 * BS)
+
+
 # -- differential: memory vs Redis -----------------------------------------------------------------
 @pytest.fixture
 async def pair(redis_url: str) -> AsyncIterator[tuple[MemoryPreciseStore, list[RedisPreciseStore]]]:
@@ -604,9 +630,17 @@ async def test_store_restarted_empty_is_lost_until_reopened(tmp_path: Path) -> N
         server.stop()
 
 
-def test_the_layout_is_one_slot_per_model() -> None:
-    from kvindex.stores.redis_precise import model_base
-
-    assert model_base("kvi", "m") == "kvi:{m:m}:"
-    assert model_base("kvi", "a}{b") == "kvi:{m:a%7D%7Bb}:"  # braces escaped: the tag is the whole name
-    assert msgspec.json.encode(model_base("kvi", "x%")) == b'"kvi:{m:x%25}:"'
+async def test_every_key_of_a_model_carries_its_one_hash_tag(pair: Any) -> None:
+    _, (r1, r2) = pair
+    for i, model in enumerate(["m", "meta-llama/Llama-3.1-8B-Instruct{x}"]):
+        stream = StreamRef.of(f"p{i}", "t", model)
+        await r1.apply(stream, 0, 0, 0, (stored([1, 2], None, TOKENS[:8]), stored([1], None, [], medium="CPU")))
+        await r2.set_block_size(model, BS)
+    tags: dict[str, set[bytes]] = {}
+    async for key in r1._client.scan_iter():
+        if b"{" in key:
+            tag = key[key.index(b"{") + 1:key.index(b"}")]
+            tags.setdefault(tag.decode(), set()).add(key)
+        else:
+            assert key in {b"kvi:gen", b"kvi:mid", b"kvi:mid:n", b"kvi:pods"}, key
+    assert sorted(tags) == ["1", "2"] and all(len(keys) > 8 for keys in tags.values())

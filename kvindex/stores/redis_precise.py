@@ -6,10 +6,11 @@ can see), so keys, orphans, copies and media follow the very same code; the stor
 resulting differences and applies them in one server-side script.
 
 Invariants:
-- Every key of one model carries the hash tag ``{m:<model>}`` (braces escaped), so each script
-  touches one slot (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation),
-  ``<prefix>:models`` (SET of models), ``<prefix>:pods`` (HASH pod -> model, for load_entries).
-- Layout under ``B = <prefix>:{m:<model>}:``: ``gen`` (copy of the generation), ``bs`` (block
+- Every key of one model carries the hash tag ``{<model id>}``, so each script touches one slot
+  (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation), ``<prefix>:mid`` (HASH
+  model -> its small id, allocated from ``<prefix>:mid:n`` by the first client needing it),
+  ``<prefix>:pods`` (HASH pod -> model, for load_entries).
+- Layout under ``B = <prefix>:{<model id>}:``: ``gen`` (copy of the generation), ``bs`` (block
   size), ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
   y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot (``N``: its inverse), ``slots`` bitmap of slots in use (the
   lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
@@ -100,22 +101,26 @@ local function workers_of(pod, rank)  -- {name, slot} of the pod's workers (one 
 end
 
 -- holders of (tier, key): bit ``slot`` of the string t:key, copies beyond the first in HASH T:key
-local function hold(t, key, slot, delta)
+local offload_marked = false
+local function hold(t, key, slot, delta)  -- the copies of key in tier t held by slot change by delta
   local bits, extra = base .. t .. ':' .. key, base .. string.upper(t) .. ':' .. key
-  if t ~= 'g' and delta > 0 then redis.call('SET', base .. 'off', '1') end  -- sticky: offload tiers in use
-  local cur = redis.call('GETBIT', bits, slot)
-  if cur == 1 then cur = cur + (tonumber(redis.call('HGET', extra, slot)) or 0) end
-  local n = cur + delta
-  if n <= 0 then
-    if cur > 0 then
-      redis.call('HDEL', extra, slot)
-      redis.call('SETBIT', bits, slot, 0)
-      if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
-    end
-  else
-    if cur == 0 then redis.call('SETBIT', bits, slot, 1) end
-    if n > 1 then redis.call('HSET', extra, slot, n - 1) elseif cur > 1 then redis.call('HDEL', extra, slot) end
+  if t ~= 'g' and delta > 0 and not offload_marked then  -- sticky: offload tiers in use
+    redis.call('SET', base .. 'off', '1')
+    offload_marked = true
   end
+  if delta > 0 then  -- SETBIT answers whether the slot held the key already: one call when new
+    if redis.call('SETBIT', bits, slot, 1) == 1 then redis.call('HINCRBY', extra, slot, delta)
+    elseif delta > 1 then redis.call('HSET', extra, slot, delta - 1) end
+    return
+  end
+  local more = tonumber(redis.call('HGET', extra, slot)) or 0
+  local n = 1 + more + delta
+  if n <= 0 then
+    if more > 0 then redis.call('HDEL', extra, slot) end
+    redis.call('SETBIT', bits, slot, 0)
+    if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+  elseif n > 1 then redis.call('HSET', extra, slot, n - 1)
+  elseif more > 0 then redis.call('HDEL', extra, slot) end
 end
 local function unhold_all(t, key, slot)
   local bits = base .. t .. ':' .. key
@@ -415,6 +420,26 @@ local function clear_pod()
   return {'ok'}
 end
 
+-- ARGV[4] pod: copies held {gpu, cpu, disk, orphans}, counted here (nothing but counts travels)
+local function held()
+  local out, at = {0, 0, 0, 0}, {g = 1, c = 2, d = 3}
+  for _, w in ipairs(workers_of(ARGV[4], nil)) do
+    local slot = w[2]
+    local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
+    local media = split(meta[1])
+    for i, m in ipairs(media) do
+      for _, bkey in ipairs(buckets_used(slot, i)) do out[at[tier(m)]] = out[at[tier(m)]] + redis.call('HLEN', bkey) end
+    end
+    local extras = redis.call('HGETALL', base .. 'x:' .. slot)
+    for j = 1, #extras, 2 do
+      local idx = tonumber(string.match(extras[j], '^(%d+):'))
+      out[at[tier(media[idx])]] = out[at[tier(media[idx])]] + tonumber(extras[j + 1])
+    end
+    out[4] = out[4] + (tonumber(meta[2]) or 0)
+  end
+  return out
+end
+
 -- ARGV[4] pod or '*': per worker {name, media order, orphans, blocks of each medium..., extras}
 local function dump()
   local out = {}
@@ -460,6 +485,7 @@ elseif op == 'match' then return match()
 elseif op == 'restart' then return restart()
 elseif op == 'clear' then return clear_pod()
 elseif op == 'dump' then return dump()
+elseif op == 'held' then return held()
 elseif op == 'load' then return load()
 elseif op == 'pos' then local p = read_pos(KEYS[2]); return {'pos', p[1], p[2], p[3], p[4]}
 elseif op == 'setpos' then
@@ -492,10 +518,10 @@ def _key_or_orphan(v: bytes) -> int:
     return ORPHAN if v == b"o" else int.from_bytes(v, "big")
 
 
-def model_base(prefix: str, model: str) -> str:
-    """The key prefix of one model; its hash tag is the escaped model name."""
-    tag = model.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
-    return f"{prefix}:{{m:{tag}}}:"
+def model_base(prefix: str, model_id: int) -> str:
+    """The key prefix of one model: its short id is the hash tag (short key names: each distinct
+    block key costs one top-level key per tier, and a long model name in it would cost more)."""
+    return f"{prefix}:{{{model_id}}}:"
 
 
 def client_url(client: aioredis.Redis) -> str:
@@ -651,7 +677,7 @@ class RedisPreciseStore:
         self._url = client_url(client)
         self._script = client.register_script(LUA)
         self._gen: str | None = None
-        self._ready_models: set[str] = set()
+        self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
         self._ready_pods: set[tuple[str, str]] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -681,30 +707,43 @@ class RedisPreciseStore:
         await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
         self._gen = _text(await self._call(lambda: self._client.get(gen_key)))
         await self._call(lambda: self._client.script_load(LUA))
-        self._ready_models.clear()
+        self._bases.clear()
         self._ready_pods.clear()
 
     async def _ensure(self, model: str, pod: str | None = None) -> str:
-        """The model's key prefix, its slot's generation copy checked (once per process)."""
-        base = model_base(self._prefix, model)
+        """The model's key prefix, its slot checked once per process; registers the pod's model."""
         if self._gen is None:
             raise StoreUnavailable(f"redis at {self._url}: store not opened")
-        if model in self._ready_models and (pod is None or (pod, model) in self._ready_pods):
-            return base
-        async def ensure() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.get(f"{self._prefix}:gen")
-            pipe.set(base + "gen", self._gen, nx=True, get=True)
-            pipe.sadd(f"{self._prefix}:models", model)
-            if pod is not None:
-                pipe.hset(f"{self._prefix}:pods", pod, model)
-            return await pipe.execute()
-        got = await self._call(ensure)
-        if _text(got[0]) != self._gen or _text(got[1]) not in (None, self._gen):
-            raise self._lost()
-        self._ready_models.add(model)
-        if pod is not None:
+        base = self._bases.get(model)
+        if base is None:
+            base = self._bases[model] = await self._register(model)
+        if pod is not None and (pod, model) not in self._ready_pods:
+            await self._call(lambda: self._client.hset(f"{self._prefix}:pods", pod, model))
             self._ready_pods.add((pod, model))
+        return base
+
+    async def _register(self, model: str) -> str:
+        """The model's short id (``<prefix>:mid``; the first client to need one allocates it) and
+        its slot's generation copy: set if absent, then the store's generation read after it, so
+        a store that restarted in between is found lost."""
+        mids, gen_key = f"{self._prefix}:mid", f"{self._prefix}:gen"
+        if _text(await self._call(lambda: self._client.get(gen_key))) != self._gen:
+            raise self._lost()
+        mid = await self._call(lambda: self._client.hget(mids, model))
+        if mid is None:
+            fresh = await self._call(lambda: self._client.incr(mids + ":n"))
+            await self._call(lambda: self._client.hsetnx(mids, model, fresh))
+            mid = await self._call(lambda: self._client.hget(mids, model))
+        base = model_base(self._prefix, int(mid))
+
+        async def check() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(base + "gen", self._gen, nx=True, get=True)
+            pipe.get(gen_key)
+            return await pipe.execute()
+        old, gen = await self._call(check)
+        if _text(gen) != self._gen or _text(old) not in (None, self._gen):
+            raise self._lost()
         return base
 
     async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
@@ -718,7 +757,7 @@ class RedisPreciseStore:
         async def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.get(f"{self._prefix}:gen")
-            pipe.smembers(f"{self._prefix}:models")
+            pipe.hkeys(f"{self._prefix}:mid")
             return await pipe.execute()
         gen, models = await self._call(read)
         if self._gen is None or _text(gen) != self._gen:
@@ -830,9 +869,9 @@ class RedisPreciseStore:
 
     async def blocks_held(self, pod: str) -> dict[str, int]:
         out = {"gpu": 0, "cpu": 0, "disk": 0, "orphans": 0}
-        for _, _, medium, entries, extra, orphans in await self._dump(pod):
-            out[tier_of(medium)] += len(entries) + sum(n for (m, _), n in extra.items() if m == medium)
-            out["orphans"] += orphans
+        for _, counts in await self._each_model("held", pod):
+            for name, n in zip(("gpu", "cpu", "disk", "orphans"), counts):
+                out[name] += int(n)
         return out
 
     async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
@@ -861,8 +900,11 @@ class RedisPreciseStore:
 
     # -- state out and in ----------------------------------------------------------------------
     async def export_entries(self) -> list[Entry]:
+        """Every held entry, one pod at a time (each pod's entries are one point in time; a script
+        never blocks the store for the whole fleet)."""
         out = []
-        for pod, rank, medium, entries, extra, _ in await self._dump("*"):
+        dumps = [item for pod in await self.pods() for item in await self._dump(pod)]
+        for pod, rank, medium, entries, extra, _ in dumps:
             for h, key in entries.items():
                 out.append(Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0)))
         return out
