@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvindex.cli import build_parser
 from kvindex.config import Config, config_from_toml, load_toml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +53,8 @@ def test_compose_binary_is_compose_v2() -> None:
     assert out.returncode == 0 and out.stdout.strip().split(".")[0].lstrip("v") == "2", (out.stdout, out.stderr)
 
 
-@pytest.mark.parametrize("profiles", [(), ("vllm",), ("monitoring",), ("vllm", "monitoring")])
+@pytest.mark.parametrize("profiles", [(), ("vllm",), ("monitoring",), ("redis",), ("vllm", "monitoring"),
+                                      ("vllm", "monitoring", "redis")])
 def test_compose_config_is_valid(profiles: tuple[str, ...]) -> None:
     flags = [f for p in profiles for f in ("--profile", p)]
     out = compose(*flags, "config", "-q")
@@ -101,6 +103,35 @@ def test_profiles_add_vllm_and_monitoring() -> None:
     assert services["kvindex-vllm"]["command"][-1] == "/app/deploy/kvindex-vllm.toml"
     mounts = {v["target"]: v["source"] for v in services["grafana"]["volumes"]}
     assert mounts["/var/lib/grafana/dashboards/kvindex-dashboard.json"] == str(ROOT / "deploy/grafana/kvindex-dashboard.json")
+
+
+REPLICAS = ("kvindex-a", "kvindex-b")
+
+
+def test_redis_profile_two_replicas_share_one_store_behind_the_same_engines() -> None:
+    services = resolved("redis")["services"]
+    assert {"redis", "engine-0", "engine-1", *REPLICAS} <= set(services)
+    assert services["redis"]["image"] == "redis:7"
+    assert "redis-cli" in services["redis"]["healthcheck"]["test"]
+    commands = [services[r]["command"] for r in REPLICAS]
+    assert commands[0] == commands[1], "the replicas differ only in their published port"
+    serve = build_parser().parse_args(commands[0])
+    assert serve.store == "redis://redis:6379/0" and serve.config == Path("/app/deploy/kvindex-redis.toml")
+    assert len({services[r]["ports"][0]["published"] for r in REPLICAS}) == 2
+    for r in REPLICAS:
+        assert services[r]["depends_on"]["redis"]["condition"] == "service_healthy"
+    engines = config_from_toml(load_toml(ROOT / "deploy/kvindex-redis.toml")).engines
+    assert len(engines) == 2 and len({e.pod for e in engines}) == 2
+    for e in engines:  # every replica connects to a publisher that binds (a simulator would dial one replica)
+        host, port = e.endpoint.removeprefix("tcp://").split(":")
+        publisher = services[host]
+        assert not e.bind and e.model == "tiny" and e.block_size == 32
+        args = publisher["command"]
+        assert args[0] == "replay" and args[args.index("--publish") + 1] == f"tcp://*:{port}"
+        assert e.replay == f"tcp://{host}:{args[args.index('--replay-endpoint') + 1].rsplit(':', 1)[1]}"
+        (mount,) = publisher["volumes"]
+        capture = Path(mount["source"]) / Path(args[1]).relative_to(mount["target"])
+        assert mount["read_only"] and capture.is_file(), capture
 
 
 def test_kvindex_configs_load() -> None:
