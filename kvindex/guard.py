@@ -7,6 +7,9 @@ Invariants:
 - A ``StoreLost`` (the store lost what it held) is announced to ``on_lost`` once per loss (the
   daemon makes every lane resynchronise) and the stores are re-opened once, serialised
   (``ensure_open``), before anything is written to them again.
+- While the store is down, callers fail fast: one call per ``probe_seconds`` goes through to the
+  store (a probe, whoever makes it: a lane's retry or a query), every other one raises the last
+  ``StoreUnavailable`` at once, so a network cut costs a query its 503, not a socket timeout.
 - The memory backend is never wrapped (it cannot fail): its hot path stays one plain await.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +31,12 @@ log = logging.getLogger("kvindex.store")
 
 
 class StoreGuard:
-    def __init__(self, stores: Stores, metrics: Metrics, burst: BurstLog) -> None:
+    def __init__(self, stores: Stores, metrics: Metrics, burst: BurstLog, *, probe_seconds: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._stores = stores
+        self._probe_seconds = probe_seconds
+        self._clock = clock
+        self._last_try = 0.0
         self._metrics = metrics
         self._burst = burst
         self._reopen_lock = asyncio.Lock()
@@ -45,6 +53,7 @@ class StoreGuard:
         self._metrics.store_errors.labels(op).inc()
         self._metrics.store_up.set(0)
         self.up, self.reason = False, str(exc) or type(exc).__name__
+        self._last_try = self._clock()
         self._burst.warning(("store", op), "store %s: %s failed: %s", describe(self._stores.url), op, self.reason)
         if isinstance(exc, StoreLost) and not self._reopen_due:
             self._reopen_due = True
@@ -54,6 +63,17 @@ class StoreGuard:
                       self.reason)
             if self.on_lost is not None:
                 self.on_lost()
+
+    def admit(self) -> bool:
+        """True when a call may go to the store: always while it is up; once per ``probe_seconds``
+        while it is down."""
+        if self.up:
+            return True
+        now = self._clock()
+        if now - self._last_try < self._probe_seconds:
+            return False
+        self._last_try = now
+        return True
 
     def succeeded(self) -> None:
         if not self.up:
@@ -97,6 +117,8 @@ class Guarded:
         guard = self._guard
 
         async def call(*args: Any, **kw: Any) -> Any:
+            if not guard.admit():
+                raise StoreUnavailable(guard.reason or "store unavailable")
             try:
                 out = await attr(*args, **kw)
             except StoreUnavailable as exc:

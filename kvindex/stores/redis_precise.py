@@ -683,12 +683,15 @@ class RedisPreciseStore:
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, make: Callable[[], Awaitable[Any]], *, idempotent: bool = True) -> Any:
         """Await ``make()``; a dropped connection is retried once when the call is idempotent (a
-        pooled connection that died with its server fails first), then reported as unavailable."""
+        pooled connection that died with its server fails first), then reported as unavailable.
+        A connection that timed out is not retried: the server is there but not answering (a
+        network cut), and a retry would only double the wait for the caller's 503."""
         for attempt in (0, 1):
             try:
                 return await make()
             except rex.ConnectionError as exc:
-                if attempt or not idempotent:
+                timed_out = isinstance(exc.__cause__, (rex.TimeoutError, TimeoutError))
+                if attempt or not idempotent or timed_out:
                     raise self._unavailable(exc) from None
             except (rex.TimeoutError, TimeoutError, OSError) as exc:
                 raise self._unavailable(exc) from None
