@@ -61,7 +61,7 @@ from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.precise import Applied
 from kvindex.stores.base import ApplyResult, Outcome, Position, PreciseStore, StoreUnavailable, StreamRef
-from kvindex.transport import Malformed, ReplayError, Subscriber, fetch_replay
+from kvindex.transport import Malformed, ReplayError, ReplayResult, Subscriber, fetch_replay
 
 log = logging.getLogger("kvindex.ingest")
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
@@ -539,13 +539,8 @@ class EngineLane:
         """Whether batch ``seq`` is of the engine's current life, by its replay: True (it holds
         these very bytes at ``seq``), False (other bytes there, or its history stops before),
         None (no replay endpoint, the replay failed, or its history no longer reaches ``seq``)."""
-        if not self.engine.replay:
-            return None
-        try:
-            result = await fetch_replay(self._ctx, self.engine.replay, seq, timeout=self._settings.replay_timeout,
-                                        max_frames=64)
-        except (ReplayError, zmq.ZMQError) as exc:
-            log.warning("pod %s: replay from %s failed: %s", st.pod, self.engine.replay, exc)
+        result = await self._peek_replay(st, seq, 64)
+        if result is None:
             return None
         mine = [f for f in result.frames if f.topic in ("", st.topic)]
         at = next((f for f in mine if f.seq == seq), None)
@@ -556,15 +551,20 @@ class EngineLane:
     async def _history_ends_before(self, st: Stream, seq: int) -> bool:
         """Whether the engine's replay history stops before ``seq`` (so the store holds batches of
         an earlier life of the engine); False when it cannot tell."""
+        result = await self._peek_replay(st, seq, 1)
+        return result is not None and result.complete and not any(f.topic in ("", st.topic) for f in result.frames)
+
+    async def _peek_replay(self, st: Stream, seq: int, max_frames: int) -> ReplayResult | None:
+        """Up to ``max_frames`` of the engine's history from ``seq``; None without a replay endpoint
+        or when the replay fails (logged)."""
         if not self.engine.replay:
-            return False
+            return None
         try:
-            result = await fetch_replay(self._ctx, self.engine.replay, seq, timeout=self._settings.replay_timeout,
-                                        max_frames=1)
+            return await fetch_replay(self._ctx, self.engine.replay, seq, timeout=self._settings.replay_timeout,
+                                      max_frames=max_frames)
         except (ReplayError, zmq.ZMQError) as exc:
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.engine.replay, exc)
-            return False
-        return result.complete and not any(f.topic in ("", st.topic) for f in result.frames)
+            return None
 
     async def _restarted_unseen(self, st: Stream, pos: Position) -> Position:
         """The engine restarted while no replica was watching: the store holds its earlier life."""
