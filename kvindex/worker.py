@@ -174,29 +174,33 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.channel)
         watchdog = asyncio.create_task(_parent_watch(stop), name="parent watch")
+        receiver = asyncio.create_task(self._receive(sock), name="parent requests")
         try:
-            while not stop.is_set():
-                if not await sock.poll(200):
-                    continue
-                frames = await sock.recv_multipart()
-                try:
-                    op, args = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
-                except (IndexError, ValueError, msgpack.UnpackException):
-                    log.warning("worker: a malformed request (%d frames) ignored", len(frames))
-                    continue
-                if op == "resync":  # awaits the engine's replay: the channel keeps answering meanwhile
-                    task = asyncio.create_task(self._answer(sock, frames, op, args))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                else:
-                    await self._answer(sock, frames, op, args)
+            await stop.wait()
         finally:
+            receiver.cancel()
             watchdog.cancel()
+            await asyncio.gather(receiver, watchdog, return_exceptions=True)
             await self.fleet.close()
             for task in list(self._tasks):
                 task.cancel()
             sock.close(linger=0)
             self.ctx.term()
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                op, args = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+            except (IndexError, ValueError, msgpack.UnpackException):
+                log.warning("worker: a malformed request (%d frames) ignored", len(frames))
+                continue
+            if op == "resync":  # awaits the engine's replay: the channel keeps answering meanwhile
+                task = asyncio.create_task(self._answer(sock, frames, op, args))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                await self._answer(sock, frames, op, args)
 
 
 async def _parent_watch(stop: asyncio.Event) -> None:

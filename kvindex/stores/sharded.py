@@ -13,7 +13,9 @@ Invariants:
   merges: a pod's ranks may sit on different workers (lanes are assigned by lane key), and a
   pod's match is the longest over its ranks, so tiers merge by max and ``dp`` by union — the
   answer equals the single process's exactly. ``blocks_held`` sums, ``pods`` and
-  ``block_sizes`` union, ``engine_hashes`` unions ranks, ``position`` is the owner's.
+  ``block_sizes`` union, ``engine_hashes`` unions ranks, ``position`` is the owner's. A model's
+  block size, once known, is kept here (it is fixed per model: keys are chunked by it), so a
+  query is one round trip per worker.
 - Writes that come from HTTP (``clear_pod``, ``set_block_size``) go to every worker (pods are
   few per worker and the ops are idempotent). Ingest writes (``apply``, ``restart``,
   ``set_position``, state export/load) happen in the workers only: here they raise
@@ -73,16 +75,17 @@ class ShardChannel:
         if self.dead is not None:
             raise StoreUnavailable(f"worker {self.index} {self.dead}")
         rid = next(self._ids).to_bytes(8, "little")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
         self._waiting[rid] = fut
+        limit = timeout if timeout is not None else self.timeout
+        timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
         frames = [rid, msgpack.packb([op, list(args)])] + ([extra] if extra is not None else [])
         try:
-            await self._sock.send_multipart(frames)
-            return await asyncio.wait_for(fut, timeout if timeout is not None else self.timeout)
-        except asyncio.TimeoutError:
-            raise StoreUnavailable(f"worker {self.index}: no answer to {op} within "
-                                   f"{timeout if timeout is not None else self.timeout:g} s") from None
+            self._sock.send_multipart(frames, copy=False)  # DEALER: queued at once (no await needed)
+            return await fut
         finally:
+            timer.cancel()
             self._waiting.pop(rid, None)
 
     def fail(self, reason: str) -> None:
@@ -99,6 +102,11 @@ class ShardChannel:
             await asyncio.gather(self._reader, return_exceptions=True)
             self._reader = None
         self._sock.close(linger=0)
+
+
+def _expire(fut: asyncio.Future[Any], reason: str) -> None:
+    if not fut.done():
+        fut.set_exception(StoreUnavailable(reason))
 
 
 def merge_matches(parts: Iterable[dict[str, list[Any]]]) -> dict[str, PodMatch]:
@@ -121,6 +129,7 @@ class ShardedPreciseStore:
 
     def __init__(self, channels: Sequence[ShardChannel]) -> None:
         self.channels = list(channels)
+        self._block_sizes: dict[str, int] = {}  # known ones: fixed per model (keys are chunked by it)
 
     async def _all(self, op: str, *args: Any, extra: bytes | None = None) -> list[Any]:
         return list(await asyncio.gather(*(c.request(op, *args, extra=extra) for c in self.channels)))
@@ -156,16 +165,27 @@ class ShardedPreciseStore:
         return None
 
     async def block_size(self, model: str) -> int | None:
+        known = self._block_sizes.get(model)
+        if known is not None:
+            self._usable()  # a dead worker is a 503 here too, as on every other path
+            return known
         return (await self.block_sizes()).get(model)
 
     async def block_sizes(self) -> dict[str, int]:
         sizes: dict[str, int] = {}
         for part in await self._all("block_sizes"):
             sizes.update(part)
+        self._block_sizes.update(sizes)
         return sizes
 
     async def set_block_size(self, model: str, block_size: int) -> None:
         await self._all("set_block_size", model, block_size)
+        self._block_sizes[model] = block_size
+
+    def _usable(self) -> None:
+        for ch in self.channels:
+            if ch.dead is not None:
+                raise StoreUnavailable(f"worker {ch.index} {ch.dead}")
 
     async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
         await self._all("clear_pod", pod, dp_rank)

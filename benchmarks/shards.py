@@ -1,0 +1,171 @@
+"""Sharded ingest benchmark: end-to-end ingest capacity with 1 and 2 workers, and what fan-out costs.
+
+For each replica count (``--replicas 64,256``) and worker count (``--workers 1,2``): a publisher
+process (``e2e.py publish``: one PUB socket per replica on tcp://127.0.0.1) sends the whole
+workload as fast as it can, and a real ``kvindex.daemon.Daemon`` (``workers=1``: everything in
+this process; ``workers=N``: this process is the parent, N worker processes ingest) applies it.
+
+  ingest capacity   block-ops / (wall clock from the publisher's "go" to the last batch applied)
+  replicas carried  capacity / 5000 (the design load: 5k block-ops/s per replica)
+  /query latency    8k-token /query, /query_by_hash, /v1/score over HTTP at the first replica
+                    count (64 pods), from the e2e.py HTTP client process, p50/p99
+
+Every figure is also printed as a ratio against workers=1 in the same invocation, and the matched
+tokens of every query must be the same for every worker count (checked, reported as mismatches).
+The machine's cores are shared by the publisher, the HTTP client, the parent and the workers:
+the result says how many. Results: benchmarks/results/shards-<timestamp>.json and a table.
+No assertion on timings; ``--smoke`` is a tiny run (seconds) that must complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import e2e  # noqa: E402
+
+DESIGN_LOAD = 5000  # block-ops/s per replica
+POLL_SECONDS = 0.05  # the workers stamp each batch; polling only decides when to stop
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", default="64,256", help="comma-separated replica counts (default 64,256)")
+    p.add_argument("--workers", default="1,2", help="comma-separated worker counts; 1 first (default 1,2)")
+    p.add_argument("--blocks", type=int, default=1_200_000, help="block-ops per workload (default 1.2M)")
+    p.add_argument("--queries", type=int, default=16, help="distinct 8k-token queries (default 16)")
+    p.add_argument("--http-repeat", type=int, default=400, help="timed HTTP requests per endpoint")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ingest to finish")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/shards-<timestamp>.json)")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.replicas, a.blocks, a.queries, a.http_repeat, a.timeout = "2,8", 20_000, 4, 20, 60.0
+    a.replica_counts = [int(x) for x in a.replicas.split(",") if x.strip()]
+    a.worker_counts = [int(x) for x in a.workers.split(",") if x.strip()]
+    return a
+
+
+async def applied(daemon) -> dict:
+    """Batches applied, gaps and the wall clock of the last batch, over every lane or worker."""
+    if daemon.shards is None:
+        sts = e2e._streams(daemon)
+        return {"batches": sum(st.batches for st in sts), "gaps": sum(st.gaps for st in sts),
+                "last_applied": max((st.last_applied or 0.0 for st in sts), default=0.0)}
+    parts = await daemon.shards.gather_live("stats")
+    if any(isinstance(p, BaseException) for p in parts):
+        raise RuntimeError(f"a worker did not answer: {parts}")
+    return {"batches": sum(p["batches"] for p in parts), "gaps": sum(p["gaps"] for p in parts),
+            "last_applied": max(p["last_applied"] for p in parts)}
+
+
+async def wait_applied(daemon, total: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while (done := await applied(daemon))["batches"] < total and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_SECONDS)
+    return done
+
+
+async def one_run(wl: common.Workload, workers: int, qfile: Path | None, repeat: int, timeout: float) -> dict:
+    """Publisher process -> Daemon with ``workers``; then the HTTP client if ``qfile``."""
+    from kvindex.daemon import Daemon
+
+    pub = e2e.Publisher(wl.path)
+    daemon = Daemon(replace(e2e.daemon_config(pub.endpoints), workers=workers))
+    await daemon.start()
+    try:
+        await e2e.wait_connected(daemon, len(pub.endpoints))
+        t_go = time.time()
+        pub.go()
+        done = await wait_applied(daemon, len(wl.messages), timeout)
+        seconds = done["last_applied"] - t_go
+        out = {"workers": workers, "messages": done["batches"], "expected_messages": len(wl.messages),
+               "gaps": done["gaps"], "seconds": seconds, "blocks_per_s": wl.block_ops / seconds,
+               "replicas_at_design_load": wl.block_ops / seconds / DESIGN_LOAD,
+               "publisher": await asyncio.to_thread(pub.sent)}
+        if qfile is not None:
+            out["http"] = await e2e.http_client_async(f"http://127.0.0.1:{daemon.port}", "kvindex", qfile, repeat)
+        return out
+    finally:
+        await daemon.stop()
+        pub.close()
+
+
+def run_replicas(args: argparse.Namespace, n: int, with_http: bool) -> dict:
+    wl = common.workload(n, args.blocks)
+    qfile = None
+    if with_http:
+        qfile = common.RESULTS / f"queries_shards_r{n}.json"
+        qfile.write_text(json.dumps(common.pick_queries(wl, args.queries)))
+    runs = {}
+    for w in args.worker_counts:
+        print(f"... {n} replicas, {w} worker(s)", file=sys.stderr, flush=True)
+        runs[str(w)] = asyncio.run(one_run(wl, w, qfile, args.http_repeat, args.timeout))
+    base = runs[str(args.worker_counts[0])]
+    for run in runs.values():
+        run["ratio_vs_first"] = run["blocks_per_s"] / base["blocks_per_s"]
+        if "http" in run:
+            run["matched_mismatches_vs_first"] = sum(
+                a != b for ep in base["http"]["matched"] for a, b in zip(run["http"]["matched"][ep],
+                                                                       base["http"]["matched"][ep]))
+    return {"block_ops": wl.block_ops, "messages": len(wl.messages), "runs": runs}
+
+
+def render(doc: dict) -> str:
+    lines = [f"machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores shared by the publisher, the "
+             "kvindex parent and its workers (and the HTTP client)", "",
+             "| replicas | workers | ingest blocks/s | vs first | replicas carried at 5k/s | messages | gaps |",
+             "|---|---|---|---|---|---|---|"]
+    for n, r in doc["replicas"].items():
+        for w, run in r["runs"].items():
+            lines.append(f"| {n} | {w} | {run['blocks_per_s'] / 1e3:,.0f}k | {run['ratio_vs_first']:.2f}x | "
+                         f"{run['replicas_at_design_load']:.0f} | {run['messages']}/{run['expected_messages']} | "
+                         f"{run['gaps']} |")
+    first = next(iter(doc["replicas"].values()))
+    http_runs = {w: run for w, run in first["runs"].items() if "http" in run}
+    if http_runs:
+        n = next(iter(doc["replicas"]))
+        lines += ["", f"HTTP at {n} pods, p50 / p99 µs (ratio vs first worker count):", "",
+                  "| endpoint | " + " | ".join(f"workers={w}" for w in http_runs) + " |",
+                  "|---|" + "---|" * len(http_runs)]
+        base = next(iter(http_runs.values()))["http"]["latency"]
+        for ep in base:
+            cells = []
+            for run in http_runs.values():
+                lat = run["http"]["latency"][ep]
+                cells.append(f"{lat['p50_us']:.0f} / {lat['p99_us']:.0f} "
+                             f"({lat['p50_us'] / base[ep]['p50_us']:.2f}x / {lat['p99_us'] / base[ep]['p99_us']:.2f}x)")
+            lines.append(f"| {ep} | " + " | ".join(cells) + " |")
+        lines.append("matched-token mismatches vs the first worker count: "
+                     + ", ".join(f"workers={w}: {run['matched_mismatches_vs_first']}" for w, run in http_runs.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    t0 = time.time()
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    doc: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": common.machine(),
+                 "cpu_count": os.cpu_count(), "design_load_per_replica": DESIGN_LOAD,
+                 "args": {k: v for k, v in vars(args).items() if k != "out"}, "replicas": {}}
+    for i, n in enumerate(args.replica_counts):
+        doc["replicas"][str(n)] = run_replicas(args, n, with_http=i == 0)
+    doc["seconds"] = time.time() - t0
+    out = args.out or common.RESULTS / ("shards-" + time.strftime("%Y%m%dT%H%M%S") + ".json")
+    out.write_text(json.dumps(doc, indent=1, default=str))
+    print(render(doc))
+    print(f"\nresults: {out}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
