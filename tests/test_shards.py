@@ -167,13 +167,38 @@ async def test_sharded_answers_equal_single_process_and_engine(cluster: Any) -> 
     assert not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived kvindex"
 
 
-async def test_a_killed_worker_is_reported_and_never_answers_wrong(cluster: Any) -> None:
+async def register_and_compare(served: Served, make_engine: Any, tmp_path: Path, captured: list[Any]) -> None:
+    """An engine registered at runtime (POST /register) is ingested by its worker like the others."""
+    engine = await make_engine(ipc_endpoint(tmp_path, "late"), replay_endpoint=ipc_endpoint(tmp_path, "late-rep"))
+    status, body = await served.request("POST", "/register", {
+        "instance_id": 77, "endpoint": engine.endpoint, "replay_endpoint": engine.replay_address,
+        "model_name": "tiny", "block_size": 32})
+    assert status == 201, body
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (await served.request("GET", "/workers"))[1][0]["status"] != "active":
+        assert loop.time() < deadline, await served.request("GET", "/workers")
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # the subscription reaches the publisher
+    for c in captured:
+        await engine.publish(c.frames)
+    while (await pod_seqs(served)).get("77") != int.from_bytes(captured[-1].frames[1], "big"):
+        assert loop.time() < deadline + 10, await pod_seqs(served)
+        await asyncio.sleep(0.01)
+    prompt = requests_in_order("small")[-1]["prompt_token_ids"]
+    status, q = await served.request("POST", "/query", {"token_ids": prompt, "model_name": "tiny"})
+    assert status == 200 and q["instances"]["77"] == q["instances"]["e0"] and q["instances"]["77"]["gpu"] > 0, q
+
+
+async def test_a_killed_worker_is_reported_and_never_answers_wrong(cluster: Any, make_engine: Any,
+                                                                  tmp_path: Path) -> None:
     engines, pods, single, served = cluster
     captured = load_capture(FIXTURES / "small" / "events.jsonl")
     for c in captured:
         for e in engines:
             await e.publish(c.frames)
     await wait_seq_everywhere(single, served, pods, int.from_bytes(captured[-1].frames[1], "big"))
+    await register_and_compare(served, make_engine, tmp_path, captured)
     workers = served.workers()
     os.kill(workers[1], signal.SIGKILL)
     loop = asyncio.get_running_loop()
