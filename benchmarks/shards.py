@@ -5,7 +5,8 @@ process (``e2e.py publish``: one PUB socket per replica on tcp://127.0.0.1) send
 workload as fast as it can, and a real ``kvindex.daemon.Daemon`` (``workers=1``: everything in
 this process; ``workers=N``: this process is the parent, N worker processes ingest) applies it.
 
-  ingest capacity   block-ops / (wall clock from the publisher's "go" to the last batch applied)
+  ingest capacity   block-ops / (wall clock from the publisher's "go" to the last batch applied),
+                    the median of ``--rounds`` runs (interleaved across worker counts)
   replicas carried  capacity / 5000 (the design load: 5k block-ops/s per replica)
   /query latency    8k-token /query, /query_by_hash, /v1/score over HTTP at the first replica
                     count (64 pods), from the e2e.py HTTP client process, p50/p99
@@ -44,12 +45,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=1_200_000, help="block-ops per workload (default 1.2M)")
     p.add_argument("--queries", type=int, default=16, help="distinct 8k-token queries (default 16)")
     p.add_argument("--http-repeat", type=int, default=400, help="timed HTTP requests per endpoint")
+    p.add_argument("--rounds", type=int, default=3, help="ingest runs per (replicas, workers); the median "
+                   "is reported (default 3)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ingest to finish")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/shards-<timestamp>.json)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.replicas, a.blocks, a.queries, a.http_repeat, a.timeout = "2,8", 20_000, 4, 20, 60.0
+        a.replicas, a.blocks, a.queries, a.http_repeat, a.timeout, a.rounds = "2,8", 20_000, 4, 20, 60.0, 1
     a.replica_counts = [int(x) for x in a.replicas.split(",") if x.strip()]
     a.worker_counts = [int(x) for x in a.workers.split(",") if x.strip()]
     return a
@@ -68,6 +71,20 @@ async def applied(daemon) -> dict:
             "last_applied": max(p["last_applied"] for p in parts)}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def processes(daemon, pub: e2e.Publisher) -> dict[str, int]:
+    """The processes of one run: the publisher, this one (the daemon or its parent), the workers."""
+    procs = {"publisher": pub.proc.pid, "daemon": os.getpid()}
+    if daemon.shards is not None:
+        procs.update({f"worker{i}": p.pid for i, p in enumerate(daemon.shards.procs)})
+    return procs
+
+
 async def wait_applied(daemon, total: int, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while (done := await applied(daemon))["batches"] < total and time.monotonic() < deadline:
@@ -84,13 +101,17 @@ async def one_run(wl: common.Workload, workers: int, qfile: Path | None, repeat:
     await daemon.start()
     try:
         await e2e.wait_connected(daemon, len(pub.endpoints))
+        procs = processes(daemon, pub)
+        cpu0 = {name: cpu_seconds(pid) for name, pid in procs.items()}
         t_go = time.time()
         pub.go()
         done = await wait_applied(daemon, len(wl.messages), timeout)
         seconds = done["last_applied"] - t_go
+        cpu = {name: round(cpu_seconds(pid) - cpu0[name], 3) for name, pid in procs.items()}
         out = {"workers": workers, "messages": done["batches"], "expected_messages": len(wl.messages),
                "gaps": done["gaps"], "seconds": seconds, "blocks_per_s": wl.block_ops / seconds,
                "replicas_at_design_load": wl.block_ops / seconds / DESIGN_LOAD,
+               "cpu_seconds": cpu,  # per process, from "go" until every batch was applied (+ one poll)
                "publisher": await asyncio.to_thread(pub.sent)}
         if qfile is not None:
             out["http"] = await e2e.http_client_async(f"http://127.0.0.1:{daemon.port}", "kvindex", qfile, repeat)
@@ -106,10 +127,13 @@ def run_replicas(args: argparse.Namespace, n: int, with_http: bool) -> dict:
     if with_http:
         qfile = common.RESULTS / f"queries_shards_r{n}.json"
         qfile.write_text(json.dumps(common.pick_queries(wl, args.queries)))
-    runs = {}
-    for w in args.worker_counts:
-        print(f"... {n} replicas, {w} worker(s)", file=sys.stderr, flush=True)
-        runs[str(w)] = asyncio.run(one_run(wl, w, qfile, args.http_repeat, args.timeout))
+    rounds: dict[str, list[dict]] = {str(w): [] for w in args.worker_counts}
+    for r in range(args.rounds):  # interleaved, so a noisy neighbour's burst hits every worker count
+        for w in args.worker_counts:
+            print(f"... {n} replicas, {w} worker(s), round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+            http = qfile if r == 0 else None
+            rounds[str(w)].append(asyncio.run(one_run(wl, w, http, args.http_repeat, args.timeout)))
+    runs = {w: median_run(rs) for w, rs in rounds.items()}
     base = runs[str(args.worker_counts[0])]
     for run in runs.values():
         run["ratio_vs_first"] = run["blocks_per_s"] / base["blocks_per_s"]
@@ -120,16 +144,31 @@ def run_replicas(args: argparse.Namespace, n: int, with_http: bool) -> dict:
     return {"block_ops": wl.block_ops, "messages": len(wl.messages), "runs": runs}
 
 
+def median_run(rounds: list[dict]) -> dict:
+    """The round with the median ingest rate, with every round's rate and the first round's HTTP."""
+    ranked = sorted(rounds, key=lambda run: run["blocks_per_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    out["rounds_blocks_per_s"] = [run["blocks_per_s"] for run in rounds]
+    out["messages"] = min(run["messages"] for run in rounds)  # every round must be complete
+    out["gaps"] = sum(run["gaps"] for run in rounds)
+    if "http" in rounds[0]:
+        out["http"] = rounds[0]["http"]
+    return out
+
+
 def render(doc: dict) -> str:
-    lines = [f"machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores shared by the publisher, the "
-             "kvindex parent and its workers (and the HTTP client)", "",
-             "| replicas | workers | ingest blocks/s | vs first | replicas carried at 5k/s | messages | gaps |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [(f"machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores shared by the publisher, the "
+              "kvindex parent and its workers (and the HTTP client)"), "",
+             "| replicas | workers | ingest blocks/s, median (every round, k) | vs first | replicas carried at 5k/s | messages | gaps | "
+             "wall s | CPU s per process (median round) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for n, r in doc["replicas"].items():
         for w, run in r["runs"].items():
-            lines.append(f"| {n} | {w} | {run['blocks_per_s'] / 1e3:,.0f}k | {run['ratio_vs_first']:.2f}x | "
+            every = "/".join(f"{x / 1e3:.0f}" for x in run["rounds_blocks_per_s"])
+            lines.append(f"| {n} | {w} | {run['blocks_per_s'] / 1e3:,.0f}k ({every}) | {run['ratio_vs_first']:.2f}x | "
                          f"{run['replicas_at_design_load']:.0f} | {run['messages']}/{run['expected_messages']} | "
-                         f"{run['gaps']} |")
+                         f"{run['gaps']} | {run['seconds']:.2f} | "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in run["cpu_seconds"].items()) + " |")
     first = next(iter(doc["replicas"].values()))
     http_runs = {w: run for w, run in first["runs"].items() if "http" in run}
     if http_runs:

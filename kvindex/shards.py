@@ -127,7 +127,7 @@ class Shards:
         for proc in self.procs:
             try:
                 await asyncio.wait_for(proc.wait(), STOP_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.error("worker pid %d did not stop within %g s: killing it", proc.pid, STOP_SECONDS)
                 proc.kill()
                 await proc.wait()

@@ -152,11 +152,12 @@ async def test_sharded_answers_equal_single_process_and_engine(cluster: Any) -> 
         checked += 1
     assert checked == 20
     status, body = await served.request("GET", "/v1/pods")
+    assert status == 200, body
     views = {v["pod"]: v for v in body["pods"]}
     assert sorted(views) == pods and all(v["synced"] and v["connected"] for v in views.values())
     _, single_body = await single.get("/v1/pods")
     assert {v["pod"]: v["blocks"] for v in single_body["pods"]} == {p: v["blocks"] for p, v in views.items()}
-    status, metrics = await served.request("GET", "/metrics")
+    _, metrics = await served.request("GET", "/metrics")
     for p in pods:  # both workers' ingest counters, merged into the parent's families
         assert f'kvindex_events_applied_total{{pod="{p}",type="BlockStored"}}' in metrics
     assert metrics.count("# TYPE kvindex_events_applied_total counter") == 1
@@ -227,3 +228,25 @@ def test_workers_refuse_a_shared_store_and_state(tmp_path: Path) -> None:
             Config(workers=2, **kw)
     with pytest.raises(ConfigError, match="workers must be"):
         Config(workers=0)
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/shards.py --smoke runs end to end: every batch ingested with 1 and 2 workers, and
+    the same matched tokens from both (no timing is checked)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "shards.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "shards.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    for r in doc["replicas"].values():
+        assert set(r["runs"]) == {"1", "2"}
+        for run in r["runs"].values():
+            assert run["messages"] == run["expected_messages"] and run["gaps"] == 0
+    http = next(iter(doc["replicas"].values()))["runs"]
+    assert http["2"]["matched_mismatches_vs_first"] == 0
+    assert "replicas carried at 5k/s" in proc.stdout
