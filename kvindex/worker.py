@@ -14,8 +14,8 @@ Invariants:
   packed little-endian u64; reply ``[request id, msgpack {"ok": value} | {"error": "one line"}]``.
   Requests are answered in arrival order, except ``resync`` (it awaits the engine's replay),
   which runs in its own task.
-- The worker exits when the parent asks (SIGTERM), and on its own when the parent is gone (its
-  parent pid changed): it never outlives the daemon that started it.
+- The worker exits when the parent asks (SIGTERM; SIGINT is left to the parent), and on its own
+  when the parent is gone (its parent pid changed): it never outlives the daemon that started it.
 """
 
 from __future__ import annotations
@@ -214,8 +214,9 @@ async def _parent_watch(stop: asyncio.Event) -> None:
 async def run(channel: str, settings: WorkerSettings) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # Ctrl-C reaches the whole process group: the parent handles it and stops its workers in order
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
     await Worker(channel, settings).serve(stop)
 
 
