@@ -8,6 +8,8 @@ this process; ``workers=N``: this process is the parent, N worker processes inge
   ingest capacity   block-ops / (wall clock from the publisher's "go" to the last batch applied),
                     the median of ``--rounds`` runs (interleaved across worker counts)
   replicas carried  capacity / 5000 (the design load: 5k block-ops/s per replica)
+  cores used        CPU seconds of kvindex's processes (parent + workers) / wall seconds: how much
+                    of the shared machine the run got; blocks per kvindex CPU-second: the cost
   /query latency    8k-token /query, /query_by_hash, /v1/score over HTTP at the first replica
                     count (64 pods), from the e2e.py HTTP client process, p50/p99
 
@@ -113,6 +115,8 @@ async def one_run(wl: common.Workload, workers: int, qfile: Path | None, repeat:
                "gaps": done["gaps"], "seconds": seconds, "blocks_per_s": wl.block_ops / seconds,
                "replicas_at_design_load": wl.block_ops / seconds / DESIGN_LOAD,
                "cpu_seconds": cpu,  # per process, from "go" until every batch was applied (+ one poll)
+               "kvindex_cores_used": sum(v for k, v in cpu.items() if k != "publisher") / seconds,
+               "blocks_per_kvindex_cpu_s": wl.block_ops / max(1e-9, sum(v for k, v in cpu.items() if k != "publisher")),
                "publisher": await asyncio.to_thread(pub.sent)}
         if qfile is not None:
             out["http"] = await e2e.http_client_async(f"http://127.0.0.1:{daemon.port}", "kvindex", qfile, repeat)
@@ -161,14 +165,15 @@ def render(doc: dict) -> str:
     lines = [(f"machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores shared by the publisher, the "
               "kvindex parent and its workers (and the HTTP client)"), "",
              "| replicas | workers | ingest blocks/s, median (every round, k) | vs first | replicas carried at 5k/s | messages | gaps | "
-             "wall s | CPU s per process (median round) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "wall s | kvindex cores used | blocks per kvindex CPU-s | CPU s per process (median round) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in doc["replicas"].items():
         for w, run in r["runs"].items():
             every = "/".join(f"{x / 1e3:.0f}" for x in run["rounds_blocks_per_s"])
             lines.append(f"| {n} | {w} | {run['blocks_per_s'] / 1e3:,.0f}k ({every}) | {run['ratio_vs_first']:.2f}x | "
                          f"{run['replicas_at_design_load']:.0f} | {run['messages']}/{run['expected_messages']} | "
-                         f"{run['gaps']} | {run['seconds']:.2f} | "
+                         f"{run['gaps']} | {run['seconds']:.2f} | {run['kvindex_cores_used']:.2f} | "
+                         f"{run['blocks_per_kvindex_cpu_s'] / 1e3:.0f}k | "
                          + ", ".join(f"{k} {v:.2f}" for k, v in run["cpu_seconds"].items()) + " |")
     first = next(iter(doc["replicas"].values()))
     http_runs = {w: run for w, run in first["runs"].items() if "http" in run}
