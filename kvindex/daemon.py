@@ -196,7 +196,7 @@ class Daemon:
         if not is_memory(self.config.store) and now - self._gauges_at < SHARED_GAUGES_SECONDS:
             return
         if self.shards is not None and isinstance(self.registry, MergedRegistry):
-            texts = await self.shards.gather_live("metrics")
+            texts = await self.shards.ask_all("metrics")
             self.registry.remote = [t.decode() for t in texts if isinstance(t, bytes)]
         try:
             self._gauges = (await self.pods.views(), await self.approx_store.entries())

@@ -112,7 +112,7 @@ class Shards:
             if isinstance(part, dict):
                 self.lane_status.update(part)
 
-    async def gather_live(self, op: str, *args: Any) -> list[Any]:
+    async def ask_all(self, op: str, *args: Any) -> list[Any]:
         """``op`` on every worker; a worker that cannot answer gives its ``StoreUnavailable``."""
         return list(await asyncio.gather(*(ch.request(op, *args) for ch in self.channels), return_exceptions=True))
 
@@ -244,11 +244,11 @@ class ShardedPods:
 
     async def readiness_problems(self) -> list[str]:
         problems = self._shards.problems()
-        for ch, part in zip(self._shards.channels, await self._shards.gather_live("problems")):
+        for ch, part in zip(self._shards.channels, await self._shards.ask_all("problems")):
             if isinstance(part, list):
                 problems.extend(part)
-            elif ch.dead is None:
-                problems.append(f"worker {ch.index}: {part}")
+            elif ch.dead is None:  # it lives but did not answer (its message names it)
+                problems.append(str(part))
         return problems
 
     async def remove(self, pod: str) -> bool:

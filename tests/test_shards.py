@@ -221,6 +221,27 @@ async def test_a_killed_worker_is_reported_and_never_answers_wrong(cluster: Any,
     assert any("exited with code -9" in line for line in served.log)
 
 
+async def test_workers_never_outlive_a_killed_parent() -> None:
+    async with aiohttp.ClientSession() as session:
+        served = await serve_sharded([], session)
+        workers = served.workers()
+        assert len(workers) == 2
+        served.proc.kill()
+        await served.proc.wait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while any(Path(f"/proc/{w}").exists() and "Z" not in _state(w) for w in workers):
+            assert loop.time() < deadline, "a worker outlived its killed parent"
+            await asyncio.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 def test_workers_refuse_a_shared_store_and_state(tmp_path: Path) -> None:
     Config(workers=2)
     for kw in ({"store": "redis://127.0.0.1:6379/0"}, {"state_dir": tmp_path}, {"peer": "http://127.0.0.1:1"}):

@@ -82,7 +82,9 @@ class ShardChannel:
         timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
         frames = [rid, msgpack.packb([op, list(args)])] + ([extra] if extra is not None else [])
         try:
-            self._sock.send_multipart(frames, copy=False)  # DEALER: queued at once (no await needed)
+            # not awaited: a send that cannot complete (a dead peer's queue full) must not outlast the deadline
+            sent = self._sock.send_multipart(frames, copy=False)
+            sent.add_done_callback(lambda done: _send_done(done, fut, self.index))
             return await fut
         finally:
             timer.cancel()
@@ -102,6 +104,12 @@ class ShardChannel:
             await asyncio.gather(self._reader, return_exceptions=True)
             self._reader = None
         self._sock.close(linger=0)
+
+
+def _send_done(sent: asyncio.Future[Any], fut: asyncio.Future[Any], index: int) -> None:
+    if sent.cancelled() or sent.exception() is None or fut.done():
+        return
+    fut.set_exception(StoreUnavailable(f"worker {index}: sending failed: {sent.exception()}"))
 
 
 def _expire(fut: asyncio.Future[Any], reason: str) -> None:
