@@ -164,8 +164,8 @@ def median_run(rounds: list[dict]) -> dict:
 def render(doc: dict) -> str:
     lines = [(f"machine: {doc['machine']['cpu']}, {doc['machine']['cores']} cores shared by the publisher, the "
               "kvindex parent and its workers (and the HTTP client)"), "",
-             "| replicas | workers | ingest blocks/s, median (every round, k) | vs first | replicas carried at 5k/s | messages | gaps | "
-             "wall s | kvindex cores used | blocks per kvindex CPU-s | CPU s per process (median round) |",
+             ("| replicas | workers | ingest blocks/s, median (every round, k) | vs first | replicas carried at 5k/s | "
+              "messages | gaps | wall s | kvindex cores used | blocks per kvindex CPU-s | CPU s per process (median round) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, r in doc["replicas"].items():
         for w, run in r["runs"].items():
