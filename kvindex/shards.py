@@ -10,7 +10,8 @@ Invariants:
 - An engine belongs to worker ``owner_of(lane_key, N)`` (CRC-32 of its lane key): configured
   engines and ones registered at runtime (``POST /register``) alike; the same key always lands
   on the same worker.
-- The workers are children of the parent: started by ``Shards.start`` (which waits until each
+- The workers are children of the parent and run the same kvindex code (its package directory
+  leads their ``PYTHONPATH``): started by ``Shards.start`` (which waits until each
   answers), terminated and awaited by ``Shards.stop`` (killed after ``STOP_SECONDS``), and they
   exit on their own when the parent is gone.
 - A worker that dies is not restarted (a fresh worker would hold nothing until its engines
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq.asyncio
@@ -40,6 +43,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvindex
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit
 from kvindex.stores.base import ApproxStore, StoreUnavailable
@@ -51,6 +55,13 @@ START_SECONDS = 20.0  # a worker must answer its first ping within this (imports
 STOP_SECONDS = 5.0  # SIGTERM, then SIGKILL after this
 WATCH_SECONDS = 0.5
 RESYNC_SECONDS = 30.0  # a resync awaits the engine's replay
+
+
+def _same_code_env() -> dict[str, str]:
+    """The environment of a worker: this one, with this process's kvindex first on the path."""
+    root = str(Path(kvindex.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 class ShardFailed(RuntimeError):
@@ -77,7 +88,7 @@ class Shards:
         for ch in self.channels:
             self.procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvindex.worker", "--channel", ch.endpoint, "--index", str(ch.index),
-                "--settings", self.settings.to_json(), "--log-level", self._log_level))
+                "--settings", self.settings.to_json(), "--log-level", self._log_level, env=_same_code_env()))
             ch.start()
         pids = await asyncio.gather(*(ch.request("ping", timeout=START_SECONDS) for ch in self.channels))
         log.info("%d ingest workers running (pids %s)", self.count, ", ".join(map(str, pids)))
