@@ -90,9 +90,21 @@ class Shards:
                 sys.executable, "-m", "kvindex.worker", "--channel", ch.endpoint, "--index", str(ch.index),
                 "--settings", self.settings.to_json(), "--log-level", self._log_level, env=_same_code_env()))
             ch.start()
-        pids = await asyncio.gather(*(ch.request("ping", timeout=START_SECONDS) for ch in self.channels))
+        pids = await asyncio.gather(*(self._first_answer(ch, proc) for ch, proc in zip(self.channels, self.procs)))
         log.info("%d ingest workers running (pids %s)", self.count, ", ".join(map(str, pids)))
         self._watch = asyncio.create_task(self._watch_loop(), name="worker watch")
+
+    @staticmethod
+    async def _first_answer(ch: ShardChannel, proc: asyncio.subprocess.Process) -> int:
+        """The worker's pid once it answers; ``StoreUnavailable`` if it exits or stays silent first."""
+        ping = asyncio.ensure_future(ch.request("ping", timeout=START_SECONDS))
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait({ping, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not ping.done():
+            ping.cancel()
+            raise StoreUnavailable(f"worker {ch.index} exited with code {proc.returncode} before it answered")
+        return ping.result()
 
     def owner(self, lane_key: str) -> ShardChannel:
         return self.channels[owner_of(lane_key, self.count)]
