@@ -15,7 +15,8 @@ Invariants:
   Requests are answered in arrival order, except ``resync`` (it awaits the engine's replay),
   which runs in its own task.
 - The worker exits when the parent asks (SIGTERM; SIGINT is left to the parent), and on its own
-  when the parent is gone (its parent pid changed): it never outlives the daemon that started it.
+  when the parent is gone (its parent pid changed): it never outlives the daemon that started it,
+  and then removes its ipc socket (and the channel directory, the last one out).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import zlib
 from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -186,6 +188,8 @@ class Worker:
                 task.cancel()
             sock.close(linger=0)
             self.ctx.term()
+            if watchdog.done() and not watchdog.cancelled():  # the parent is gone: nobody else cleans up
+                _remove_channel(self.channel)
 
     async def _receive(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -201,6 +205,16 @@ class Worker:
                 task.add_done_callback(self._tasks.discard)
             else:
                 await self._answer(sock, frames, op, args)
+
+
+def _remove_channel(channel: str) -> None:
+    """The ipc socket file, and its directory once the last worker left it."""
+    path = Path(channel.removeprefix("ipc://"))
+    path.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass  # another worker's socket is still there: the last one to leave removes it
 
 
 async def _parent_watch(stop: asyncio.Event) -> None:

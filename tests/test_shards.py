@@ -226,6 +226,9 @@ async def test_workers_never_outlive_a_killed_parent() -> None:
         served = await serve_sharded([], session)
         workers = served.workers()
         assert len(workers) == 2
+        channel = Path(f"/proc/{workers[0]}/cmdline").read_bytes().split(b"\0")
+        channel_dir = Path(channel[channel.index(b"--channel") + 1].decode().removeprefix("ipc://")).parent
+        assert channel_dir.is_dir()
         served.proc.kill()
         await served.proc.wait()
         loop = asyncio.get_running_loop()
@@ -233,6 +236,7 @@ async def test_workers_never_outlive_a_killed_parent() -> None:
         while any(Path(f"/proc/{w}").exists() and "Z" not in _state(w) for w in workers):
             assert loop.time() < deadline, "a worker outlived its killed parent"
             await asyncio.sleep(0.1)
+        assert not channel_dir.exists(), "the workers left their ipc sockets behind"
 
 
 def _state(pid: int) -> str:
