@@ -33,6 +33,13 @@ replica answers queries). With Redis, --state-dir and --peer are refused (the st
 if Redis cannot be reached at start kvindex exits with code 2; later, queries answer 503 until it
 answers again."""
 
+WORKERS_HELP = """ingest worker processes (also [server] workers = N; default 1: everything in this
+process). With N >= 2 each worker owns a share of the engines (by a hash of the engine) and decodes and
+applies their events on a core of its own; this process keeps HTTP, the approximate index and drift,
+and fans each query out to every worker. A worker that dies makes /readyz and queries answer 503 with
+the reason, and kvindex exits (code 1) 5 s later for its supervisor to restart it. Memory store only:
+refused with --store redis://, --state-dir and --peer (each worker's index lives in its own memory)."""
+
 EPILOG = """examples:
   kvindex demo                                   # everything simulated, dashboard on :8080
   kvindex serve --engine tcp://127.0.0.1:5557    # one vLLM engine (--kv-events-config endpoint)
@@ -79,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "the store cannot be reached (retried with backoff); past N they are dropped, the engine's "
                    "streams are unsynced and replayed from the engine when the store answers (default 10000)")
 
+    s.add_argument("--workers", type=int, metavar="N", help=WORKERS_HELP)
+
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
                        "(one JSON line per message: {\"t\": seconds, \"frames\": [base64, ...]}).")
@@ -106,7 +115,7 @@ def load_config(args: argparse.Namespace) -> Config:
     base = config_from_toml(load_toml(args.config)) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
-                          store=args.store, store_buffer=args.store_buffer)
+                          store=args.store, store_buffer=args.store_buffer, workers=args.workers)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -123,6 +132,7 @@ def read_token(path: Path | None) -> str | None:
 
 async def serve(config: Config, token: str | None) -> int:
     from kvindex.daemon import Daemon
+    from kvindex.shards import ShardFailed
     from kvindex.stores import describe
 
     daemon = Daemon(config, token=token)
@@ -130,6 +140,9 @@ async def serve(config: Config, token: str | None) -> int:
         return await run_until_signal(daemon.run_forever)
     except StoreUnavailable as exc:  # at start: nothing was served
         raise ConfigError(f"store {describe(config.store)} cannot be reached: {exc}") from None
+    except ShardFailed as exc:
+        print(f"kvindex: {exc}", file=sys.stderr)
+        return 1
 
 
 async def run_until_signal(body: Callable[[asyncio.Event], Awaitable[None]]) -> int:

@@ -21,6 +21,7 @@ from kvindex.drift import DriftSettings
 from kvindex.stores import MEMORY, check_store_url, describe, is_memory
 from kvindex.wal import FSYNC_POLICIES
 
+MAX_WORKERS = 64
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
 TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
 
@@ -94,6 +95,7 @@ class Config:
     peer: str | None = None  # base URL of a running kvindex whose state is loaded before serving
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
+    workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shards)
 
     def __post_init__(self) -> None:
         try:
@@ -105,6 +107,7 @@ class Config:
                 if value is not None:
                     raise ConfigError(f"{what} cannot be used with --store {describe(self.store)}: the state lives "
                                       "in Redis, shared by every replica")
+        self._check_workers()
         if type(self.store_buffer) is not int or self.store_buffer < 1:
             raise ConfigError("store_buffer must be a positive integer (batches per engine lane)")
         if self.fsync not in FSYNC_POLICIES:
@@ -115,6 +118,16 @@ class Config:
             raise ConfigError("snapshot_seconds must be > 0")
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex")
+
+    def _check_workers(self) -> None:
+        if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"workers must be an integer from 1 to {MAX_WORKERS}")
+        if self.workers > 1:
+            for what, value in (("--store", None if is_memory(self.store) else self.store),
+                                ("--state-dir", self.state_dir), ("--peer", self.peer)):
+                if value is not None:
+                    raise ConfigError(f"--workers {self.workers} cannot be used with {what} yet: sharded ingest keeps "
+                                      "each worker's index in its own memory (no shared store, snapshot or peer state)")
 
     def model(self, name: str) -> ModelConfig:
         return self.models.get(name) or self.models.get("*") or ModelConfig()
@@ -196,6 +209,7 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
             max_message_bytes=int(server.get("max_message_bytes", 64 << 20)),
             store=str(server.get("store", MEMORY)),
             store_buffer=int(server.get("store_buffer", 10_000)),
+            workers=int(server.get("workers", 1)),
             engines=engines,
             models=models,
             approx=approx,
@@ -213,7 +227,8 @@ def config_from_toml(doc: dict[str, Any]) -> Config:
 
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
-                   peer: str | None = None, store: str | None = None, store_buffer: int | None = None) -> Config:
+                   peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
+                   workers: int | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -226,6 +241,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         peer=peer if peer is not None else cfg.peer,
         store=store if store is not None else cfg.store,
         store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
+        workers=workers if workers is not None else cfg.workers,
     )
 
 

@@ -23,6 +23,12 @@ Invariants:
   resynchronise); the memory store is used as it is. ``index`` / ``approx`` are the memory
   store's ``PreciseIndex`` / ``ApproxIndex`` (None with Redis); snapshots, the write-ahead log
   and peers (``Recovery``) exist only with the memory store.
+- With ``workers`` >= 2 (``kvindex.shards``) the engines' lanes run in worker processes this
+  daemon starts (``start()``, after the stores) and stops (``stop()``, after the HTTP site); the
+  precise store is the ``ShardedPreciseStore`` over their channels, ``index`` is None, and the
+  fleet and pod directory are the workers' (``ShardedFleet``, ``ShardedPods``). A worker that
+  dies makes ``run_forever`` stop the daemon after ``WORKER_EXIT_GRACE`` seconds (readyz says
+  why meanwhile) and raise ``ShardFailed``.
 """
 
 from __future__ import annotations
@@ -58,15 +64,20 @@ from kvindex.stores import build_stores, describe, is_memory
 from kvindex.stores.base import StoreUnavailable
 from kvindex.tokenize import CachingTokenizer, Tokenizer
 from kvindex.recovery import Recovery
+from kvindex.shards import MergedRegistry, ShardedFleet, ShardedPods, ShardFailed, Shards
+from kvindex.stores.sharded import ShardedPreciseStore
+from kvindex.worker import WorkerSettings
 
 log = logging.getLogger("kvindex.daemon")
 SHARED_GAUGES_SECONDS = 10.0  # the pod gauges of a shared store are read at most this often
+WORKER_EXIT_GRACE = 5.0  # seconds between a worker's death and the daemon's exit (readyz says why)
 
 
 class Daemon:
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None, token: str | None = None) -> None:
         self.config = config
-        self.registry = registry if registry is not None else CollectorRegistry()
+        default_registry = MergedRegistry() if config.workers > 1 else CollectorRegistry()
+        self.registry = registry if registry is not None else default_registry
         self.metrics = Metrics(self.registry)
         memory = self._wire_stores(config)
         self._gauges: tuple[list[dict[str, object]], int] = ([], 0)
@@ -74,12 +85,19 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         # the default of every socket made from this context: the lanes' SUB and replay DEALER
         self.ctx.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.shards = self._wire_shards(config)
+        self.failure: str | None = None  # why a worker died (the daemon then exits)
+        self._fatal = asyncio.Event()
         self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
         self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
-        self.fleet = Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane))
+        self.fleet: Fleet | ShardedFleet = (
+            ShardedFleet(self.shards) if self.shards is not None
+            else Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane)))
         self.drift = DriftAudit(self.store, self.approx_store, config.drift)
-        self.pods = PodDirectory(self.fleet, self.store, self.approx_store, self.drift)
+        self.pods: PodDirectory | ShardedPods = (
+            ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
+            if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
@@ -87,7 +105,7 @@ class Daemon:
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics),
                                  drift=self.drift, token=token,
-                                 state=(lambda: self.recovery.state_bytes()) if memory else None,
+                                 state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
                                  before_metrics=self._refresh_gauges, store_problem=self._store_problem)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, compat_api.routes())
@@ -117,6 +135,23 @@ class Daemon:
         self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
         self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
         return memory
+
+    def _wire_shards(self, config: Config) -> Shards | None:
+        """With ``workers`` >= 2: the worker processes (not started yet) and the store over them."""
+        if config.workers < 2:
+            return None
+        settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm,
+                                  store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes)
+        shards = Shards(config.workers, settings, self.ctx, on_failure=self._worker_failed)
+        self.store = ShardedPreciseStore(shards.channels)
+        self.index = None
+        return shards
+
+    def _worker_failed(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.error("%s; kvindex exits in %g s", reason, WORKER_EXIT_GRACE)
+            asyncio.get_running_loop().call_later(WORKER_EXIT_GRACE, self._fatal.set)
 
     @property
     def restored_from(self) -> str | None:
@@ -158,8 +193,11 @@ class Daemon:
         A shared store is read at most every ``SHARED_GAUGES_SECONDS`` (per-pod holdings are a
         scan of the pod's entries there; every replica's scrape would repeat it)."""
         now = time.monotonic()
-        if self.index is None and now - self._gauges_at < SHARED_GAUGES_SECONDS:
+        if not is_memory(self.config.store) and now - self._gauges_at < SHARED_GAUGES_SECONDS:
             return
+        if self.shards is not None and isinstance(self.registry, MergedRegistry):
+            texts = await self.shards.ask_all("metrics")
+            self.registry.remote = [t.decode() for t in texts if isinstance(t, bytes)]
         try:
             self._gauges = (await self.pods.views(), await self.approx_store.entries())
             self._gauges_at = now
@@ -203,6 +241,8 @@ class Daemon:
     async def start(self) -> None:
         await self.stores.open()  # StoreUnavailable: the store cannot be reached at start
         log.info("store: %s", describe(self.config.store))
+        if self.shards is not None:
+            await self.shards.start()
         for model, mc in self.config.models.items():
             if mc.block_size:
                 await self.store.set_block_size(model, mc.block_size)
@@ -253,6 +293,8 @@ class Daemon:
             except Exception:
                 log.exception("stopping the HTTP server failed")
         self.recovery.close()
+        if self.shards is not None:
+            await self.shards.stop()
         try:
             await self.stores.close()
         except Exception:
@@ -266,6 +308,11 @@ class Daemon:
     async def run_forever(self, stop: asyncio.Event) -> None:
         try:
             await self.start()
-            await stop.wait()
+            waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._fatal.wait())]
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
         finally:
             await self.stop()
+        if self._fatal.is_set():
+            raise ShardFailed(self.failure or "a worker died")

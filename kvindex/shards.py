@@ -1,0 +1,319 @@
+"""Sharded ingest, the parent's side (``kvindex serve --workers N``, N >= 2).
+
+The parent keeps HTTP, the approximate index, drift and decisions; N worker processes
+(``kvindex.worker``) each own a partition of the engines and run their lanes, so decoding and
+applying — the dominant ingest cost — run in parallel. This module starts and watches the
+workers (``Shards``), stands in for the fleet (``ShardedFleet``) and the pod directory
+(``ShardedPods``) over the channels, and merges the workers' metrics (``MergedRegistry``).
+
+Invariants:
+- An engine belongs to worker ``owner_of(lane_key, N)`` (CRC-32 of its lane key): configured
+  engines and ones registered at runtime (``POST /register``) alike; the same key always lands
+  on the same worker.
+- The workers are children of the parent and run the same kvindex code (its package directory
+  leads their ``PYTHONPATH``): started by ``Shards.start`` (which waits until each
+  answers), terminated and awaited by ``Shards.stop`` (killed after ``STOP_SECONDS``), and they
+  exit on their own when the parent is gone.
+- A worker that dies is not restarted (a fresh worker would hold nothing until its engines
+  publish again: wrong answers). It is logged, every request to it fails at once
+  (``StoreUnavailable``: queries answer 503, never a partial answer), ``/readyz`` answers 503
+  with the reason, and ``on_failure`` is called: the daemon then exits (code 1) after a grace
+  period so its supervisor restarts the whole kvindex.
+- Lane and stream status (``/v1/pods``, ``/readyz``) is fetched from the workers per request;
+  ``/workers`` (a synchronous view) reads the lane status the watch loop refreshes every
+  ``WATCH_SECONDS``. Worker metrics are fetched as Prometheus text before each scrape and
+  merged into the parent's families (labelled samples only: the pods are the workers').
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvindex
+from kvindex.config import EngineConfig
+from kvindex.drift import DriftAudit
+from kvindex.stores.base import ApproxStore, StoreUnavailable
+from kvindex.stores.sharded import ShardChannel, ShardedPreciseStore
+from kvindex.worker import WorkerSettings, owner_of
+
+log = logging.getLogger("kvindex.shards")
+START_SECONDS = 20.0  # a worker must answer its first ping within this (imports, socket bind)
+STOP_SECONDS = 5.0  # SIGTERM, then SIGKILL after this
+WATCH_SECONDS = 0.5
+RESYNC_SECONDS = 30.0  # a resync awaits the engine's replay
+
+
+def _same_code_env() -> dict[str, str]:
+    """The environment of a worker: this one, with this process's kvindex first on the path."""
+    root = str(Path(kvindex.__file__).resolve().parent.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+class ShardFailed(RuntimeError):
+    """A worker process died: the daemon stopped (its supervisor should restart kvindex)."""
+
+
+class Shards:
+    """The worker processes and their channels."""
+
+    def __init__(self, count: int, settings: WorkerSettings, ctx: zmq.asyncio.Context, *,
+                 on_failure: Callable[[str], None] | None = None, log_level: str | None = None) -> None:
+        self.count = count
+        self.settings = settings
+        self.on_failure = on_failure
+        self._log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self._dir = tempfile.mkdtemp(prefix="kvi-shards-")
+        self.channels = [ShardChannel(ctx, i, f"ipc://{self._dir}/w{i}") for i in range(count)]
+        self.procs: list[asyncio.subprocess.Process] = []
+        self._watch: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.lane_status: dict[str, dict[str, Any]] = {}  # lane key -> the worker's last report
+
+    async def start(self) -> None:
+        for ch in self.channels:
+            self.procs.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvindex.worker", "--channel", ch.endpoint, "--index", str(ch.index),
+                "--settings", self.settings.to_json(), "--log-level", self._log_level, env=_same_code_env()))
+            ch.start()
+        pids = await asyncio.gather(*(self._first_answer(ch, proc) for ch, proc in zip(self.channels, self.procs)))
+        log.info("%d ingest workers running (pids %s)", self.count, ", ".join(map(str, pids)))
+        self._watch = asyncio.create_task(self._watch_loop(), name="worker watch")
+
+    @staticmethod
+    async def _first_answer(ch: ShardChannel, proc: asyncio.subprocess.Process) -> int:
+        """The worker's pid once it answers; ``StoreUnavailable`` if it exits or stays silent first."""
+        ping = asyncio.ensure_future(ch.request("ping", timeout=START_SECONDS))
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait({ping, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not ping.done():
+            ping.cancel()
+            raise StoreUnavailable(f"worker {ch.index} exited with code {proc.returncode} before it answered")
+        return ping.result()
+
+    def owner(self, lane_key: str) -> ShardChannel:
+        return self.channels[owner_of(lane_key, self.count)]
+
+    def problems(self) -> list[str]:
+        return [f"worker {ch.index} {ch.dead}" for ch in self.channels if ch.dead is not None]
+
+    async def _watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_SECONDS)
+            for ch, proc in zip(self.channels, self.procs):
+                if proc.returncode is not None and ch.dead is None and not self._stopping:
+                    self._died(ch, proc)
+            await self._refresh_lanes()
+
+    def _died(self, ch: ShardChannel, proc: asyncio.subprocess.Process) -> None:
+        reason = (f"(pid {proc.pid}) exited with code {proc.returncode}: its engines are not indexed "
+                  "until kvindex restarts")
+        ch.fail(reason)
+        log.error("worker %d %s", ch.index, reason)
+        if self.on_failure is not None:
+            self.on_failure(f"worker {ch.index} {reason}")
+
+    async def _refresh_lanes(self) -> None:
+        live = [ch for ch in self.channels if ch.dead is None]
+        answers = await asyncio.gather(*(ch.request("lanes") for ch in live), return_exceptions=True)
+        for part in answers:
+            if isinstance(part, dict):
+                self.lane_status.update(part)
+
+    async def ask_all(self, op: str, *args: Any) -> list[Any]:
+        """``op`` on every worker; a worker that cannot answer gives its ``StoreUnavailable``."""
+        return list(await asyncio.gather(*(ch.request(op, *args) for ch in self.channels), return_exceptions=True))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        for proc in self.procs:
+            if proc.returncode is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_SECONDS)
+            except TimeoutError:
+                log.error("worker pid %d did not stop within %g s: killing it", proc.pid, STOP_SECONDS)
+                proc.kill()
+                await proc.wait()
+        for ch in self.channels:
+            await ch.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclass(slots=True)
+class RemoteLane:
+    """What the parent knows of a lane a worker runs (the shape ``/workers`` and ``behind`` read)."""
+
+    engine: EngineConfig
+    connected_peers: int = 0
+    behind_models: tuple[str, ...] = ()
+    streams: dict[str, Any] = field(default_factory=dict)  # the streams live in the worker
+
+    @property
+    def state(self) -> RemoteLane:
+        return self
+
+    def behind(self, model: str) -> bool:
+        return model in self.behind_models
+
+
+class ShardedFleet:
+    """The fleet's interface (``add``, ``remove``, ``lanes``, ``resync``, ...) over the workers."""
+
+    def __init__(self, shards: Shards) -> None:
+        self._shards = shards
+        self._engines: dict[str, EngineConfig] = {}
+        self._adding: set[asyncio.Task[None]] = set()
+
+    def add(self, key: str, engine: EngineConfig) -> RemoteLane:
+        if key in self._engines:
+            raise KeyError(key)
+        self._engines[key] = engine
+        task = asyncio.create_task(self._add(key, engine), name=f"add lane {key}")
+        self._adding.add(task)
+        task.add_done_callback(self._adding.discard)
+        return RemoteLane(engine)
+
+    async def _add(self, key: str, engine: EngineConfig) -> None:
+        ch = self._shards.owner(key)
+        try:
+            await ch.request("add", key, asdict(engine))
+        except StoreUnavailable as exc:
+            log.error("engine %s: worker %d could not start its lane: %s", engine.name, ch.index, exc)
+
+    async def added(self) -> None:
+        """Until every lane added so far has been handed to its worker."""
+        await asyncio.gather(*list(self._adding), return_exceptions=True)
+
+    async def remove(self, key: str) -> RemoteLane | None:
+        engine = self._engines.pop(key, None)
+        if engine is None:
+            return None
+        await self.added()
+        await self._shards.owner(key).request("remove", key)
+        self._shards.lane_status.pop(key, None)
+        return RemoteLane(engine)
+
+    def lanes(self) -> dict[str, RemoteLane]:
+        out = {}
+        for key, engine in self._engines.items():
+            status = self._shards.lane_status.get(key, {})
+            out[key] = RemoteLane(engine, int(status.get("connected", 0)), tuple(status.get("behind", ())))
+        return out
+
+    def lane_task_failed(self, key: str) -> str | None:
+        if key not in self._engines:
+            return None
+        ch = self._shards.owner(key)
+        if ch.dead is not None:
+            return f"worker {ch.index} {ch.dead}"
+        return self._shards.lane_status.get(key, {}).get("failure")
+
+    async def resync(self, pod: str) -> bool:
+        found = await asyncio.gather(*(ch.request("resync", pod, timeout=RESYNC_SECONDS)
+                                       for ch in self._shards.channels))
+        return any(found)
+
+    async def close(self) -> None:
+        for task in list(self._adding):
+            task.cancel()
+        await asyncio.gather(*list(self._adding), return_exceptions=True)
+        self._engines.clear()
+
+
+class ShardedPods:
+    """The pod directory's interface (``views``, ``readiness_problems``, ``remove``) over the workers."""
+
+    def __init__(self, shards: Shards, store: ShardedPreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
+        self._shards = shards
+        self._store = store
+        self._approx = approx
+        self._drift = drift
+        self.on_remove: Callable[[str], None] | None = None
+
+    async def views(self) -> list[dict[str, Any]]:
+        views: dict[str, dict[str, Any]] = {}
+        for part in await asyncio.gather(*(ch.request("views") for ch in self._shards.channels)):
+            for view in part:
+                _merge_view(views, view)
+        approx_only = sorted(set(await self._approx.pods()) - set(views))
+        held = await asyncio.gather(*(self._store.blocks_held(p) for p in approx_only))
+        for pod, blocks in zip(approx_only, held):
+            views[pod] = {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True,
+                          "blocks": blocks}
+        pods = sorted(views)
+        for pod, n in zip(pods, await asyncio.gather(*(self._approx.entries(p) for p in pods))):
+            views[pod]["approx_entries"] = n
+        return [views[p] for p in pods]
+
+    async def readiness_problems(self) -> list[str]:
+        problems = self._shards.problems()
+        for ch, part in zip(self._shards.channels, await self._shards.ask_all("problems")):
+            if isinstance(part, list):
+                problems.extend(part)
+            elif ch.dead is None:  # it lives but did not answer (its message names it)
+                problems.append(str(part))
+        return problems
+
+    async def remove(self, pod: str) -> bool:
+        known = pod in await self._store.pods() or pod in await self._approx.pods()
+        await self._store.clear_pod(pod)
+        await self._approx.remove_pod(pod)
+        self._drift.forget_pod(pod)
+        if self.on_remove is not None:
+            self.on_remove(pod)
+        return known
+
+
+def _merge_view(views: dict[str, dict[str, Any]], view: dict[str, Any]) -> None:
+    """A pod whose ranks sit on two workers: blocks add up, synced only if both are."""
+    prev = views.get(view["pod"])
+    if prev is None:
+        views[view["pod"]] = view
+        return
+    prev["blocks"] = {t: prev["blocks"].get(t, 0) + n for t, n in view["blocks"].items()}
+    prev["synced"] = prev.get("synced", True) and view.get("synced", True)
+    prev["unsynced_reason"] = prev.get("unsynced_reason") or view.get("unsynced_reason")
+    prev["connected"] = prev.get("connected", False) or view.get("connected", False)
+
+
+class MergedRegistry(CollectorRegistry):
+    """The parent's registry plus the workers' metrics (``remote``: Prometheus text per worker,
+    set before each scrape). Same-named families merge; a worker's unlabelled samples are left
+    out (process-wide gauges such as ``kvindex_store_up`` are the parent's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.remote: list[str] = []
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for family in super().collect():
+            families[family.name] = family
+        for text in self.remote:
+            for family in text_string_to_metric_families(text):
+                mine = families.get(family.name)
+                if mine is None:
+                    families[family.name] = family
+                else:
+                    mine.samples.extend(s for s in family.samples if s.labels)
+        yield from families.values()

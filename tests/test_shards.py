@@ -1,0 +1,277 @@
+"""Sharded ingest (``kvindex serve --workers 2``): real processes, real ZeroMQ sockets.
+
+Fake engines replay the recorded real-vLLM capture; the same engines feed a single-process daemon
+(in this process) and a ``kvindex serve --workers 2`` process. Every answer of the sharded one
+must equal the single process's and the engine's own ``cached_tokens``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvindex.config import Config, ConfigError, config_from_toml
+from kvindex.record import load_capture
+from kvindex.worker import owner_of
+from tests.conftest import FIXTURES, ROOT, engine_config, ipc_endpoint
+from tests.test_precise_fixtures import requests_in_order
+
+LISTENING = re.compile(r"kvindex listening on http://127\.0\.0\.1:(\d+)")
+PER_WORKER = 2
+
+
+class Served:
+    """A ``kvindex serve`` child process, its HTTP port and its log."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, session: aiohttp.ClientSession) -> None:
+        self.proc = proc
+        self.session = session
+        self.port = 0
+        self.log: list[str] = []
+        self._drain: asyncio.Task[None] | None = None
+
+    async def wait_listening(self) -> None:
+        assert self.proc.stderr is not None
+        while not self.port:
+            line = (await asyncio.wait_for(self.proc.stderr.readline(), 30)).decode()
+            assert line, "kvindex exited before listening:\n" + "".join(self.log)
+            self.log.append(line)
+            if m := LISTENING.search(line):
+                self.port = int(m.group(1))
+        self._drain = asyncio.create_task(self._read_rest())
+
+    async def _read_rest(self) -> None:
+        assert self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            self.log.append(line.decode())
+
+    async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        async with self.session.request(method, f"http://127.0.0.1:{self.port}{path}", json=body) as r:
+            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+    def workers(self) -> list[int]:
+        """The pids of this process's children (its workers)."""
+        pid = self.proc.pid
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def serve_sharded(engines: list[Any], session: aiohttp.ClientSession) -> Served:
+    specs = [a for i, e in enumerate(engines)
+             for a in ("--engine", f"endpoint={e.endpoint},replay={e.replay_address},pod=e{i}")]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvindex", "serve", "--workers", "2", "--port", "0", *specs,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    served = Served(proc, session)
+    await served.wait_listening()
+    return served
+
+
+async def start_engines(make_engine: Any, tmp_path: Path) -> list[Any]:
+    """Two engines per worker (chosen by the owner of their lane key), each with a replay endpoint."""
+    by_worker: dict[int, list[str]] = {0: [], 1: []}
+    n = 0
+    while min(len(v) for v in by_worker.values()) < PER_WORKER:
+        ep = ipc_endpoint(tmp_path, f"pub{n}")
+        owner = by_worker[owner_of(f"config:{ep}", 2)]
+        if len(owner) < PER_WORKER:
+            owner.append(ep)
+        n += 1
+    eps = by_worker[0] + by_worker[1]
+    return [await make_engine(ep, replay_endpoint=ipc_endpoint(tmp_path, f"rep{i}")) for i, ep in enumerate(eps)]
+
+
+async def pod_seqs(served: Served) -> dict[str, int | None]:
+    status, body = await served.request("GET", "/v1/pods")
+    assert status == 200, body
+    return {v["pod"]: v["last_seq"] for v in body["pods"]}
+
+
+async def wait_seq_everywhere(single: Any, served: Served, pods: list[str], seq: int) -> None:
+    for pod in pods:
+        await single.wait_seq(pod, seq)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while any(seqs.get(p) != seq for seqs in [await pod_seqs(served)] for p in pods):
+        assert loop.time() < deadline, f"sharded kvindex did not apply seq {seq}: {await pod_seqs(served)}"
+        await asyncio.sleep(0.01)
+
+
+async def both(single: Any, served: Served, path: str, body: Any) -> tuple[Any, Any]:
+    s1, a1 = await single.post(path, body)
+    s2, a2 = await served.request("POST", path, body)
+    assert s1 == s2 == 200, (a1, a2)
+    return a1, a2
+
+
+@pytest.fixture
+async def cluster(make_harness: Any, make_engine: Any, tmp_path: Path) -> Any:
+    engines = await start_engines(make_engine, tmp_path)
+    pods = [f"e{i}" for i in range(len(engines))]
+    single = await make_harness(Config(engines=tuple(engine_config(e, pod=p) for e, p in zip(engines, pods))))
+    session = aiohttp.ClientSession()
+    served = await serve_sharded(engines, session)
+    try:
+        await single.wait_connected()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while (await served.request("GET", "/readyz"))[0] != 200:
+            assert loop.time() < deadline, await served.request("GET", "/readyz")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # subscriptions reach the publishers (ZeroMQ slow joiner)
+        yield engines, pods, single, served
+    finally:
+        if served.proc.returncode is None:
+            served.proc.kill()
+        await served.proc.wait()
+        await session.close()
+
+
+async def test_sharded_answers_equal_single_process_and_engine(cluster: Any) -> None:
+    engines, pods, single, served = cluster
+    captured = load_capture(FIXTURES / "small" / "events.jsonl")
+    pos = checked = 0
+    for r in requests_in_order("small"):
+        while pos < len(captured) and captured[pos].t < r["t_sent"]:
+            for e in engines:
+                await e.publish(captured[pos].frames)
+            await wait_seq_everywhere(single, served, pods, int.from_bytes(captured[pos].frames[1], "big"))
+            pos += 1
+        q1, q2 = await both(single, served, "/query", {"token_ids": r["prompt_token_ids"], "model_name": "tiny"})
+        assert q2 == q1
+        assert {p: q2["instances"].get(p, {}).get("longest_matched", 0) for p in pods} == \
+            {p: r["cached_tokens"] for p in pods}, r["i"]
+        s1, s2 = await both(single, served, "/v1/score", {"model": "tiny", "token_ids": r["prompt_token_ids"]})
+        assert s2 == s1 and s2["prompt_tokens"] == r["prompt_tokens"]
+        checked += 1
+    assert checked == 20
+    status, body = await served.request("GET", "/v1/pods")
+    assert status == 200, body
+    views = {v["pod"]: v for v in body["pods"]}
+    assert sorted(views) == pods and all(v["synced"] and v["connected"] for v in views.values())
+    _, single_body = await single.get("/v1/pods")
+    assert {v["pod"]: v["blocks"] for v in single_body["pods"]} == {p: v["blocks"] for p, v in views.items()}
+    _, metrics = await served.request("GET", "/metrics")
+    for p in pods:  # both workers' ingest counters, merged into the parent's families
+        assert f'kvindex_events_applied_total{{pod="{p}",type="BlockStored"}}' in metrics
+    assert metrics.count("# TYPE kvindex_events_applied_total counter") == 1
+    workers = served.workers()
+    assert len(workers) == 2
+    served.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(served.proc.wait(), 15) == 0
+    assert not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived kvindex"
+
+
+async def register_and_compare(served: Served, make_engine: Any, tmp_path: Path, captured: list[Any]) -> None:
+    """An engine registered at runtime (POST /register) is ingested by its worker like the others."""
+    engine = await make_engine(ipc_endpoint(tmp_path, "late"), replay_endpoint=ipc_endpoint(tmp_path, "late-rep"))
+    status, body = await served.request("POST", "/register", {
+        "instance_id": 77, "endpoint": engine.endpoint, "replay_endpoint": engine.replay_address,
+        "model_name": "tiny", "block_size": 32})
+    assert status == 201, body
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (await served.request("GET", "/workers"))[1][0]["status"] != "active":
+        assert loop.time() < deadline, await served.request("GET", "/workers")
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # the subscription reaches the publisher
+    for c in captured:
+        await engine.publish(c.frames)
+    while (await pod_seqs(served)).get("77") != int.from_bytes(captured[-1].frames[1], "big"):
+        assert loop.time() < deadline + 10, await pod_seqs(served)
+        await asyncio.sleep(0.01)
+    prompt = requests_in_order("small")[-1]["prompt_token_ids"]
+    status, q = await served.request("POST", "/query", {"token_ids": prompt, "model_name": "tiny"})
+    assert status == 200 and q["instances"]["77"] == q["instances"]["e0"] and q["instances"]["77"]["gpu"] > 0, q
+
+
+async def test_a_killed_worker_is_reported_and_never_answers_wrong(cluster: Any, make_engine: Any,
+                                                                  tmp_path: Path) -> None:
+    engines, pods, single, served = cluster
+    captured = load_capture(FIXTURES / "small" / "events.jsonl")
+    for c in captured:
+        for e in engines:
+            await e.publish(c.frames)
+    await wait_seq_everywhere(single, served, pods, int.from_bytes(captured[-1].frames[1], "big"))
+    await register_and_compare(served, make_engine, tmp_path, captured)
+    workers = served.workers()
+    os.kill(workers[1], signal.SIGKILL)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (ready := await served.request("GET", "/readyz"))[0] == 200:
+        assert loop.time() < deadline, "the dead worker was never reported"
+        await asyncio.sleep(0.05)
+    status, body = ready
+    assert status == 503 and any("exited with code -9" in r for r in body["reasons"]), body
+    prompt = requests_in_order("small")[-1]["prompt_token_ids"]
+    for path, req in (("/query", {"token_ids": prompt, "model_name": "tiny"}),
+                      ("/v1/score", {"model": "tiny", "token_ids": prompt})):
+        status, answer = await served.request("POST", path, req)
+        assert status == 503 and "exited with code -9" in answer["error"], answer
+    status, _ = await served.request("GET", "/v1/pods")
+    assert status == 503
+    assert await asyncio.wait_for(served.proc.wait(), 20) == 1  # it exits for its supervisor to restart it
+    assert not any(Path(f"/proc/{w}").exists() for w in workers), "a worker outlived kvindex"
+    assert any("exited with code -9" in line for line in served.log)
+
+
+async def test_workers_never_outlive_a_killed_parent() -> None:
+    async with aiohttp.ClientSession() as session:
+        served = await serve_sharded([], session)
+        workers = served.workers()
+        assert len(workers) == 2
+        channel = Path(f"/proc/{workers[0]}/cmdline").read_bytes().split(b"\0")
+        channel_dir = Path(channel[channel.index(b"--channel") + 1].decode().removeprefix("ipc://")).parent
+        assert channel_dir.is_dir()
+        served.proc.kill()
+        await served.proc.wait()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while any(Path(f"/proc/{w}").exists() and "Z" not in _state(w) for w in workers):
+            assert loop.time() < deadline, "a worker outlived its killed parent"
+            await asyncio.sleep(0.1)
+        assert not channel_dir.exists(), "the workers left their ipc sockets behind"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_workers_refuse_a_shared_store_and_state(tmp_path: Path) -> None:
+    assert config_from_toml({"server": {"workers": 2}}).workers == 2
+    for kw in ({"store": "redis://127.0.0.1:6379/0"}, {"state_dir": tmp_path}, {"peer": "http://127.0.0.1:1"}):
+        with pytest.raises(ConfigError, match="--workers 2 cannot be used with"):
+            Config(workers=2, **kw)
+    with pytest.raises(ConfigError, match="workers must be"):
+        Config(workers=0)
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_smoke_run(tmp_path: Path) -> None:
+    """benchmarks/shards.py --smoke runs end to end: every batch ingested with 1 and 2 workers, and
+    the same matched tokens from both (no timing is checked)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "shards.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "shards.py"), "--smoke", "--out", str(out)],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    for r in doc["replicas"].values():
+        assert set(r["runs"]) == {"1", "2"}
+        for run in r["runs"].values():
+            assert run["messages"] == run["expected_messages"] and run["gaps"] == 0
+    http = next(iter(doc["replicas"].values()))["runs"]
+    assert http["2"]["matched_mismatches_vs_first"] == 0
+    assert "replicas carried at 5k/s" in proc.stdout
