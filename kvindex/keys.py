@@ -70,7 +70,8 @@ def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int
 
     ``chain_keys(root, local_hashes(...))`` in one comprehension: no list of local hashes, no
     per-block method call (the ingest path computes one key per stored block)."""
-    data = packed(token_ids)
+    arr = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
+    data = arr.tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
     width = 4 * block_size
     n = len(data) // width if limit is None else min(limit, len(data) // width)
     key, pack = root, _PAIR.pack

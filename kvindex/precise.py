@@ -44,6 +44,7 @@ from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 TIERS = ("gpu", "cpu", "disk")
+_tuple_new = tuple.__new__
 ORPHAN = -1
 
 _MIN_BITS = 3
@@ -464,28 +465,38 @@ class PreciseIndex:
         removed = unknown = 0
         medium = ev.medium
         blocks = w.media.get(medium)
-        tier = tier_of(medium)
-        extra = w.extra
-        for h in ev.block_hashes:
-            if blocks is None:
-                key = None
-            elif extra and (medium, h) in extra:  # a copy goes, the hash stays
-                key = blocks.get(h)
-                n = extra[(medium, h)]
-                if n == 1:
-                    del extra[(medium, h)]
+        if blocks is None:
+            unknown = len(ev.block_hashes)
+        else:
+            tier = tier_of(medium)
+            holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
+            pop = blocks.pop
+            for h in ev.block_hashes:
+                if extra and (medium, h) in extra:  # a copy goes, the hash stays
+                    key = blocks.get(h)
+                    n = extra[(medium, h)]
+                    if n == 1:
+                        del extra[(medium, h)]
+                    else:
+                        extra[(medium, h)] = n - 1
                 else:
-                    extra[(medium, h)] = n - 1
-            else:
-                key = blocks.pop(h)
+                    key = pop(h)
+                    if key is None:
+                        unknown += 1
+                        continue
+                    if key == ORPHAN:  # its last copy went
+                        w.orphans -= 1
+                removed += 1
                 if key == ORPHAN:
-                    w.orphans -= 1
-            if key is None:
-                unknown += 1
-                continue
-            removed += 1
-            if key != ORPHAN:
-                self._release(tier, key, w)
+                    pass
+                elif dups:
+                    self._release(tier, key, w)
+                else:  # _release, inlined
+                    mask = holders.get(key, 0) & keep
+                    if mask:
+                        holders[key] = masks.get(mask) or self._intern(mask)
+                    else:
+                        holders.pop(key, None)
         done.removed_events += 1
         done.removed += removed
         done.unknown_removals += unknown
@@ -632,12 +643,12 @@ class PreciseIndex:
     def _per_pod_gpu(self, groups: list[tuple[int, int]]) -> dict[str, PodMatch]:
         """Groups come deepest first, so a pod's first worker seen has its deepest match."""
         out: dict[str, PodMatch] = {}
-        members = self._members_of
+        members, new, get = self._members_of, _tuple_new, out.get
         for g, mask in groups:
             for pod, rank in members(mask):
-                prev = out.get(pod)
+                prev = get(pod)
                 if prev is None:
-                    out[pod] = PodMatch(g, g, g, {rank: g})
+                    out[pod] = new(PodMatch, (g, g, g, {rank: g}))  # PodMatch(...) minus its Python __new__
                 else:
                     prev.dp[rank] = g
         return out
