@@ -392,39 +392,42 @@ class PreciseIndex:
         tab, n, side = t.tab, t.size, t.side
         last = len(tab) - 2
         added = orphans = 0
-        for i, h in enumerate(hashes):
-            key = keys[i] if i < nkeys else w.key_of(h)
-            if key is not None and single and h and (not side or h not in side):  # the common case:
-                j = h % n * 2  # _Table.insert, inlined
-                x = tab[j]
-                while x:
-                    if x == h:
-                        break
-                    j += 2
+        if single and nkeys == len(hashes):  # every block has its key: the common case, inlined
+            for h, key in zip(hashes, keys):
+                if h and (not side or h not in side):
+                    j = h % n * 2  # _Table.insert
                     x = tab[j]
-                else:
-                    tab[j] = h
-                    tab[j + 1] = key
-                    added += 1
-                    if j == last:
-                        t._extend()
-                        tab = t.tab
-                        last = len(tab) - 2
-                    mask = holders.get(key, 0)
-                    if not mask:
-                        holders[key] = bit  # a lone holder shares its bit object
-                    elif not mask & bit:
-                        mask |= bit
-                        holders[key] = masks.get(mask) or self._intern(mask)
+                    while x:
+                        if x == h:
+                            break
+                        j += 2
+                        x = tab[j]
                     else:
-                        self._hold(tier, key, w)  # counts the duplicate
-                    continue
+                        tab[j] = h
+                        tab[j + 1] = key
+                        added += 1
+                        if j == last:
+                            t._extend()
+                            tab = t.tab
+                            last = len(tab) - 2
+                        mask = holders.get(key, 0)
+                        if not mask:
+                            holders[key] = bit  # a lone holder shares its bit object
+                        elif not mask & bit:
+                            mask |= bit
+                            holders[key] = masks.get(mask) or self._intern(mask)
+                        else:
+                            self._hold(tier, key, w)  # counts the duplicate
+                        continue
+                t.used += added
+                added = 0
+                orphans += self._store_one(w, medium, tier, t, h, key)
+                tab, n, side = t.tab, t.size, t.side
+                last = len(tab) - 2
             t.used += added
-            added = 0
-            orphans += self._store_one(w, medium, tier, t, h, key)
-            tab, n, side = t.tab, t.size, t.side
-            last = len(tab) - 2
-        t.used += added
+        else:
+            for i, h in enumerate(hashes):
+                orphans += self._store_one(w, medium, tier, t, h, keys[i] if i < nkeys else w.key_of(h))
         done.stored_events += 1
         done.stored += len(hashes)
         done.orphans += orphans
