@@ -473,17 +473,45 @@ class PreciseIndex:
         else:
             tier = tier_of(medium)
             holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
-            pop = blocks.pop
+            pop, tab, n = blocks.pop, blocks.tab, blocks.size
             for h in ev.block_hashes:
                 if extra and (medium, h) in extra:  # a copy goes, the hash stays
                     key = blocks.get(h)
-                    n = extra[(medium, h)]
-                    if n == 1:
+                    c = extra[(medium, h)]
+                    if c == 1:
                         del extra[(medium, h)]
                     else:
-                        extra[(medium, h)] = n - 1
+                        extra[(medium, h)] = c - 1
+                elif h and not blocks.side:  # _Table.pop, inlined
+                    j = h % n * 2
+                    x = tab[j]
+                    while x:
+                        if x == h:
+                            break
+                        j += 2
+                        x = tab[j]
+                    else:
+                        unknown += 1
+                        continue
+                    key = tab[j + 1]
+                    i = j  # the hole: later entries of the run whose home is at or before it move in
+                    j += 2
+                    x = tab[j]
+                    while x:
+                        if x % n * 2 <= i:
+                            tab[i] = x
+                            tab[i + 1] = tab[j + 1]
+                            i = j
+                        j += 2
+                        x = tab[j]
+                    tab[i] = 0
+                    blocks.used -= 1
+                    if blocks.used < n >> 3 and blocks.bits > _MIN_BITS:
+                        blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
+                        tab, n = blocks.tab, blocks.size
                 else:
                     key = pop(h)
+                    tab, n = blocks.tab, blocks.size  # pop may have resized the table
                     if key is None:
                         unknown += 1
                         continue
