@@ -16,17 +16,22 @@ Invariants:
 - The index never sees bytes, and knows nothing about transport, seq numbers or HTTP.
 
 Memory layout (no Python object per (block, pod) entry):
-- A ``_Table`` is an open-addressing hash table in two ``array("Q")`` columns (engine hash, key),
-  linear probing from a Fibonacci hash of the engine hash, backward-shift deletion (no
-  tombstones), grown at 2/3 load and shrunk below 1/8. Slot hash 0 means empty, so an engine hash
-  of 0 and every keyless (ORPHAN) entry live in the table's small ``side`` dict instead; a hash is
-  in exactly one of the two places. About 16 bytes / load ≈ 30 bytes per entry, against ~130 for
-  a dict of two fresh 64-bit ints.
+- A ``_Table`` is an open-addressing hash table in one ``array("Q")`` of (engine hash, key) slot
+  pairs: home slot ``hash % size`` with ``size`` a prime (strided hashes spread), linear probing
+  that never wraps around (it runs on into spare slots past ``size``; the last slot is always
+  empty, so every probe ends inside the array), backward-shift deletion (no tombstones), grown at
+  2/3 load and shrunk below 1/8. Slot hash 0 means empty, so an engine hash of 0 and every
+  keyless (ORPHAN) entry live in the table's ``side`` dict instead; a hash is in exactly one of
+  the two places. 16 bytes per slot ≈ 25-50 bytes per entry, against ~130 for a dict entry with
+  two fresh 64-bit ints. The hot loops of ``_store`` and ``_remove`` inline the table's insert
+  and delete; ``_Table``'s own methods are the reference for them.
 - The only per-block Python objects are in the inverted view: one key int and one dict slot per
   distinct (tier, key), whatever the number of holders. Masks of several holders are interned
   (``_masks``, a bounded cache): the same few holder sets recur across millions of keys. A lone
   holder's mask is its worker's ``bit`` object.
 - ``_members`` caches mask -> [(pod, rank)] for match; it is dropped whenever a slot changes owner.
+- ``frozen_copy`` still returns plain dicts (its contract), so it now materialises two int objects
+  per entry instead of copying dicts.
 """
 
 from __future__ import annotations
@@ -614,9 +619,10 @@ class PreciseIndex:
         return entries_of(self.frozen_copy())
 
     def frozen_copy(self) -> list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]:
-        """A point-in-time copy of every worker's maps, built at C level (zips of the table
-        columns), fast enough for the event loop; ``entries_of`` turns it into entries anywhere
-        (e.g. in a thread)."""
+        """A point-in-time copy of every worker's maps as plain dicts, built at C level (zips of
+        the table columns); ``entries_of`` turns it into entries anywhere (e.g. in a thread).
+        It makes two int objects per entry on the caller's thread: ~0.2-0.3 µs per entry here,
+        against ~0.03 µs for the dict copies of the dict-per-worker layout."""
         return [(w.pod, w.rank, medium, blocks.to_dict(), w.extra.copy())
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 

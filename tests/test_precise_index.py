@@ -203,17 +203,18 @@ def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_a
 
 
 def test_table_last_slot_taken_extends_the_array() -> None:
-    from kvindex.precise import _Table
+    from kvindex.precise import _PAD, _Table
 
-    t = _Table()
-    n = t.size
-    hs = [n - 1 + n * i for i in range(1, 7)]  # all home on the last real slot: run past the end
+    t = _Table(7)
+    n, slots = t.size, len(t.tab) // 2
+    hs = [n - 1 + n * i for i in range(1, _PAD + 15)]  # all home on the last real slot: past the end
     for h in hs:
         assert t.insert(h, h + 1)
+    assert t.size == n and len(t.tab) // 2 > slots  # extended, not resized
     assert all(t.get(h) == h + 1 for h in hs) and not t.tab[-2]
     for h in hs[::2]:
         assert t.pop(h) == h + 1
-    assert [t.get(h) for h in hs] == [None, hs[1] + 1, None, hs[3] + 1, None, hs[5] + 1]
+    assert [t.get(h) for h in hs] == [None if i % 2 == 0 else h + 1 for i, h in enumerate(hs)]
 
 
 def test_hash_zero_and_the_largest_hash_are_held_like_any_other(idx: PreciseIndex) -> None:
