@@ -17,7 +17,9 @@ Invariants:
 
 Memory layout (no Python object per (block, pod) entry):
 - A ``_Table`` is an open-addressing hash table in one ``array("Q")`` of (engine hash, key) slot
-  pairs: home slot ``hash % size`` with ``size`` a prime (strided hashes spread), linear probing
+  pairs: home slot = the top bits of ``hash * _MIX`` (Fibonacci hashing: sequential and strided
+  hashes spread; ``hash % size``, even for a prime size, piles runs of sequential hashes into
+  clusters hundreds of slots long), ``size`` a power of two, linear probing
   that never wraps around (it runs on into spare slots past ``size``; the last slot is always
   empty, so every probe ends inside the array), backward-shift deletion (no tombstones), grown at
   2/3 load and shrunk below 1/8. Slot hash 0 means empty, so an engine hash of 0 and every
@@ -40,7 +42,6 @@ from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, neg
 from typing import NamedTuple
@@ -52,6 +53,7 @@ TIERS = ("gpu", "cpu", "disk")
 _tuple_new = tuple.__new__
 ORPHAN = -1
 
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: Fibonacci hashing, home = top bits of hash * _MIX
 _MIN_BITS = 3
 _PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
@@ -66,59 +68,29 @@ def tier_of(medium: str) -> str:
     return "disk"
 
 
-@lru_cache(maxsize=None)
-def _size_of(bits: int) -> int:
-    """The table size for ``bits``: the least prime ≥ 2**bits (a prime modulus spreads strided
-    engine hashes, e.g. ``i << 8``, over every slot)."""
-    n = (1 << bits) | 1
-    while not _is_prime(n):
-        n += 2
-    return n
-
-
-def _is_prime(n: int) -> bool:
-    """Miller-Rabin with the first 12 prime bases: exact far beyond any table size."""
-    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
-    if n in bases:
-        return True
-    if n < 2 or any(n % p == 0 for p in bases):
-        return False
-    d, s = n - 1, 0
-    while not d & 1:
-        d, s = d >> 1, s + 1
-    for a in bases:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
 class _Table:
     """``engine hash -> key`` of one worker and medium, without a Python object per entry.
 
     Keyed entries with a non-zero hash live in ``tab``, an ``array("Q")`` of (hash, key) slot
     pairs (slot hash 0 = empty; both halves of a slot share a cache line): home slot
-    ``h % size`` (a prime), linear probing that never wraps around but runs on into slots past
+    from the top bits of ``h * _MIX``, linear probing that never wraps around but runs on into slots past
     ``size``; the last slot always stays empty, so every probe ends inside the array (it is
     extended when an entry takes that slot). The rest (hash 0, ORPHAN values) is in ``side``.
     Behaves like the dict it replaces."""
 
-    __slots__ = ("tab", "size", "bits", "used", "limit", "side")
+    __slots__ = ("tab", "size", "bits", "sh", "m", "used", "limit", "side")
 
     def __init__(self, bits: int = _MIN_BITS) -> None:
         self.side: dict[int, int] = {}
         self._alloc(bits)
 
     def _alloc(self, bits: int) -> None:
-        size = _size_of(bits)
+        size = 1 << bits
         self.tab = array("Q", bytes(16 * (size + _PAD)))
         self.size, self.bits, self.used, self.limit = size, bits, 0, size * 2 // 3
+        # a hash's slot pair starts at ``hash * _MIX >> sh & m``: twice the top ``bits`` bits of
+        # the low 64 bits of the product, in one shift and one mask
+        self.sh, self.m = 63 - bits, 2 * size - 2
 
     def __len__(self) -> int:
         return self.used + len(self.side)
@@ -130,11 +102,11 @@ class _Table:
     def _resize(self, bits: int) -> None:
         old, used = self.tab, self.used
         self._alloc(bits)
-        tab, n = self.tab, self.size
+        tab, sh, m = self.tab, self.sh, self.m
         last = len(tab) - 2
         hs = old[0::2]
         for h, k in zip(compress(hs, hs), compress(old[1::2], hs)):
-            j = h % n * 2
+            j = h * _MIX >> sh & m
             while tab[j]:
                 j += 2
             tab[j] = h
@@ -148,7 +120,7 @@ class _Table:
     def get(self, h: int) -> int | None:
         if h:
             tab = self.tab
-            j = h % self.size * 2
+            j = h * _MIX >> self.sh & self.m
             x = tab[j]
             while x:
                 if x == h:
@@ -166,7 +138,7 @@ class _Table:
             side[h] = key
             return True
         tab = self.tab
-        j = h % self.size * 2
+        j = h * _MIX >> self.sh & self.m
         x = tab[j]
         while x:
             if x == h:
@@ -193,8 +165,8 @@ class _Table:
     def pop(self, h: int) -> int | None:
         """Remove ``h``; its key (or ORPHAN), None if absent."""
         if h:
-            tab, n = self.tab, self.size
-            j = h % n * 2
+            tab, sh, m = self.tab, self.sh, self.m
+            j = h * _MIX >> sh & m
             x = tab[j]
             while x:
                 if x == h:
@@ -203,7 +175,7 @@ class _Table:
                     j += 2
                     x = tab[j]
                     while x:
-                        if x % n * 2 <= i:
+                        if x * _MIX >> sh & m <= i:
                             tab[i] = x
                             tab[i + 1] = tab[j + 1]
                             i = j
@@ -211,7 +183,7 @@ class _Table:
                         x = tab[j]
                     tab[i] = 0
                     self.used -= 1
-                    if self.used < n >> 3 and self.bits > _MIN_BITS:
+                    if self.used < self.size >> 3 and self.bits > _MIN_BITS:
                         self._resize(max(_MIN_BITS, (self.used * 3).bit_length()))
                     return key
                 j += 2
@@ -394,13 +366,13 @@ class PreciseIndex:
         nkeys = len(keys)
         if t.used + len(hashes) > t.limit:  # room for them all first: no resize mid-loop
             t._resize(max(t.bits + 1, ((t.used + len(hashes)) * 3 // 2).bit_length()))
-        tab, n, side = t.tab, t.size, t.side
+        tab, sh, m, side = t.tab, t.sh, t.m, t.side
         last = len(tab) - 2
         added = orphans = 0
         if single and nkeys == len(hashes):  # every block has its key: the common case, inlined
             for h, key in zip(hashes, keys):
                 if h and (not side or h not in side):
-                    j = h % n * 2  # _Table.insert
+                    j = h * _MIX >> sh & m  # _Table.insert
                     x = tab[j]
                     while x:
                         if x == h:
@@ -427,7 +399,7 @@ class PreciseIndex:
                 t.used += added
                 added = 0
                 orphans += self._store_one(w, medium, tier, t, h, key)
-                tab, n, side = t.tab, t.size, t.side
+                tab, sh, m, side = t.tab, t.sh, t.m, t.side
                 last = len(tab) - 2
             t.used += added
         else:
@@ -478,7 +450,7 @@ class PreciseIndex:
         else:
             tier = tier_of(medium)
             holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
-            pop, tab, n = blocks.pop, blocks.tab, blocks.size
+            pop, tab, sh, m = blocks.pop, blocks.tab, blocks.sh, blocks.m
             for h in ev.block_hashes:
                 if extra and (medium, h) in extra:  # a copy goes, the hash stays
                     key = blocks.get(h)
@@ -488,7 +460,7 @@ class PreciseIndex:
                     else:
                         extra[(medium, h)] = c - 1
                 elif h and not blocks.side:  # _Table.pop, inlined
-                    j = h % n * 2
+                    j = h * _MIX >> sh & m
                     x = tab[j]
                     while x:
                         if x == h:
@@ -503,7 +475,7 @@ class PreciseIndex:
                     j += 2
                     x = tab[j]
                     while x:
-                        if x % n * 2 <= i:
+                        if x * _MIX >> sh & m <= i:
                             tab[i] = x
                             tab[i + 1] = tab[j + 1]
                             i = j
@@ -511,12 +483,12 @@ class PreciseIndex:
                         x = tab[j]
                     tab[i] = 0
                     blocks.used -= 1
-                    if blocks.used < n >> 3 and blocks.bits > _MIN_BITS:
+                    if blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
                         blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
-                        tab, n = blocks.tab, blocks.size
+                        tab, sh, m = blocks.tab, blocks.sh, blocks.m
                 else:
                     key = pop(h)
-                    tab, n = blocks.tab, blocks.size  # pop may have resized the table
+                    tab, sh, m = blocks.tab, blocks.sh, blocks.m  # pop may have resized the table
                     if key is None:
                         unknown += 1
                         continue

@@ -203,11 +203,12 @@ def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_a
 
 
 def test_table_last_slot_taken_extends_the_array() -> None:
-    from kvindex.precise import _PAD, _Table
+    from kvindex.precise import _MIX, _PAD, _Table
 
     t = _Table(7)
     n, slots = t.size, len(t.tab) // 2
-    hs = [n - 1 + n * i for i in range(1, _PAD + 15)]  # all home on the last real slot: past the end
+    inv, top = pow(_MIX, -1, 1 << 64), (n - 1) << (64 - t.bits)  # hashes whose home is the last slot
+    hs = [(top + i) * inv % (1 << 64) for i in range(1, _PAD + 15)]  # ... so they run past the end
     for h in hs:
         assert t.insert(h, h + 1)
     assert t.size == n and len(t.tab) // 2 > slots  # extended, not resized
