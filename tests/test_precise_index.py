@@ -312,3 +312,24 @@ def test_frozen_copy_is_plain_dicts_of_every_worker_and_medium(idx: PreciseIndex
     assert sorted(copy, key=lambda c: c[2]) == [("a", 0, "CPU", {1: ks[0]}, {}),
                                                 ("a", 0, "GPU", {1: ks[0], 2: ks[1], 3: -1}, {})]
     assert all(type(c[3]) is dict for c in copy)
+
+
+def test_table_spreads_sequential_and_strided_hashes() -> None:
+    """Structured engine hashes (numbered blocks, runs per prompt) must not pile into long probe
+    runs: a deterministic bound on displacement, not a timing."""
+    from kvindex.precise import _MIX, _Table
+
+    patterns = {
+        "sequential": [(1 << 63) + i for i in range(20_000)],
+        "runs of 64 every 4096": [(1 << 63) + 4096 * (i // 64) + i % 64 for i in range(20_000)],
+        "strided i << 20": [i << 20 for i in range(1, 20_000)],
+        "strided i * 256 + k": [i * 256 + k for i in range(1, 2_500) for k in range(8)],
+    }
+    for name, hs in patterns.items():
+        t = _Table()
+        for h in hs:
+            assert t.insert(h, h ^ 1)
+        tab, sh, m = t.tab, t.sh, t.m
+        worst = max((j - (tab[j] * _MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
+        assert worst <= 64, (name, worst)
+        assert all(t.get(h) == h ^ 1 for h in hs[::97])
