@@ -50,14 +50,14 @@ from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 TIERS = ("gpu", "cpu", "disk")
-_tuple_new = tuple.__new__
 ORPHAN = -1
 
+_tuple_new = tuple.__new__
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: Fibonacci hashing, home = top bits of hash * _MIX
 _MIN_BITS = 3
 _PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
-_MEMBERS_CAP = 1 << 12
+_MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
 
 
 def tier_of(medium: str) -> str:
@@ -72,11 +72,11 @@ class _Table:
     """``engine hash -> key`` of one worker and medium, without a Python object per entry.
 
     Keyed entries with a non-zero hash live in ``tab``, an ``array("Q")`` of (hash, key) slot
-    pairs (slot hash 0 = empty; both halves of a slot share a cache line): home slot
-    from the top bits of ``h * _MIX``, linear probing that never wraps around but runs on into slots past
-    ``size``; the last slot always stays empty, so every probe ends inside the array (it is
-    extended when an entry takes that slot). The rest (hash 0, ORPHAN values) is in ``side``.
-    Behaves like the dict it replaces."""
+    pairs (slot hash 0 = empty; both halves of a slot share a cache line). Home slot: the top
+    ``bits`` bits of ``h * _MIX`` (mod 2^64); linear probing that never wraps around but runs on
+    into slots past ``size``; the last slot always stays empty, so every probe ends inside the
+    array (it is extended when an entry takes that slot). The rest (hash 0, ORPHAN values) is in
+    ``side``. Behaves like the dict it replaces."""
 
     __slots__ = ("tab", "size", "bits", "sh", "m", "used", "limit", "side")
 
@@ -214,10 +214,11 @@ class _Table:
 
 
 class _Worker:
-    __slots__ = ("pod", "rank", "slot", "bit", "media", "extra", "orphans")
+    __slots__ = ("pod", "rank", "ident", "slot", "bit", "media", "extra", "orphans")
 
     def __init__(self, pod: str, rank: int, slot: int) -> None:
         self.pod, self.rank, self.slot, self.bit = pod, rank, slot, 1 << slot
+        self.ident = (pod, rank)  # shared by every cached member list it is in
         self.media: dict[str, _Table] = {GPU: _Table()}
         self.extra: dict[tuple[str, int], int] = {}
         self.orphans = 0
@@ -643,7 +644,7 @@ class PreciseIndex:
         got = self._members.get(mask)
         if got is None:
             slots = self._slots
-            got = [(w.pod, w.rank) for w in map(slots.__getitem__, _bits(mask))]  # type: ignore[union-attr]
+            got = [w.ident for w in map(slots.__getitem__, _bits(mask))]  # type: ignore[union-attr]
             if len(self._members) >= _MEMBERS_CAP:
                 self._members.clear()
             self._members[mask] = got
