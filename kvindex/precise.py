@@ -452,6 +452,8 @@ class PreciseIndex:
             tier = tier_of(medium)
             holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
             pop, tab, sh, m = blocks.pop, blocks.tab, blocks.sh, blocks.m
+            inline = not blocks.side  # no hash 0 nor keyless entries (and removals never add any)
+            gone = 0
             for h in ev.block_hashes:
                 if extra and (medium, h) in extra:  # a copy goes, the hash stays
                     key = blocks.get(h)
@@ -460,7 +462,7 @@ class PreciseIndex:
                         del extra[(medium, h)]
                     else:
                         extra[(medium, h)] = c - 1
-                elif h and not blocks.side:  # _Table.pop, inlined
+                elif inline:  # _Table.pop, inlined (used and shrinking: once, after the loop)
                     j = h * _MIX >> sh & m
                     x = tab[j]
                     while x:
@@ -483,10 +485,7 @@ class PreciseIndex:
                         j += 2
                         x = tab[j]
                     tab[i] = 0
-                    blocks.used -= 1
-                    if blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
-                        blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
-                        tab, sh, m = blocks.tab, blocks.sh, blocks.m
+                    gone += 1
                 else:
                     key = pop(h)
                     tab, sh, m = blocks.tab, blocks.sh, blocks.m  # pop may have resized the table
@@ -506,6 +505,10 @@ class PreciseIndex:
                         holders[key] = masks.get(mask) or self._intern(mask)
                     else:
                         holders.pop(key, None)
+            if gone:
+                blocks.used -= gone
+                if blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
+                    blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
         done.removed_events += 1
         done.removed += removed
         done.unknown_removals += unknown
