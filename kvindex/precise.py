@@ -17,16 +17,16 @@ Invariants:
 
 Memory layout (no Python object per (block, pod) entry):
 - A ``_Table`` is an open-addressing hash table in one ``array("Q")`` of (engine hash, key) slot
-  pairs: home slot = the top bits of ``hash * _MIX`` (Fibonacci hashing: sequential and strided
-  hashes spread; ``hash % size``, even for a prime size, piles runs of sequential hashes into
-  clusters hundreds of slots long), ``size`` a power of two, linear probing
-  that never wraps around (it runs on into spare slots past ``size``; the last slot is always
-  empty, so every probe ends inside the array), backward-shift deletion (no tombstones), grown at
-  2/3 load and shrunk below 1/8. Slot hash 0 means empty, so an engine hash of 0 and every
-  keyless (ORPHAN) entry live in the table's ``side`` dict instead; a hash is in exactly one of
-  the two places. 16 bytes per slot ≈ 25-50 bytes per entry, against ~130 for a dict entry with
-  two fresh 64-bit ints. The hot loops of ``_store`` and ``_remove`` inline the table's insert
-  and delete; ``_Table``'s own methods are the reference for them.
+  pairs. Home slot: the top bits of ``hash * _MIX`` (Fibonacci hashing, ``size`` a power of two:
+  sequential and strided hashes spread; ``hash % size``, even for a prime size, piles runs of
+  sequential hashes into clusters hundreds of slots long). Linear probing that never wraps
+  around (it runs on into spare slots past ``size``; the last slot is always empty, so every
+  probe ends inside the array); backward-shift deletion (no tombstones); grown at 2/3 load (x4
+  below 4096 slots, then x2), shrunk below 1/8. Slot hash 0 means empty, so an engine hash of 0
+  and every keyless (ORPHAN) entry live in the table's ``side`` dict instead; a hash is in
+  exactly one of the two places. 16 bytes per slot ≈ 25-50 bytes per entry, against ~130 for a
+  dict entry with two fresh 64-bit ints. The hot loops of ``_store`` and ``_remove`` inline the
+  table's insert and delete; ``_Table``'s own methods are the reference for them.
 - The only per-block Python objects are in the inverted view: one key int and one dict slot per
   distinct (tier, key), whatever the number of holders. Masks of several holders are interned
   (``_masks``, a bounded cache): the same few holder sets recur across millions of keys. A lone
@@ -58,6 +58,12 @@ _MIN_BITS = 3
 _PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
+
+
+def _grown(bits: int) -> int:
+    """A full table's next size: x4 while small (a few KB; fewer rebuilds while a worker fills),
+    then x2."""
+    return bits + 2 if bits < 12 else bits + 1
 
 
 def tier_of(medium: str) -> str:
@@ -151,7 +157,7 @@ class _Table:
             self._extend()
         self.used += 1
         if self.used > self.limit:
-            self._resize(self.bits + 1)
+            self._resize(_grown(self.bits))
         return True
 
     def put(self, h: int, key: int) -> None:
@@ -366,7 +372,7 @@ class PreciseIndex:
         hashes = ev.block_hashes
         nkeys = len(keys)
         if t.used + len(hashes) > t.limit:  # room for them all first: no resize mid-loop
-            t._resize(max(t.bits + 1, ((t.used + len(hashes)) * 3 // 2).bit_length()))
+            t._resize(max(_grown(t.bits), ((t.used + len(hashes)) * 3 // 2).bit_length()))
         tab, sh, m, side = t.tab, t.sh, t.m, t.side
         last = len(tab) - 2
         added = orphans = 0
