@@ -11,9 +11,9 @@ Invariants:
 from __future__ import annotations
 
 import struct
-from functools import lru_cache
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 
 import xxhash
 

@@ -333,3 +333,15 @@ def test_table_spreads_sequential_and_strided_hashes() -> None:
         worst = max((j - (tab[j] * _MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
         assert worst <= 64, (name, worst)
         assert all(t.get(h) == h ^ 1 for h in hs[::97])
+
+
+def test_prompt_keys_equal_the_chain_of_local_hashes() -> None:
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = [rng.randrange(1 << 32) for _ in range(rng.randrange(0, 90))]
+        bs, limit, root = rng.choice([1, 4, 16]), rng.choice([None, 0, 1, 3, 50]), rng.getrandbits(64)
+        want = K.chain_keys(root, K.local_hashes(tokens, bs, limit))
+        assert K.prompt_keys(root, tokens, bs, limit) == want == K.prompt_keys(root, array("I", tokens), bs, limit)
+    assert K.root_key("m", None, "s") == K.root_key("m", None, "s") != K.root_key("m", "s", None)
