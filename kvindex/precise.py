@@ -54,6 +54,7 @@ ORPHAN = -1
 
 _tuple_new = tuple.__new__
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: Fibonacci hashing, home = top bits of hash * _MIX
+_M64 = (1 << 64) - 1
 _MIN_BITS = 3
 _PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
@@ -140,7 +141,7 @@ class _Table:
         side = self.side
         if side and h in side:
             return False
-        if not h:
+        if not 0 < h <= _M64 or not 0 <= key <= _M64:  # hash 0, or not u64s (any int is accepted)
             side[h] = key
             return True
         tab = self.tab
@@ -163,10 +164,7 @@ class _Table:
     def put(self, h: int, key: int) -> None:
         """``h -> key`` (key or ORPHAN), replacing what ``h`` had (dict assignment)."""
         self.pop(h)
-        if key == ORPHAN or not h:
-            self.side[h] = key
-        else:
-            self.insert(h, key)
+        self.insert(h, key)  # ORPHAN (-1) is not a u64: the side dict
 
     def pop(self, h: int) -> int | None:
         """Remove ``h``; its key (or ORPHAN), None if absent."""
@@ -387,22 +385,26 @@ class PreciseIndex:
                         j += 2
                         x = tab[j]
                     else:
-                        tab[j] = h
-                        tab[j + 1] = key
-                        added += 1
-                        if j == last:
-                            t._extend()
-                            tab = t.tab
-                            last = len(tab) - 2
-                        mask = holders.get(key, 0)
-                        if not mask:
-                            holders[key] = bit  # a lone holder shares its bit object
-                        elif not mask & bit:
-                            mask |= bit
-                            holders[key] = masks.get(mask) or self._intern(mask)
+                        try:
+                            tab[j] = h
+                        except OverflowError:  # not a u64 (events should not carry one): the slow path
+                            pass
                         else:
-                            self._hold(tier, key, w)  # counts the duplicate
-                        continue
+                            tab[j + 1] = key
+                            added += 1
+                            if j == last:
+                                t._extend()
+                                tab = t.tab
+                                last = len(tab) - 2
+                            mask = holders.get(key, 0)
+                            if not mask:
+                                holders[key] = bit  # a lone holder shares its bit object
+                            elif not mask & bit:
+                                mask |= bit
+                                holders[key] = masks.get(mask) or self._intern(mask)
+                            else:
+                                self._hold(tier, key, w)  # counts the duplicate
+                            continue
                 t.used += added
                 added = 0
                 orphans += self._store_one(w, medium, tier, t, h, key)

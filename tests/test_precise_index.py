@@ -345,3 +345,26 @@ def test_prompt_keys_equal_the_chain_of_local_hashes() -> None:
         want = K.chain_keys(root, K.local_hashes(tokens, bs, limit))
         assert K.prompt_keys(root, tokens, bs, limit) == want == K.prompt_keys(root, array("I", tokens), bs, limit)
     assert K.root_key("m", None, "s") == K.root_key("m", None, "s") != K.root_key("m", "s", None)
+
+
+def test_hashes_and_keys_outside_u64_are_held_like_before() -> None:
+    """Events should carry u64 hashes, but any int was accepted (and a snapshot may hold any)."""
+    from kvindex.precise import Entry
+
+    idx = PreciseIndex()
+    idx.set_block_size("m", BS)
+    odd = [-1, -5, 1 << 64, 1 << 70]
+    idx.apply("a", "m", 0, stored(odd, None, TOKENS))
+    ks = keys_of(TOKENS)
+    assert depth(idx, "a", ks) == 4 and idx.engine_hashes("a") == {0: dict(zip(odd, ks))}
+    idx.apply("a", "m", 0, stored([7], 1 << 70, TOKENS[:4]))  # a parent found by an odd hash
+    assert idx.engine_hashes("a")[0][7] is not None
+    idx.apply("a", "m", 0, BlockRemoved((-5, 1 << 64)))
+    assert depth(idx, "a", ks) == 1 and idx.blocks_held("a")["gpu"] == 3
+    copy = PreciseIndex()
+    entries = [Entry("b", 0, "GPU", 3, (1 << 64) + 3, 1), Entry("b", 0, "GPU", -9, -7, 2), *idx.export_entries()]
+    assert copy.load_entries(entries) == len(entries)
+    assert sorted(copy.export_entries()) == sorted(entries)
+    assert copy.match([(1 << 64) + 3])["b"].gpu == 1 and copy.match([-7])["b"].gpu == 1
+    copy.apply("b", "m", 0, BlockRemoved((-9, -9, 3)))
+    assert copy.match([-7]) == {} and "b" not in copy.pods()
