@@ -209,6 +209,13 @@ class _Table:
         yield from zip(compress(hs, hs), compress(tab[1::2], hs))
         yield from self.side.items()
 
+    def copy(self) -> _Table:
+        """A point-in-time copy: C-level copies of the slot array and the side dict."""
+        new = _Table.__new__(_Table)
+        new.tab, new.side = self.tab[:], self.side.copy()
+        new.size, new.bits, new.sh, new.m, new.used, new.limit = self.size, self.bits, self.sh, self.m, self.used, self.limit
+        return new
+
     def to_dict(self) -> dict[int, int]:
         tab = self.tab
         hs = tab[0::2]
@@ -602,12 +609,11 @@ class PreciseIndex:
         """Every held engine hash: (pod, dp_rank, medium, hash, key or None, copies)."""
         return entries_of(self.frozen_copy())
 
-    def frozen_copy(self) -> list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]:
-        """A point-in-time copy of every worker's maps as plain dicts, built at C level (zips of
-        the table columns); ``entries_of`` turns it into entries anywhere (e.g. in a thread).
-        It makes two int objects per entry on the caller's thread: ~0.2-0.3 µs per entry here,
-        against ~0.03 µs for the dict copies of the dict-per-worker layout."""
-        return [(w.pod, w.rank, medium, blocks.to_dict(), w.extra.copy())
+    def frozen_copy(self) -> list[tuple[str, int, str, _Table, dict[tuple[str, int], int]]]:
+        """A point-in-time copy of every worker's maps: copies of the packed tables (memcpy, no
+        object per entry), fast enough for the event loop; ``entries_of`` turns it into entries
+        anywhere (e.g. in a thread). Each table behaves like a read-only ``hash -> key`` mapping."""
+        return [(w.pod, w.rank, medium, blocks.copy(), w.extra.copy())
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 
     def load_entries(self, entries: Iterable[Entry]) -> int:
@@ -689,7 +695,7 @@ class PreciseIndex:
         return out
 
 
-def entries_of(copy: list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]) -> Iterator[Entry]:
+def entries_of(copy: list[tuple[str, int, str, _Table, dict[tuple[str, int], int]]]) -> Iterator[Entry]:
     for pod, rank, medium, blocks, extra in copy:
         for h, key in blocks.items():
             yield Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0))

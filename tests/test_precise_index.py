@@ -8,7 +8,7 @@ import pytest
 
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.precise import PreciseIndex
+from kvindex.precise import Entry, PreciseIndex, entries_of
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks of 4
@@ -303,15 +303,19 @@ def test_interned_masks_cache_overflow_changes_nothing(idx: PreciseIndex, monkey
     assert len(idx._masks) <= 3 and len(idx._members) <= 2
 
 
-def test_frozen_copy_is_plain_dicts_of_every_worker_and_medium(idx: PreciseIndex) -> None:
+def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index(idx: PreciseIndex) -> None:
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([3], 999, TOKENS[8:12]))  # orphan
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
     copy = idx.frozen_copy()
+    idx.apply("a", "m", 0, BlockRemoved(block_hashes=(1, 2)))  # later changes do not reach the copy
+    idx.apply("a", "m", 0, stored([7], None, TOKENS[:4]))
     ks = keys_of(TOKENS)
-    assert sorted(copy, key=lambda c: c[2]) == [("a", 0, "CPU", {1: ks[0]}, {}),
-                                                ("a", 0, "GPU", {1: ks[0], 2: ks[1], 3: -1}, {})]
-    assert all(type(c[3]) is dict for c in copy)
+    plain = sorted(((pod, rank, medium, dict(blocks.items()), extra) for pod, rank, medium, blocks, extra in copy),
+                   key=lambda c: c[2])
+    assert plain == [("a", 0, "CPU", {1: ks[0]}, {}), ("a", 0, "GPU", {1: ks[0], 2: ks[1], 3: -1}, {})]
+    assert sorted(entries_of(copy)) == sorted([Entry("a", 0, "CPU", 1, ks[0], 1), Entry("a", 0, "GPU", 1, ks[0], 1),
+                                               Entry("a", 0, "GPU", 2, ks[1], 1), Entry("a", 0, "GPU", 3, None, 1)])
 
 
 def test_table_spreads_sequential_and_strided_hashes() -> None:
