@@ -151,29 +151,37 @@ class VllmDecoder:
         if not 0 <= rank < 1 << 16:
             return None
         events: list[KVEvent] = []
-        removed: list[int] = []  # a run of removals of one (medium, group), merged into one event
+        removed: list[Any] = []  # a run of removals of one (medium, group), merged into one event
         where: tuple[str, int] = (GPU, 0)
+        raw_where: tuple[Any, Any] | None = None  # (medium, group_idx) as sent, for ``where``
         for w in wire.events:
-            if type(w) is _MapRemoved or type(w) is _ArrayRemoved:
-                hashes = _plain_hashes(w.block_hashes)
-                if not hashes:
+            if type(w) is _MapRemoved or type(w) is _ArrayRemoved:  # vLLM: one event per block
+                if not w.block_hashes:
                     return None
-                here = (_medium(w.medium), w.group_idx or 0)
-                if removed and here != where:
-                    events.append(BlockRemoved(tuple(removed), *where))
-                    removed = []
-                removed.extend(hashes)
-                where = here
+                raw = (w.medium, w.group_idx)
+                if raw != raw_where:
+                    here = (_medium(w.medium), w.group_idx or 0)
+                    if removed and here != where:
+                        if (hashes := _plain_hashes(removed)) is None:
+                            return None
+                        events.append(BlockRemoved(hashes, *where))
+                        removed = []
+                    where, raw_where = here, raw
+                removed.extend(w.block_hashes)  # checked once per run, below
                 continue
             if removed:
-                events.append(BlockRemoved(tuple(removed), *where))
+                if (hashes := _plain_hashes(removed)) is None:
+                    return None
+                events.append(BlockRemoved(hashes, *where))
                 removed = []
             ev = _typed_stored(w) if type(w) is _MapStored or type(w) is _ArrayStored else AllBlocksCleared()
             if ev is None:
                 return None
             events.append(ev)
         if removed:
-            events.append(BlockRemoved(tuple(removed), *where))
+            if (hashes := _plain_hashes(removed)) is None:
+                return None
+            events.append(BlockRemoved(hashes, *where))
         return EventBatch(ts=wire.ts, events=tuple(events), dp_rank=rank)
 
     def _decode_generic(self, payload: bytes) -> EventBatch:

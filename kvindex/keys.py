@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 
 import xxhash
 
@@ -31,6 +32,7 @@ def chain(parent_key: int, local: int) -> int:
     return _xxh3(_PAIR.pack(parent_key, local))
 
 
+@lru_cache(maxsize=4096)
 def root_key(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> int:
     """The key a prompt's first block chains from. Fields are length-prefixed: no ambiguity."""
     parts = [model, lora_name or "", cache_salt or ""]
@@ -64,5 +66,13 @@ def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
 
 
 def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
-    """Chained keys of the full blocks of a prompt (at most ``limit`` blocks)."""
-    return chain_keys(root, local_hashes(token_ids, block_size, limit))
+    """Chained keys of the full blocks of a prompt (at most ``limit`` blocks).
+
+    ``chain_keys(root, local_hashes(...))`` in one comprehension: no list of local hashes, no
+    per-block method call (the ingest path computes one key per stored block)."""
+    arr = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
+    data = arr.tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
+    width = 4 * block_size
+    n = len(data) // width if limit is None else min(limit, len(data) // width)
+    key, pack = root, _PAIR.pack
+    return [key := _xxh3(pack(key, _xxh3(data[i : i + width], LOCAL_SEED))) for i in range(0, n * width, width)]

@@ -1,25 +1,48 @@
 """The precise index: exactly which blocks each engine replica holds, from its KV events.
 
 Invariants:
-- A *worker* is one (pod, dp_rank) and owns one bit. Per worker and medium, ``engine hash -> key``
-  (``ORPHAN`` when keyless); copies beyond the first of a hash are counted in ``extra``: vLLM stores
-  and removes each physical copy separately, and a hash goes away with its last copy.
+- A *worker* is one (pod, dp_rank) and owns one bit (its slot). Per worker and medium, a ``_Table``
+  maps ``engine hash -> key`` (``ORPHAN`` when keyless); copies beyond the first of a hash are
+  counted in ``extra``: vLLM stores and removes each physical copy separately, and a hash goes
+  away with its last copy.
 - A block's key is kvindex's own chained key (``kvindex.keys``) computed from the event's token ids
   and its parent's key. A store whose parent is unknown or keyless, whose tokens are missing, or
   whose block size differs from the model's, is kept as an ORPHAN: a later BlockRemoved finds it,
   but it never matches a query.
-- Inverted view per tier: ``key -> bitmask of workers holding it``. A lookup is one dict probe and
-  a few integer operations per prompt block, whatever the number of pods: never O(pods × blocks).
+- Inverted view per tier: ``key -> bitmask of workers holding it``; holdings beyond the first of
+  a key by one worker in one tier are counted in ``_dups``. A lookup is one dict probe and a few
+  integer operations per prompt block, whatever the number of pods: never O(pods × blocks).
   Tiers: "gpu" (what matches), "cpu", "disk" (reported cumulatively through the device tier).
 - The index never sees bytes, and knows nothing about transport, seq numbers or HTTP.
+
+Memory layout (no Python object per (block, pod) entry):
+- A ``_Table`` is an open-addressing hash table in one ``array("Q")`` of (engine hash, key) slot
+  pairs. Home slot: the top bits of ``hash * _MIX`` (Fibonacci hashing, ``size`` a power of two:
+  sequential and strided hashes spread; ``hash % size``, even for a prime size, piles runs of
+  sequential hashes into clusters hundreds of slots long). Linear probing that never wraps
+  around (it runs on into spare slots past ``size``; the last slot is always empty, so every
+  probe ends inside the array); backward-shift deletion (no tombstones); grown at 2/3 load (x4
+  below 4096 slots, then x2), shrunk below 1/8. Slot hash 0 means empty, so an engine hash of 0
+  and every keyless (ORPHAN) entry live in the table's ``side`` dict instead; a hash is in
+  exactly one of the two places. 16 bytes per slot ≈ 25-50 bytes per entry, against ~130 for a
+  dict entry with two fresh 64-bit ints. The hot loops of ``_store`` and ``_remove`` inline the
+  table's insert and delete; ``_Table``'s own methods are the reference for them.
+- The only per-block Python objects are in the inverted view: one key int and one dict slot per
+  distinct (tier, key), whatever the number of holders. Masks of several holders are interned
+  (``_masks``, a bounded cache): the same few holder sets recur across millions of keys. A lone
+  holder's mask is its worker's ``bit`` object.
+- ``_members`` caches mask -> [(pod, rank)] for match; it is dropped whenever a slot changes owner.
+- ``frozen_copy`` still returns plain dicts (its contract), so it now materialises two int objects
+  per entry instead of copying dicts.
 """
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat, takewhile
+from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, neg
 from typing import NamedTuple
 
@@ -28,6 +51,20 @@ from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVE
 
 TIERS = ("gpu", "cpu", "disk")
 ORPHAN = -1
+
+_tuple_new = tuple.__new__
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: Fibonacci hashing, home = top bits of hash * _MIX
+_M64 = (1 << 64) - 1
+_MIN_BITS = 3
+_PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
+_MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
+_MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
+
+
+def _grown(bits: int) -> int:
+    """A full table's next size: x4 while small (a few KB; fewer rebuilds while a worker fills),
+    then x2."""
+    return bits + 2 if bits < 12 else bits + 1
 
 
 def tier_of(medium: str) -> str:
@@ -38,12 +75,162 @@ def tier_of(medium: str) -> str:
     return "disk"
 
 
+class _Table:
+    """``engine hash -> key`` of one worker and medium, without a Python object per entry.
+
+    Keyed entries with a non-zero hash live in ``tab``, an ``array("Q")`` of (hash, key) slot
+    pairs (slot hash 0 = empty; both halves of a slot share a cache line). Home slot: the top
+    ``bits`` bits of ``h * _MIX`` (mod 2^64); linear probing that never wraps around but runs on
+    into slots past ``size``; the last slot always stays empty, so every probe ends inside the
+    array (it is extended when an entry takes that slot). The rest (hash 0, ORPHAN values) is in
+    ``side``. Behaves like the dict it replaces."""
+
+    __slots__ = ("tab", "size", "bits", "sh", "m", "used", "limit", "side")
+
+    def __init__(self, bits: int = _MIN_BITS) -> None:
+        self.side: dict[int, int] = {}
+        self._alloc(bits)
+
+    def _alloc(self, bits: int) -> None:
+        size = 1 << bits
+        self.tab = array("Q", bytes(16 * (size + _PAD)))
+        self.size, self.bits, self.used, self.limit = size, bits, 0, size * 2 // 3
+        # a hash's slot pair starts at ``hash * _MIX >> sh & m``: twice the top ``bits`` bits of
+        # the low 64 bits of the product, in one shift and one mask
+        self.sh, self.m = 63 - bits, 2 * size - 2
+
+    def __len__(self) -> int:
+        return self.used + len(self.side)
+
+    def _extend(self) -> None:
+        """An entry took the last slot: more slots past the end (the last one empty again)."""
+        self.tab.frombytes(bytes(16 * _PAD))
+
+    def _resize(self, bits: int) -> None:
+        old, used = self.tab, self.used
+        self._alloc(bits)
+        tab, sh, m = self.tab, self.sh, self.m
+        last = len(tab) - 2
+        hs = old[0::2]
+        for h, k in zip(compress(hs, hs), compress(old[1::2], hs)):
+            j = h * _MIX >> sh & m
+            while tab[j]:
+                j += 2
+            tab[j] = h
+            tab[j + 1] = k
+            if j == last:
+                self._extend()
+                tab = self.tab
+                last = len(tab) - 2
+        self.used = used
+
+    def get(self, h: int) -> int | None:
+        if h:
+            tab = self.tab
+            j = h * _MIX >> self.sh & self.m
+            x = tab[j]
+            while x:
+                if x == h:
+                    return tab[j + 1]
+                j += 2
+                x = tab[j]
+        return self.side.get(h) if self.side else None
+
+    def insert(self, h: int, key: int) -> bool:
+        """Add ``h -> key`` (a key, not ORPHAN) unless ``h`` is held; True if added."""
+        side = self.side
+        if side and h in side:
+            return False
+        if not 0 < h <= _M64 or not 0 <= key <= _M64:  # hash 0, or not u64s (any int is accepted)
+            side[h] = key
+            return True
+        tab = self.tab
+        j = h * _MIX >> self.sh & self.m
+        x = tab[j]
+        while x:
+            if x == h:
+                return False
+            j += 2
+            x = tab[j]
+        tab[j] = h
+        tab[j + 1] = key
+        if j == len(tab) - 2:
+            self._extend()
+        self.used += 1
+        if self.used > self.limit:
+            self._resize(_grown(self.bits))
+        return True
+
+    def put(self, h: int, key: int) -> None:
+        """``h -> key`` (key or ORPHAN), replacing what ``h`` had (dict assignment)."""
+        self.pop(h)
+        self.insert(h, key)  # ORPHAN (-1) is not a u64: the side dict
+
+    def pop(self, h: int) -> int | None:
+        """Remove ``h``; its key (or ORPHAN), None if absent."""
+        if h:
+            tab, sh, m = self.tab, self.sh, self.m
+            j = h * _MIX >> sh & m
+            x = tab[j]
+            while x:
+                if x == h:
+                    key = tab[j + 1]
+                    i = j  # the hole: later entries of the run whose home is at or before it move in
+                    j += 2
+                    x = tab[j]
+                    while x:
+                        if x * _MIX >> sh & m <= i:
+                            tab[i] = x
+                            tab[i + 1] = tab[j + 1]
+                            i = j
+                        j += 2
+                        x = tab[j]
+                    tab[i] = 0
+                    self.used -= 1
+                    if self.used < self.size >> 3 and self.bits > _MIN_BITS:
+                        self._resize(max(_MIN_BITS, (self.used * 3).bit_length()))
+                    return key
+                j += 2
+                x = tab[j]
+        side = self.side
+        return side.pop(h, None) if side else None
+
+    def keys_(self) -> Iterator[int]:
+        """Every key held (ORPHAN excluded)."""
+        tab = self.tab
+        yield from compress(tab[1::2], tab[0::2])
+        for k in self.side.values():
+            if k != ORPHAN:
+                yield k
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        tab = self.tab
+        hs = tab[0::2]
+        yield from zip(compress(hs, hs), compress(tab[1::2], hs))
+        yield from self.side.items()
+
+    def copy(self) -> _Table:
+        """A point-in-time copy: C-level copies of the slot array and the side dict."""
+        new = _Table.__new__(_Table)
+        new.tab, new.side = self.tab[:], self.side.copy()
+        new.size, new.bits, new.sh, new.m, new.used, new.limit = self.size, self.bits, self.sh, self.m, self.used, self.limit
+        return new
+
+    def to_dict(self) -> dict[int, int]:
+        tab = self.tab
+        hs = tab[0::2]
+        out = dict(zip(compress(hs, hs), compress(tab[1::2], hs)))
+        out.update(self.side)
+        return out
+
+
 class _Worker:
-    __slots__ = ("pod", "rank", "slot", "bit", "media", "extra", "orphans")
+    __slots__ = ("pod", "rank", "ident", "slot", "bit", "media", "extra", "orphans")
 
     def __init__(self, pod: str, rank: int, slot: int) -> None:
         self.pod, self.rank, self.slot, self.bit = pod, rank, slot, 1 << slot
-        self.media: dict[str, dict[int, int]] = {GPU: {}}
+        self.ident = (pod, rank)  # shared by every cached member list it is in
+        self.media: dict[str, _Table] = {GPU: _Table()}
         self.extra: dict[tuple[str, int], int] = {}
         self.orphans = 0
 
@@ -104,6 +291,8 @@ class PreciseIndex:
         self._holders: dict[str, dict[int, int]] = {t: {} for t in TIERS}
         self._dups: dict[tuple[str, int, int], int] = {}  # (tier, key, slot): holdings beyond the first
         self._block_size: dict[str, int] = {}
+        self._masks: dict[int, int] = {}  # interned masks of several holders
+        self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
 
     # -- configuration -------------------------------------------------------------------------
     def set_block_size(self, model: str, block_size: int) -> None:
@@ -150,7 +339,18 @@ class PreciseIndex:
             else:
                 self._slots[slot] = w
             self._workers[(pod, dp_rank)] = w
+            self._members.clear()
         return w
+
+    def _intern(self, mask: int) -> int:
+        """One shared int object per distinct holder set (masks repeat across many keys)."""
+        masks = self._masks
+        got = masks.get(mask)
+        if got is None:
+            if len(masks) >= _MASKS_CAP:
+                masks.clear()
+            masks[mask] = got = mask
+        return got
 
     def _event_keys(self, w: _Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
         """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
@@ -169,43 +369,75 @@ class PreciseIndex:
     def _store(self, w: _Worker, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(w, model, ev)
         medium = ev.medium
-        blocks = w.media.get(medium)
-        if blocks is None:
-            blocks = w.media[medium] = {}
+        t = w.media.get(medium)
+        if t is None:
+            t = w.media[medium] = _Table()
         tier = tier_of(medium)
-        holders, bit, single = self._holders[tier], w.bit, len(w.media) == 1
+        holders, masks, bit, single = self._holders[tier], self._masks, w.bit, len(w.media) == 1
         hashes = ev.block_hashes
-        orphans = 0
-        for i, h in enumerate(hashes):
-            key = keys[i] if i < len(keys) else w.key_of(h)
-            if key is not None and single and h not in blocks:  # the common case, inlined
-                blocks[h] = key
-                mask = holders.get(key, 0)
-                if not mask:
-                    holders[key] = bit  # a lone holder shares its bit object
-                elif not mask & bit:
-                    holders[key] = mask | bit
-                else:
-                    self._hold(tier, key, w)  # counts the duplicate
-            else:
-                orphans += self._store_one(w, medium, tier, blocks, h, key)
+        nkeys = len(keys)
+        if t.used + len(hashes) > t.limit:  # room for them all first: no resize mid-loop
+            t._resize(max(_grown(t.bits), ((t.used + len(hashes)) * 3 // 2).bit_length()))
+        tab, sh, m, side = t.tab, t.sh, t.m, t.side
+        last = len(tab) - 2
+        added = orphans = 0
+        if single and nkeys == len(hashes):  # every block has its key: the common case, inlined
+            for h, key in zip(hashes, keys):
+                if h and (not side or h not in side):
+                    j = h * _MIX >> sh & m  # _Table.insert
+                    x = tab[j]
+                    while x:
+                        if x == h:
+                            break
+                        j += 2
+                        x = tab[j]
+                    else:
+                        try:
+                            tab[j] = h
+                        except OverflowError:  # not a u64 (events should not carry one): the slow path
+                            pass
+                        else:
+                            tab[j + 1] = key
+                            added += 1
+                            if j == last:
+                                t._extend()
+                                tab = t.tab
+                                last = len(tab) - 2
+                            mask = holders.get(key, 0)
+                            if not mask:
+                                holders[key] = bit  # a lone holder shares its bit object
+                            elif not mask & bit:
+                                mask |= bit
+                                holders[key] = masks.get(mask) or self._intern(mask)
+                            else:
+                                self._hold(tier, key, w)  # counts the duplicate
+                            continue
+                t.used += added
+                added = 0
+                orphans += self._store_one(w, medium, tier, t, h, key)
+                tab, sh, m, side = t.tab, t.sh, t.m, t.side
+                last = len(tab) - 2
+            t.used += added
+        else:
+            for i, h in enumerate(hashes):
+                orphans += self._store_one(w, medium, tier, t, h, keys[i] if i < nkeys else w.key_of(h))
         done.stored_events += 1
         done.stored += len(hashes)
         done.orphans += orphans
         done.block_size_mismatch += mismatch
 
-    def _store_one(self, w: _Worker, medium: str, tier: str, blocks: dict[int, int], h: int, key: int | None) -> int:
+    def _store_one(self, w: _Worker, medium: str, tier: str, blocks: _Table, h: int, key: int | None) -> int:
         """One stored copy, any case (repeat copies, orphans, other media); returns 1 if keyless."""
         old = blocks.get(h)
         if old is None:
-            blocks[h] = ORPHAN if key is None else key
+            blocks.put(h, ORPHAN if key is None else key)
             w.orphans += key is None
             if key is not None and len(w.media) > 1:
                 self._adopt_elsewhere(w, h, key)
         else:
             copies = w.extra[(medium, h)] = w.extra.get((medium, h), 0) + 1
             if old == ORPHAN and key is not None:  # a keyless hash learns its key:
-                blocks[h] = key  # index the copies it already had
+                blocks.put(h, key)  # index the copies it already had
                 w.orphans -= 1
                 for _ in range(copies):
                     self._hold(tier, key, w)
@@ -219,33 +451,79 @@ class PreciseIndex:
     def _adopt_elsewhere(self, w: _Worker, h: int, key: int) -> None:
         """Keyless copies of ``h`` in other media (offload events carry no tokens) get its key."""
         for medium, blocks in w.media.items():
-            if blocks.get(h) == ORPHAN:
-                blocks[h] = key
+            if blocks.side.get(h) == ORPHAN:  # keyless entries live in the side dict
+                blocks.put(h, key)
                 w.orphans -= 1
                 for _ in range(1 + w.extra.get((medium, h), 0)):
                     self._hold(tier_of(medium), key, w)
 
     def _remove(self, w: _Worker, ev: BlockRemoved, done: Applied) -> None:
         removed = unknown = 0
-        blocks = w.media.get(ev.medium)
-        tier = tier_of(ev.medium)
-        for h in ev.block_hashes:
-            key = blocks.get(h) if blocks is not None else None
-            if key is None:
-                unknown += 1
-                continue
-            removed += 1
-            n = w.extra.get((ev.medium, h), 0)
-            if n:
-                if n == 1:
-                    del w.extra[(ev.medium, h)]
+        medium = ev.medium
+        blocks = w.media.get(medium)
+        if blocks is None:
+            unknown = len(ev.block_hashes)
+        else:
+            tier = tier_of(medium)
+            holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
+            pop, tab, sh, m = blocks.pop, blocks.tab, blocks.sh, blocks.m
+            inline = not blocks.side  # no hash 0 nor keyless entries (and removals never add any)
+            gone = 0
+            for h in ev.block_hashes:
+                if extra and (medium, h) in extra:  # a copy goes, the hash stays
+                    key = blocks.get(h)
+                    c = extra[(medium, h)]
+                    if c == 1:
+                        del extra[(medium, h)]
+                    else:
+                        extra[(medium, h)] = c - 1
+                elif inline:  # _Table.pop, inlined (used and shrinking: once, after the loop)
+                    j = h * _MIX >> sh & m
+                    x = tab[j]
+                    while x:
+                        if x == h:
+                            break
+                        j += 2
+                        x = tab[j]
+                    else:
+                        unknown += 1
+                        continue
+                    key = tab[j + 1]
+                    i = j  # the hole: later entries of the run whose home is at or before it move in
+                    j += 2
+                    x = tab[j]
+                    while x:
+                        if x * _MIX >> sh & m <= i:
+                            tab[i] = x
+                            tab[i + 1] = tab[j + 1]
+                            i = j
+                        j += 2
+                        x = tab[j]
+                    tab[i] = 0
+                    gone += 1
                 else:
-                    w.extra[(ev.medium, h)] = n - 1
-            else:
-                del blocks[h]  # type: ignore[union-attr]
-                w.orphans -= key == ORPHAN
-            if key != ORPHAN:
-                self._release(tier, key, w)
+                    key = pop(h)
+                    tab, sh, m = blocks.tab, blocks.sh, blocks.m  # pop may have resized the table
+                    if key is None:
+                        unknown += 1
+                        continue
+                    if key == ORPHAN:  # its last copy went
+                        w.orphans -= 1
+                removed += 1
+                if key == ORPHAN:
+                    pass
+                elif dups:
+                    self._release(tier, key, w)
+                else:  # _release, inlined
+                    mask = holders.get(key, 0) & keep
+                    if mask:
+                        holders[key] = masks.get(mask) or self._intern(mask)
+                    else:
+                        holders.pop(key, None)
+            if gone:
+                blocks.used -= gone
+                if blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
+                    blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
         done.removed_events += 1
         done.removed += removed
         done.unknown_removals += unknown
@@ -257,21 +535,23 @@ class PreciseIndex:
             d = (tier, key, w.slot)
             self._dups[d] = self._dups.get(d, 0) + 1
         else:
-            holders[key] = mask | w.bit if mask else w.bit  # a lone holder shares its bit object
+            holders[key] = self._intern(mask | w.bit) if mask else w.bit  # a lone holder shares its bit
 
     def _release(self, tier: str, key: int, w: _Worker) -> None:
-        d = (tier, key, w.slot)
-        n = self._dups.get(d)
-        if n:
-            if n == 1:
-                del self._dups[d]
-            else:
-                self._dups[d] = n - 1
-            return
+        dups = self._dups
+        if dups:
+            d = (tier, key, w.slot)
+            n = dups.get(d)
+            if n:
+                if n == 1:
+                    del dups[d]
+                else:
+                    dups[d] = n - 1
+                return
         holders = self._holders[tier]
         mask = holders.get(key, 0) & ~w.bit
         if mask:
-            holders[key] = mask
+            holders[key] = self._intern(mask)
         else:
             holders.pop(key, None)
 
@@ -280,18 +560,20 @@ class PreciseIndex:
         """Forget every block of ``pod`` (all ranks, or one) — AllBlocksCleared, restart, removal."""
         for wid in [wid for wid in self._workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             w = self._workers.pop(wid)
+            keep = ~w.bit
             for medium, blocks in w.media.items():
-                holders, tier = self._holders[tier_of(medium)], tier_of(medium)
-                for key in blocks.values():
-                    if key == ORPHAN:
-                        continue
-                    mask = holders.get(key, 0) & ~w.bit
+                holders = self._holders[tier_of(medium)]
+                for key in blocks.keys_():
+                    mask = holders.get(key, 0) & keep
                     if mask:
-                        holders[key] = mask
+                        holders[key] = self._intern(mask)
                     else:
                         holders.pop(key, None)
-                    self._dups.pop((tier, key, w.slot), None)
+            if self._dups:
+                for d in [d for d in self._dups if d[2] == w.slot]:
+                    del self._dups[d]
             self._slots[w.slot] = None
+            self._members.clear()
 
     def pods(self) -> list[str]:
         return sorted({pod for pod, _ in self._workers})
@@ -327,9 +609,10 @@ class PreciseIndex:
         """Every held engine hash: (pod, dp_rank, medium, hash, key or None, copies)."""
         return entries_of(self.frozen_copy())
 
-    def frozen_copy(self) -> list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]:
-        """A point-in-time copy of every worker's maps: C-level dict copies, fast enough for the
-        event loop; ``entries_of`` turns it into entries anywhere (e.g. in a thread)."""
+    def frozen_copy(self) -> list[tuple[str, int, str, _Table, dict[tuple[str, int], int]]]:
+        """A point-in-time copy of every worker's maps: copies of the packed tables (memcpy, no
+        object per entry), fast enough for the event loop; ``entries_of`` turns it into entries
+        anywhere (e.g. in a thread). Each table behaves like a read-only ``hash -> key`` mapping."""
         return [(w.pod, w.rank, medium, blocks.copy(), w.extra.copy())
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 
@@ -338,8 +621,10 @@ class PreciseIndex:
         n = 0
         for e in entries:
             w = self._worker(e.pod, e.dp_rank)
-            blocks = w.media.setdefault(e.medium, {})
-            blocks[e.hash] = ORPHAN if e.key is None else e.key
+            blocks = w.media.get(e.medium)
+            if blocks is None:
+                blocks = w.media[e.medium] = _Table()
+            blocks.put(e.hash, ORPHAN if e.key is None else e.key)
             if e.copies > 1:
                 w.extra[(e.medium, e.hash)] = e.copies - 1
             if e.key is None:
@@ -361,7 +646,7 @@ class PreciseIndex:
             return self._per_pod_gpu(gpu)
         cpu = _walk(keys, self._holders["gpu"], [self._holders["cpu"]], allowed)
         disk = _walk(keys, self._holders["gpu"], [self._holders["cpu"], self._holders["disk"]], allowed)
-        return self._per_pod(gpu, cpu, disk)
+        return self._per_pod(_depths(gpu), _depths(cpu), _depths(disk))
 
     def _mask_of(self, pods: Iterable[str]) -> int:
         wanted = set(pods)
@@ -371,17 +656,28 @@ class PreciseIndex:
                 mask |= w.bit
         return mask
 
-    def _per_pod_gpu(self, gpu: dict[int, int]) -> dict[str, PodMatch]:
+    def _members_of(self, mask: int) -> list[tuple[str, int]]:
+        """(pod, rank) of each set bit of ``mask``, lowest slot first (cached)."""
+        got = self._members.get(mask)
+        if got is None:
+            slots = self._slots
+            got = [w.ident for w in map(slots.__getitem__, _bits(mask))]  # type: ignore[union-attr]
+            if len(self._members) >= _MEMBERS_CAP:
+                self._members.clear()
+            self._members[mask] = got
+        return got
+
+    def _per_pod_gpu(self, groups: list[tuple[int, int]]) -> dict[str, PodMatch]:
+        """Groups come deepest first, so a pod's first worker seen has its deepest match."""
         out: dict[str, PodMatch] = {}
-        for slot, g in gpu.items():
-            w = self._slots[slot]
-            prev = out.get(w.pod)  # type: ignore[union-attr]
-            if prev is None:
-                out[w.pod] = PodMatch(g, g, g, {w.rank: g})  # type: ignore[union-attr]
-            else:
-                prev.dp[w.rank] = g  # type: ignore[union-attr]
-                if g > prev.gpu:
-                    out[w.pod] = PodMatch(g, g, g, prev.dp)  # type: ignore[union-attr]
+        members, new, get = self._members_of, _tuple_new, out.get
+        for g, mask in groups:
+            for pod, rank in members(mask):
+                prev = get(pod)
+                if prev is None:
+                    out[pod] = new(PodMatch, (g, g, g, {rank: g}))  # PodMatch(...) minus its Python __new__
+                else:
+                    prev.dp[rank] = g
         return out
 
     def _per_pod(self, gpu: dict[int, int], cpu: dict[int, int], disk: dict[int, int]) -> dict[str, PodMatch]:
@@ -399,14 +695,81 @@ class PreciseIndex:
         return out
 
 
-def entries_of(copy: list[tuple[str, int, str, dict[int, int], dict[tuple[str, int], int]]]) -> Iterator[Entry]:
+class WorkerReplay:
+    """One worker's batch replayed by the index's own rules on a partial view of what it holds.
+
+    For a store that reads only the entries a batch names (the Redis backend): seed it with the
+    worker's media in first-store order, the known entries ``(medium, hash) -> (key or ORPHAN,
+    extra copies)`` and the worker's orphan count; ``run(events)`` applies the batch
+    (AllBlocksCleared restarts the worker empty and sets ``reset``); then read ``media``,
+    ``orphans``, ``entry(medium, hash)`` and ``held()``. Holders are not part of the view.
+    """
+
+    def __init__(self, pod: str, model: str, rank: int, block_size: int | None, media: Sequence[str],
+                 entries: dict[tuple[str, int], tuple[int, int]], orphans: int) -> None:
+        self._index = PreciseIndex()
+        self._pod, self._model, self._rank = pod, model, rank
+        if block_size is not None:
+            self._index.set_block_size(model, block_size)
+        w = self._w = self._index._worker(pod, rank)
+        if media:
+            w.media = {m: _Table() for m in media}
+        for (m, h), (key, extra) in entries.items():
+            w.media[m].put(h, key)
+            if extra:
+                w.extra[(m, h)] = extra
+        w.orphans = orphans
+        self.reset = False
+
+    def run(self, events: Iterable[KVEvent]) -> Applied:
+        done, ix = Applied(), self._index
+        for ev in events:
+            t = type(ev)
+            if t is BlockRemoved:
+                ix._remove(self._w, ev, done)  # type: ignore[arg-type]
+            elif t is BlockStored:
+                ix._store(self._w, self._model, ev, done)  # type: ignore[arg-type]
+            elif t is AllBlocksCleared:  # as apply_batch: the rank's cache restarts empty
+                ix.clear_pod(self._pod, self._rank)
+                self._w = ix._worker(self._pod, self._rank)
+                done.cleared += 1
+                self.reset = True
+            else:
+                raise TypeError(f"not a KV event: {t.__name__}")
+        return done
+
+    @property
+    def media(self) -> tuple[str, ...]:
+        return tuple(self._w.media)
+
+    @property
+    def orphans(self) -> int:
+        return self._w.orphans
+
+    def block_size(self) -> int | None:
+        return self._index.block_size(self._model)
+
+    def entry(self, medium: str, h: int) -> tuple[int, int] | None:
+        """``(key or ORPHAN, extra copies)`` of ``h`` in ``medium``; None when not held."""
+        blocks = self._w.media.get(medium)
+        key = blocks.get(h) if blocks is not None else None
+        return None if key is None else (key, self._w.extra.get((medium, h), 0))
+
+    def held(self) -> list[tuple[str, int]]:
+        """Every ``(medium, hash)`` the worker holds in the replay."""
+        return [(m, h) for m, blocks in self._w.media.items() for h, _ in blocks.items()]
+
+
+def entries_of(copy: list[tuple[str, int, str, _Table, dict[tuple[str, int], int]]]) -> Iterator[Entry]:
     for pod, rank, medium, blocks, extra in copy:
         for h, key in blocks.items():
             yield Entry(pod, rank, medium, h, None if key == ORPHAN else key, 1 + extra.get((medium, h), 0))
 
 
-def _walk(keys: Sequence[int], gpu: dict[int, int], others: list[dict[int, int]] | None, allowed: int) -> dict[int, int]:
-    """Depth (in blocks) of the longest prefix each worker slot holds, for slots with depth ≥ 1.
+def _walk(keys: Sequence[int], gpu: dict[int, int], others: list[dict[int, int]] | None,
+          allowed: int) -> list[tuple[int, int]]:
+    """(depth, mask of the worker slots whose longest held prefix is that deep), deepest first,
+    for depths ≥ 1.
 
     ``acc[i]`` is the mask of slots holding the first i keys: one C-level pass. Each step only
     clears bits, so ``acc`` is non-increasing as integers and the places where it changes are
@@ -416,15 +779,19 @@ def _walk(keys: Sequence[int], gpu: dict[int, int], others: list[dict[int, int]]
     else:
         masks = map(gpu.get, keys, repeat(0))
     acc = list(takewhile(bool, accumulate(masks, and_, initial=allowed)))  # stops when nobody is left
-    depth: dict[int, int] = {}
+    groups: list[tuple[int, int]] = []
     hi, seen = len(acc), 0
     while hi > 1:
         value = acc[hi - 1]
-        for slot in _bits(value & ~seen):
-            depth[slot] = hi - 1
+        groups.append((hi - 1, value & ~seen))
         seen = value
         hi = bisect_left(acc, -value, 0, hi, key=neg)
-    return depth
+    return groups
+
+
+def _depths(groups: list[tuple[int, int]]) -> dict[int, int]:
+    """Slot -> depth, deepest first."""
+    return {slot: d for d, mask in groups for slot in _bits(mask)}
 
 
 def _union(key: int, gpu: dict[int, int], others: list[dict[int, int]]) -> int:

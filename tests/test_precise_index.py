@@ -8,7 +8,7 @@ import pytest
 
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.precise import PreciseIndex
+from kvindex.precise import Entry, PreciseIndex, entries_of
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks of 4
@@ -163,3 +163,212 @@ def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: PreciseIndex
     idx.apply("a", "m", 0, BlockRemoved((1,)))
     idx.apply("a", "m", 0, BlockRemoved((2,)))
     assert idx.pods() == [] and idx._slots == [None, None]
+
+
+# -- the packed layout (kvindex.precise._Table, interned masks, the members cache) --------------
+def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_array() -> None:
+    import random
+
+    from kvindex.precise import ORPHAN, _Table
+
+    rng = random.Random(7)
+    # random, strided (i << 40, i * 256) and sequential hashes, hash 0 and the largest u64
+    pool = [0, 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(300)]
+    pool += [i << 40 for i in range(1, 200)] + [i * 256 for i in range(1, 200)] + list(range(2, 200))
+    t, d = _Table(), {}
+    for step in range(30_000):
+        h = rng.choice(pool)
+        grow = (step // 5000) % 2 == 0
+        x = rng.random()
+        if x < (0.6 if grow else 0.25):
+            k = ORPHAN if rng.random() < 0.1 else rng.getrandbits(64)
+            if k != ORPHAN and rng.random() < 0.5:
+                assert t.insert(h, k) == (h not in d)
+                d.setdefault(h, k)
+            else:
+                t.put(h, k)
+                d[h] = k
+        elif x < 0.9:
+            assert t.pop(h) == d.pop(h, None)
+        else:
+            assert t.get(h) == d.get(h)
+        if step % 1000 == 0:
+            assert len(t) == len(d) and t.to_dict() == d and dict(t.items()) == d
+            assert sorted(t.keys_()) == sorted(k for k in d.values() if k != ORPHAN)
+            assert all(t.get(h) == d.get(h) for h in pool)
+            assert not t.tab[-2]  # the last slot stays empty
+    for h in list(d):
+        assert t.pop(h) == d.pop(h)
+    assert len(t) == 0 and t.size < 64  # shrunk back
+
+
+def test_table_last_slot_taken_extends_the_array() -> None:
+    from kvindex.precise import _MIX, _PAD, _Table
+
+    t = _Table(7)
+    n, slots = t.size, len(t.tab) // 2
+    inv, top = pow(_MIX, -1, 1 << 64), (n - 1) << (64 - t.bits)  # hashes whose home is the last slot
+    hs = [(top + i) * inv % (1 << 64) for i in range(1, _PAD + 15)]  # ... so they run past the end
+    for h in hs:
+        assert t.insert(h, h + 1)
+    assert t.size == n and len(t.tab) // 2 > slots  # extended, not resized
+    assert all(t.get(h) == h + 1 for h in hs) and not t.tab[-2]
+    for h in hs[::2]:
+        assert t.pop(h) == h + 1
+    assert [t.get(h) for h in hs] == [None if i % 2 == 0 else h + 1 for i, h in enumerate(hs)]
+
+
+def test_hash_zero_and_the_largest_hash_are_held_like_any_other(idx: PreciseIndex) -> None:
+    top = (1 << 64) - 1
+    idx.apply("a", "m", 0, stored([0, top], None, TOKENS[:8]))
+    idx.apply("a", "m", 0, stored([5], top, TOKENS[8:12]))  # the parent is found by its hash
+    ks = keys_of(TOKENS)
+    assert depth(idx, "a", ks) == 3
+    assert idx.engine_hashes("a") == {0: {0: ks[0], top: ks[1], 5: ks[2]}}
+    idx.apply("a", "m", 0, BlockRemoved((0,)))
+    assert depth(idx, "a", ks) == 0 and idx.blocks_held("a")["gpu"] == 2
+
+
+def test_a_freed_slot_is_reused_and_matches_name_the_new_owner(idx: PreciseIndex) -> None:
+    ks = keys_of(TOKENS)
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("b", "m", 0, stored([1], None, TOKENS[:4]))
+    assert set(idx.match(ks)) == {"a", "b"}  # fills the members cache
+    idx.apply("a", "m", 0, AllBlocksCleared())
+    idx.apply("c", "m", 0, stored([9, 8, 7], None, TOKENS[:12]))  # takes a's slot
+    assert idx._slots[0].pod == "c"  # type: ignore[union-attr]
+    got = idx.match(ks)
+    assert set(got) == {"b", "c"} and got["c"].gpu == 3 and got["b"].gpu == 1
+
+
+def test_more_than_64_workers(idx: PreciseIndex) -> None:
+    ks = keys_of(TOKENS)
+    for i in range(150):
+        idx.apply(f"p{i}", "m", i % 2, stored([1000 + i] + [i, i + 1, i + 2][: i % 4], None, TOKENS[: 4 * (1 + i % 4)]))
+    got = idx.match(ks)
+    assert {p: m.gpu for p, m in got.items()} == {f"p{i}": 1 + i % 4 for i in range(150)}
+    assert idx.match(ks, ["p149", "p3", "nobody"]) == {"p149": got["p149"], "p3": got["p3"]}
+    for i in range(0, 150, 2):
+        idx.clear_pod(f"p{i}")
+    assert set(idx.match(ks)) == {f"p{i}" for i in range(1, 150, 2)}
+
+
+def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: PreciseIndex) -> None:
+    ks = keys_of(TOKENS)
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))  # a second copy of hash 1
+    idx.apply("a", "m", 0, stored([11], None, TOKENS[:4]))  # another hash, the same key
+    idx.apply("b", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    assert idx.blocks_held("a")["gpu"] == 4 and depth(idx, "a", ks) == 2
+    idx.apply("a", "m", 0, BlockRemoved((1, 11)))  # two of three holdings of ks[0] go
+    assert depth(idx, "a", ks) == 2
+    idx.apply("a", "m", 0, stored([11], None, TOKENS[:4]))
+    idx.apply("a", "m", 0, AllBlocksCleared())  # while duplicates exist
+    assert idx._dups == {} and idx.match(ks)["b"].gpu == 2 and "a" not in idx.match(ks)
+    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
+    idx.apply("a", "m", 0, BlockRemoved((1,)))
+    assert "a" not in idx.match(ks) and idx.pods() == ["b"]
+
+
+def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: PreciseIndex) -> None:
+    idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
+    idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))  # two keyless copies
+    idx.apply("a", "m", 0, stored([1], None, [], medium="DISK"))
+    assert idx.blocks_held("a") == {"gpu": 0, "cpu": 2, "disk": 1, "orphans": 2}
+    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
+    m = idx.match(keys_of(TOKENS))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (1, 1, 1) and idx.blocks_held("a")["orphans"] == 0
+    idx.apply("a", "m", 0, BlockRemoved((1,), medium="CPU"))
+    idx.apply("a", "m", 0, BlockRemoved((1,), medium="GPU"))
+    m = idx.match(keys_of(TOKENS))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (0, 1, 1)  # one CPU copy is left
+    idx.apply("a", "m", 0, BlockRemoved((1,), medium="CPU"))
+    m = idx.match(keys_of(TOKENS))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (0, 0, 1)
+    idx.apply("a", "m", 0, BlockRemoved((1,), medium="DISK"))
+    assert idx.pods() == [] and all(not h for h in idx._holders.values()) and idx._dups == {}
+
+
+def test_interned_masks_cache_overflow_changes_nothing(idx: PreciseIndex, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvindex.precise as P
+
+    monkeypatch.setattr(P, "_MASKS_CAP", 3)
+    monkeypatch.setattr(P, "_MEMBERS_CAP", 2)
+    ks = keys_of(TOKENS)
+    for i in range(12):
+        idx.apply(f"p{i}", "m", 0, stored([1, 2, 3, 4][: 1 + i % 4], None, TOKENS[: 4 * (1 + i % 4)]))
+    for _ in range(3):
+        assert {p: m.gpu for p, m in idx.match(ks).items()} == {f"p{i}": 1 + i % 4 for i in range(12)}
+        assert idx.match(ks[1:]).keys() == {f"p{i}" for i in range(12) if i % 4 == 0} ^ {f"p{i}" for i in range(12)}
+    assert len(idx._masks) <= 3 and len(idx._members) <= 2
+
+
+def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index(idx: PreciseIndex) -> None:
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("a", "m", 0, stored([3], 999, TOKENS[8:12]))  # orphan
+    idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
+    copy = idx.frozen_copy()
+    idx.apply("a", "m", 0, BlockRemoved(block_hashes=(1, 2)))  # later changes do not reach the copy
+    idx.apply("a", "m", 0, stored([7], None, TOKENS[:4]))
+    ks = keys_of(TOKENS)
+    plain = sorted(((pod, rank, medium, dict(blocks.items()), extra) for pod, rank, medium, blocks, extra in copy),
+                   key=lambda c: c[2])
+    assert plain == [("a", 0, "CPU", {1: ks[0]}, {}), ("a", 0, "GPU", {1: ks[0], 2: ks[1], 3: -1}, {})]
+    assert sorted(entries_of(copy)) == sorted([Entry("a", 0, "CPU", 1, ks[0], 1), Entry("a", 0, "GPU", 1, ks[0], 1),
+                                               Entry("a", 0, "GPU", 2, ks[1], 1), Entry("a", 0, "GPU", 3, None, 1)])
+
+
+def test_table_spreads_sequential_and_strided_hashes() -> None:
+    """Structured engine hashes (numbered blocks, runs per prompt) must not pile into long probe
+    runs: a deterministic bound on displacement, not a timing."""
+    from kvindex.precise import _MIX, _Table
+
+    patterns = {
+        "sequential": [(1 << 63) + i for i in range(20_000)],
+        "runs of 64 every 4096": [(1 << 63) + 4096 * (i // 64) + i % 64 for i in range(20_000)],
+        "strided i << 20": [i << 20 for i in range(1, 20_000)],
+        "strided i * 256 + k": [i * 256 + k for i in range(1, 2_500) for k in range(8)],
+    }
+    for name, hs in patterns.items():
+        t = _Table()
+        for h in hs:
+            assert t.insert(h, h ^ 1)
+        tab, sh, m = t.tab, t.sh, t.m
+        worst = max((j - (tab[j] * _MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
+        assert worst <= 64, (name, worst)
+        assert all(t.get(h) == h ^ 1 for h in hs[::97])
+
+
+def test_prompt_keys_equal_the_chain_of_local_hashes() -> None:
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = [rng.randrange(1 << 32) for _ in range(rng.randrange(0, 90))]
+        bs, limit, root = rng.choice([1, 4, 16]), rng.choice([None, 0, 1, 3, 50]), rng.getrandbits(64)
+        want = K.chain_keys(root, K.local_hashes(tokens, bs, limit))
+        assert K.prompt_keys(root, tokens, bs, limit) == want == K.prompt_keys(root, array("I", tokens), bs, limit)
+    assert K.root_key("m", None, "s") == K.root_key("m", None, "s") != K.root_key("m", "s", None)
+
+
+def test_hashes_and_keys_outside_u64_are_held_like_before() -> None:
+    """Events should carry u64 hashes, but any int was accepted (and a snapshot may hold any)."""
+    from kvindex.precise import Entry
+
+    idx = PreciseIndex()
+    idx.set_block_size("m", BS)
+    odd = [-1, -5, 1 << 64, 1 << 70]
+    idx.apply("a", "m", 0, stored(odd, None, TOKENS))
+    ks = keys_of(TOKENS)
+    assert depth(idx, "a", ks) == 4 and idx.engine_hashes("a") == {0: dict(zip(odd, ks))}
+    idx.apply("a", "m", 0, stored([7], 1 << 70, TOKENS[:4]))  # a parent found by an odd hash
+    assert idx.engine_hashes("a")[0][7] is not None
+    idx.apply("a", "m", 0, BlockRemoved((-5, 1 << 64)))
+    assert depth(idx, "a", ks) == 1 and idx.blocks_held("a")["gpu"] == 3
+    copy = PreciseIndex()
+    entries = [Entry("b", 0, "GPU", 3, (1 << 64) + 3, 1), Entry("b", 0, "GPU", -9, -7, 2), *idx.export_entries()]
+    assert copy.load_entries(entries) == len(entries)
+    assert sorted(copy.export_entries()) == sorted(entries)
+    assert copy.match([(1 << 64) + 3])["b"].gpu == 1 and copy.match([-7])["b"].gpu == 1
+    copy.apply("b", "m", 0, BlockRemoved((-9, -9, 3)))
+    assert copy.match([-7]) == {} and "b" not in copy.pods()

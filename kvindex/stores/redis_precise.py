@@ -55,7 +55,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as rex
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, PreciseIndex, tier_of
+from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, WorkerReplay, tier_of
 from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
@@ -585,59 +585,31 @@ def _hashes_of(events: Sequence[KVEvent]) -> list[int]:
     return list(seen)
 
 
-def _overlay(pod: str, model: str, rank: int, view: _WorkerView) -> tuple[PreciseIndex, Any]:
-    """A PreciseIndex holding only what ``view`` saw of the worker (its holders stay unused)."""
-    ov = PreciseIndex()
-    if view.block_size is not None:
-        ov.set_block_size(model, view.block_size)
-    w = ov._worker(pod, rank)
-    if view.media:
-        w.media = {m: {} for m in view.media}
-    for (m, h), (key, extra) in view.entries.items():
-        w.media[m][h] = key
-        if extra:
-            w.extra[(m, h)] = extra
-    w.orphans = view.orphans
-    return ov, w
-
-
 def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: _WorkerView, hashes: list[int]) -> _Plan:
-    """Replay the batch on the overlay with PreciseIndex's own code and diff the worker."""
-    ov, w = _overlay(pod, model, rank, view)
-    done, reset = Applied(), False
-    for ev in events:
-        t = type(ev)
-        if t is BlockRemoved:
-            ov._remove(w, ev, done)  # type: ignore[arg-type]
-        elif t is BlockStored:
-            ov._store(w, model, ev, done)  # type: ignore[arg-type]
-        elif t is AllBlocksCleared:  # as apply_batch: the rank's cache restarts empty
-            ov.clear_pod(pod, rank)
-            w = ov._worker(pod, rank)
-            done.cleared += 1
-            reset = True
-        else:
-            raise TypeError(f"not a KV event: {t.__name__}")
-    if reset:  # the store clears the worker first: everything the overlay holds is new
-        entries, holders, counted = _diff(w, {}, [(m, h) for m, blocks in w.media.items() for h in blocks])
+    """Replay the batch with PreciseIndex's own rules (``WorkerReplay``) and diff the worker."""
+    replay = WorkerReplay(pod, model, rank, view.block_size, view.media, view.entries, view.orphans)
+    done = replay.run(events)
+    if replay.reset:  # the store clears the worker first: everything the replay holds is new
+        entries, holders, counted = _diff(replay, {}, replay.held())
     else:
-        entries, holders, counted = _diff(w, view.entries, [(m, h) for m in w.media for h in hashes])
-    new_bs = ov.block_size(model) if view.block_size is None else None
-    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, counted, new_bs)
+        entries, holders, counted = _diff(replay, view.entries, [(m, h) for m in replay.media for h in hashes])
+    new_bs = replay.block_size() if view.block_size is None else None
+    return _Plan(done, replay.reset, replay.media, replay.orphans, entries, holders, counted, new_bs)
 
 
-def _diff(w: Any, before: dict[tuple[str, int], tuple[int, int]], touched: list[tuple[str, int]]) -> tuple[bytes, bytes, int]:
+def _diff(replay: WorkerReplay, before: dict[tuple[str, int], tuple[int, int]],
+          touched: list[tuple[str, int]]) -> tuple[bytes, bytes, int]:
     """The changed entries, the holder deltas (copies per tier and key) and the change of the
-    number of entries, between ``before`` and the overlay worker ``w`` over ``touched``."""
+    number of entries, between ``before`` and the replayed worker over ``touched``."""
     entries: list[bytes] = []
     deltas: dict[tuple[str, int], int] = {}
-    index = {m: i for i, m in enumerate(w.media, 1)}
+    index = {m: i for i, m in enumerate(replay.media, 1)}
     counted = 0
     for m, h in touched:
-        old, new = before.get((m, h)), w.media[m].get(h)
-        new_x = w.extra.get((m, h), 0)
-        if old == ((new, new_x) if new is not None else None):
+        old, now = before.get((m, h)), replay.entry(m, h)
+        if old == now:
             continue
+        new, new_x = now if now is not None else (None, 0)
         counted += (new is not None) - (old is not None)
         kind = 0 if new is None else (1 if new == ORPHAN else 2)
         keep = old is not None and old[1] == new_x or old is None and new_x == 0
