@@ -322,8 +322,8 @@ async def state(request: web.Request) -> web.Response:
     require_token(request)
     svc = services(request)
     if svc.state is None:
-        raise ApiError("state export is not available: the state lives in the shared store (--store)", status=503,
-                       reason="unavailable")
+        raise ApiError("state export is not available: the state lives in the shared store (--store redis://) or in "
+                       "the ingest workers (--workers)", status=503, reason="unavailable")
     return web.Response(body=await svc.state(), content_type="application/x-kvindex-state")
 
 
