@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from kvindex.config import ConfigError, EngineConfig
-from kvindex.http_api import ApiError, get_str, read_body, reply, require_token, services
+from kvindex.http_api import ApiError, get_str, json_response, read_body, reply, require_token, services
 from kvindex.query import PreciseAnswer
 
 DEFAULT_GROUP = "default"
@@ -135,7 +135,7 @@ async def register(request: web.Request) -> web.Response:
     await store.set_block_size(model, block_size)
     regs.add(reg)
     services(request).fleet.add(reg.lane_key, engine)
-    return web.json_response({"status": "registered", "instance_id": iid, "dp_rank": dp_rank}, status=201)
+    return json_response({"status": "registered", "instance_id": iid, "dp_rank": dp_rank}, status=201)
 
 
 async def unregister(request: web.Request) -> web.Response:
@@ -156,7 +156,7 @@ async def unregister(request: web.Request) -> web.Response:
         await svc.query.store.clear_pod(iid, reg.dp_rank)
     if not regs.matching(iid):
         await svc.pods.remove(iid)
-    return web.json_response({"status": "unregistered", "instance_id": iid, "listeners": len(found)})
+    return json_response({"status": "unregistered", "instance_id": iid, "listeners": len(found)})
 
 
 async def workers(request: web.Request) -> web.Response:
@@ -179,7 +179,7 @@ async def workers(request: web.Request) -> web.Response:
     for w in out.values():
         states = {lst["status"] for lst in w["listeners"].values()}
         w["status"] = next((s for s in ("failed", "pending", "active") if s in states), "paused")
-    return web.json_response(list(out.values()))
+    return json_response(list(out.values()))
 
 
 async def _candidates(request: web.Request, model: str, group: str | None) -> list[str] | None:
@@ -269,7 +269,7 @@ async def dump(request: web.Request) -> web.Response:
             if stored:
                 entry["events"].append({"worker_id": pod, "dp_rank": rank, "event": {
                     "event_id": len(entry["events"]), "data": {"stored": {"parent_hash": None, "blocks": stored}}}})
-    return web.json_response(out)
+    return json_response(out)
 
 
 async def health(request: web.Request) -> web.Response:

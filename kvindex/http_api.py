@@ -127,10 +127,16 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
     return body
 
 
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """``data`` as JSON, encoded by msgspec (in C: an 8k-token answer costs microseconds, not the
+    ~0.1 ms of the standard library's encoder)."""
+    return web.Response(body=msgspec.json.encode(data), status=status, content_type="application/json")
+
+
 def reply(request: web.Request, data: Any, status: int = 200) -> web.Response:
     if request.content_type == MSGPACK:
         return web.Response(body=msgpack.packb(data), status=status, content_type=MSGPACK)
-    return web.json_response(data, status=status)
+    return json_response(data, status=status)
 
 
 def get_str(body: dict[str, Any], name: str, *, required: bool = True) -> str | None:
@@ -178,7 +184,7 @@ async def dashboard(request: web.Request) -> web.Response:
 
 # -- health ------------------------------------------------------------------------------------
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -191,8 +197,8 @@ async def readyz(request: web.Request) -> web.Response:
     if problem is not None and problem not in problems:
         problems.insert(0, problem)
     if problems:
-        return web.json_response({"status": "not ready", "reasons": problems}, status=503)
-    return web.json_response({"status": "ready"})
+        return json_response({"status": "not ready", "reasons": problems}, status=503)
+    return json_response({"status": "ready"})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -205,14 +211,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 # -- pods --------------------------------------------------------------------------------------
 async def list_pods(request: web.Request) -> web.Response:
-    return web.json_response({"pods": await services(request).pods.views()})
+    return json_response({"pods": await services(request).pods.views()})
 
 
 async def get_pod(request: web.Request) -> web.Response:
     pod = pod_from_path(request)
     for view in await services(request).pods.views():
         if view["pod"] == pod:
-            return web.json_response(view)
+            return json_response(view)
     raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
 
 
@@ -221,7 +227,7 @@ async def delete_pod(request: web.Request) -> web.Response:
     pod = pod_from_path(request)
     if not await services(request).pods.remove(pod):
         raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
-    return web.json_response({"removed": pod})
+    return json_response({"removed": pod})
 
 
 async def resync_pod(request: web.Request) -> web.Response:
@@ -229,7 +235,7 @@ async def resync_pod(request: web.Request) -> web.Response:
     pod = pod_from_path(request)
     if not await services(request).fleet.resync(pod):
         raise ApiError(f"no engine stream feeds pod {pod!r}", field="pod", status=404, reason="unknown_pod")
-    return web.json_response({"resynced": pod})
+    return json_response({"resynced": pod})
 
 
 # -- scoring -----------------------------------------------------------------------------------
@@ -260,7 +266,7 @@ async def score(request: web.Request) -> web.Response:
         "pods": {pod: PodAnswer(pod, precise, approx).to_json() for pod in candidates},
     }
     svc.metrics.query_seconds.labels("/v1/score").observe(time.perf_counter() - t0)
-    return web.json_response(answer)
+    return json_response(answer)
 
 
 async def decisions(request: web.Request) -> web.Response:
@@ -269,7 +275,7 @@ async def decisions(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     answer = await svc.decisions.record_body(await read_body(request))
     svc.metrics.query_seconds.labels("/v1/decisions").observe(time.perf_counter() - t0)
-    return web.json_response(answer)
+    return json_response(answer)
 
 
 async def explain(request: web.Request) -> web.Response:
@@ -289,7 +295,7 @@ async def explain(request: web.Request) -> web.Response:
     hashes = svc.query.approx_hashes(model, req) or ()
     pods = get_pods(body) or await svc.query.candidates(None, None)
     answer = await svc.query.approx_match(model, hashes, pods)
-    return web.json_response({
+    return json_response({
         "model": model, "personality": settings.personality, "rendered": rendered,
         "rendered_bytes": len(rendered.encode("utf-8", "replace")),
         "block_hashes": list(hashes),
@@ -308,12 +314,12 @@ async def drift(request: web.Request) -> web.Response:
         raise ApiError("window must be a positive number of seconds", field="window", reason="bad_field")
     if request.query.get("recheck") in ("1", "true"):
         await svc.drift.recheck_async()
-    return web.json_response(svc.drift.summary(seconds))
+    return json_response(svc.drift.summary(seconds))
 
 
 async def drift_history(request: web.Request) -> web.Response:
     svc = services(request)
-    return web.json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
+    return json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
 
 
 async def state(request: web.Request) -> web.Response:
