@@ -74,13 +74,19 @@ class PodDirectory:
         return problems
 
     async def remove(self, pod: str) -> bool:
-        known = pod in await self._store.pods() or pod in await self._approx.pods()
-        await self._store.clear_pod(pod)
-        await self._approx.remove_pod(pod)
-        self._drift.forget_pod(pod)
-        if self.on_remove is not None:
-            self.on_remove(pod)
-        return known
+        return await remove_pod(pod, self._store, self._approx, self._drift, self.on_remove)
+
+
+async def remove_pod(pod: str, store: PreciseStore, approx: ApproxStore, drift: DriftAudit,
+                     on_remove: Callable[[str], None] | None) -> bool:
+    """Forget ``pod`` in both stores and the drift sample; True if either store knew it."""
+    known = pod in await store.pods() or pod in await approx.pods()
+    await store.clear_pod(pod)
+    await approx.remove_pod(pod)
+    drift.forget_pod(pod)
+    if on_remove is not None:
+        on_remove(pod)
+    return known
 
 
 def _sync_state(st: Stream, pos: Position | None) -> tuple[bool, str | None]:

@@ -46,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvindex
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit
+from kvindex.pods import remove_pod
 from kvindex.stores.base import ApproxStore, StoreUnavailable
 from kvindex.stores.sharded import ShardChannel, ShardedPreciseStore
 from kvindex.worker import WorkerSettings, owner_of
@@ -275,13 +276,7 @@ class ShardedPods:
         return problems
 
     async def remove(self, pod: str) -> bool:
-        known = pod in await self._store.pods() or pod in await self._approx.pods()
-        await self._store.clear_pod(pod)
-        await self._approx.remove_pod(pod)
-        self._drift.forget_pod(pod)
-        if self.on_remove is not None:
-            self.on_remove(pod)
-        return known
+        return await remove_pod(pod, self._store, self._approx, self._drift, self.on_remove)
 
 
 def _merge_view(views: dict[str, dict[str, Any]], view: dict[str, Any]) -> None:
