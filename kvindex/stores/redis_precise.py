@@ -54,14 +54,19 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex import keys as K
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, PreciseIndex, tier_of
 from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
-_ENTRY = struct.Struct(">BQBQI")  # medium index, hash, kind (0 delete, 1 orphan, 2 key), key, extra copies
+_GROUP = struct.Struct(">BHI")  # medium index, bucket, number of records (write_entries)
+_KEY_SET = struct.Struct(">Q1sQ")  # hash, 'k', key
+_ORPHAN_SET = struct.Struct(">Qc8x")  # hash, 'o', nothing
+_EXTRA = struct.Struct(">BQI")  # medium index, hash, copies beyond the first (0: none)
 _DELTA = struct.Struct(">1sQi")  # tier char, key, change of copies held
+BUCKET_MASK = 511  # a hash's bucket: its low 9 bits (bucket_of in the script)
 UNCHANGED = (1 << 32) - 1  # extra copies not changed
 
 LUA = r"""
@@ -87,6 +92,20 @@ local function hmget(key, fields)
   end
   return out
 end
+local function chunked(cmd, key, args, step)  -- cmd [key] args..., at most ``step`` args per call
+  for i = 1, #args, step do
+    if key then redis.call(cmd, key, unpack(args, i, math.min(i + step - 1, #args)))
+    else redis.call(cmd, unpack(args, i, math.min(i + step - 1, #args))) end
+  end
+end
+local function mget(names)
+  local out = {}
+  for i = 1, #names, 4000 do
+    local part = redis.call('MGET', unpack(names, i, math.min(i + 3999, #names)))
+    for j = 1, #part do out[#out + 1] = part[j] end
+  end
+  return out
+end
 local function parse_name(name)
   local rank, pod = string.match(name, '^([^|]*)|(.*)$')
   return rank, pod
@@ -100,50 +119,87 @@ local function workers_of(pod, rank)  -- {name, slot} of the pod's workers (one 
   return out
 end
 
--- holders of (tier, key): bit ``slot`` of the string t:key, copies beyond the first in HASH T:key
-local offload_marked = false
-local function hold(t, key, slot, delta)  -- the copies of key in tier t held by slot change by delta
-  local bits, extra = base .. t .. ':' .. key, base .. string.upper(t) .. ':' .. key
-  if t ~= 'g' and delta > 0 and not offload_marked then  -- sticky: offload tiers in use
-    redis.call('SET', base .. 'off', '1')
-    offload_marked = true
+-- holders of (tier, key): bit ``slot`` of the string t:key (read with one MGET and written with
+-- one MSET / DEL per batch, the bits computed here), copies beyond the first in the worker's HASH
+-- D:<slot> "<tier char><key>" -> count
+local function with_bit(s, pos, on)  -- bitmap s (false: none) with bit pos set or cleared
+  s = s or ''
+  local j, m = math.floor(pos / 8) + 1, BIT[pos % 8]
+  if #s < j then
+    if not on then return s end
+    s = s .. string.rep('\0', j - #s)
   end
-  if delta > 0 then  -- SETBIT answers whether the slot held the key already: one call when new
-    if redis.call('SETBIT', bits, slot, 1) == 1 then redis.call('HINCRBY', extra, slot, delta)
-    elseif delta > 1 then redis.call('HSET', extra, slot, delta - 1) end
-    return
-  end
-  local more = tonumber(redis.call('HGET', extra, slot)) or 0
-  local n = 1 + more + delta
-  if n <= 0 then
-    if more > 0 then redis.call('HDEL', extra, slot) end
-    redis.call('SETBIT', bits, slot, 0)
-    if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
-  elseif n > 1 then redis.call('HSET', extra, slot, n - 1)
-  elseif more > 0 then redis.call('HDEL', extra, slot) end
+  local old = string.byte(s, j)
+  local new = on and bor(old, m) or band(old, 255 - m)
+  if new == old then return s end
+  return string.sub(s, 1, j - 1) .. string.char(new) .. string.sub(s, j + 1)
 end
-local function unhold_all(t, key, slot)
-  local bits = base .. t .. ':' .. key
-  redis.call('HDEL', base .. string.upper(t) .. ':' .. key, slot)
-  redis.call('SETBIT', bits, slot, 0)
-  if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+local function has_bit(s, pos)
+  if not s then return false end
+  local b = string.byte(s, math.floor(pos / 8) + 1)
+  return b ~= nil and band(b, BIT[pos % 8]) ~= 0
+end
+local offload_marked = false
+local function mark_offload()  -- sticky: offload tiers in use
+  if not offload_marked then redis.call('SET', base .. 'off', '1'); offload_marked = true end
+end
+-- names[i] (holder key names, each once) change by deltas[i] copies held by ``slot``. The common
+-- cases cost no call of their own: a new key held by the slot alone (one MSET for all) and the
+-- slot's last copy of a key only it holds (one DEL for all); the rest is computed bit by bit.
+local function apply_holders(slot, names, deltas)
+  local n = #names
+  if n == 0 then return end
+  local pos, dkey = tonumber(slot), base .. 'D:' .. slot
+  local solo, bits = with_bit(false, pos, true), mget(names)
+  local dups = redis.call('EXISTS', dkey) == 1
+  local sets, dels, slow = {}, {}, {}
+  for i = 1, n do
+    local b, d = bits[i], deltas[i]
+    if not b and d == 1 then sets[#sets + 1] = names[i]; sets[#sets + 1] = solo
+    elseif b == solo and d == -1 and not dups then dels[#dels + 1] = names[i]
+    else slow[#slow + 1] = i end
+  end
+  local extras, dset, ddel = {}, {}, {}
+  if dups and #slow > 0 then
+    local fields = {}
+    for j, i in ipairs(slow) do fields[j] = names[i] end
+    extras = hmget(dkey, fields)
+  end
+  for j, i in ipairs(slow) do
+    local b, held = bits[i], has_bit(bits[i], pos)
+    local extra = held and tonumber(extras[j]) or 0
+    local after = (held and 1 + extra or 0) + deltas[i]
+    if after > 0 then
+      if not held then sets[#sets + 1] = names[i]; sets[#sets + 1] = with_bit(b, pos, true) end
+      if after - 1 ~= extra then
+        if after == 1 then ddel[#ddel + 1] = names[i] else dset[#dset + 1] = names[i]; dset[#dset + 1] = after - 1 end
+      end
+    else
+      if held then
+        local left = with_bit(b, pos, false)
+        if string.find(left, '[^%z]') then sets[#sets + 1] = names[i]; sets[#sets + 1] = left
+        else dels[#dels + 1] = names[i] end
+      end
+      if extra > 0 then ddel[#ddel + 1] = names[i] end
+    end
+  end
+  chunked('MSET', false, sets, 4000)
+  chunked('DEL', false, dels, 4000)
+  chunked('HSET', dkey, dset, 4000)
+  chunked('HDEL', dkey, ddel, 4000)
 end
 
 -- a worker's engine hashes of one medium live in 512 small hashes by the hash's low 9 bits
 -- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~60k hashes per
--- worker and medium); the bitmap k:<slot>:<i> marks the buckets in use
+-- worker and medium); the bitmap k:<slot>:<i> marks the buckets that may be in use (a superset:
+-- a bucket emptied keeps its bit until the worker goes)
 local function bucket_of(h) return (string.byte(h, 7) % 2) * 256 + string.byte(h, 8) end
+local function bucket_prefix(slot, idx) return base .. 'b:' .. slot .. ':' .. idx .. ':' end
 local function set_entry(slot, idx, h, v)
   local b = bucket_of(h)
-  local added = redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx .. ':' .. b, h, v)
+  local added = redis.call('HSET', bucket_prefix(slot, idx) .. b, h, v)
   if added == 1 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 1) end
   return added
-end
-local function del_entry(slot, idx, h)
-  local b = bucket_of(h)
-  local bkey = base .. 'b:' .. slot .. ':' .. idx .. ':' .. b
-  redis.call('HDEL', bkey, h)
-  if redis.call('EXISTS', bkey) == 0 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 0) end
 end
 local function buckets_used(slot, idx)  -- bucket key names of one medium
   local used, out = redis.call('GET', base .. 'k:' .. slot .. ':' .. idx) or '', {}
@@ -166,17 +222,25 @@ end
 
 local function clear_worker(name, slot)
   local media = split(redis.call('HGET', base .. 'w:' .. slot, 'M'))
+  local names, deltas, seen = {}, {}, {}
   for i, m in ipairs(media) do
-    local t = tier(m)
-    for _, bkey in ipairs(buckets_used(slot, i)) do
+    local pre = base .. tier(m) .. ':'
+    local buckets = buckets_used(slot, i)
+    for _, bkey in ipairs(buckets) do
       local all = redis.call('HGETALL', bkey)
       for j = 2, #all, 2 do
-        if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
+        local v = all[j]
+        if v ~= 'o' then
+          local name = pre .. v
+          if not seen[name] then seen[name] = true; names[#names + 1] = name; deltas[#deltas + 1] = -1 end
+        end
       end
-      redis.call('DEL', bkey)
     end
+    chunked('DEL', false, buckets, 4000)
     redis.call('DEL', base .. 'k:' .. slot .. ':' .. i)
   end
+  redis.call('DEL', base .. 'D:' .. slot)  -- first: every holding goes, whatever its copies
+  apply_holders(slot, names, deltas)
   redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
   redis.call('HDEL', base .. 'N', slot)
@@ -185,10 +249,11 @@ local function clear_worker(name, slot)
 end
 local function read_pos(key) return redis.call('HMGET', key, 'q', 'e', 'y', 'r') end
 local function write_pos(key, q, e, y, r)
+  local fields = {'e', e, 'y', y}
+  if q then fields[#fields + 1] = 'q'; fields[#fields + 1] = q end
+  if r then fields[#fields + 1] = 'r'; fields[#fields + 1] = r end
   redis.call('DEL', key)
-  redis.call('HSET', key, 'e', e, 'y', y)
-  if q then redis.call('HSET', key, 'q', q) end
-  if r then redis.call('HSET', key, 'r', r) end
+  redis.call('HSET', key, unpack(fields))
 end
 local function judge(p, seq, epoch, forced)
   if not p[2] then return 'applied' end
@@ -219,7 +284,9 @@ local function count_entries(name, slot, delta)  -- a worker without entries is 
   end
 end
 
--- ARGV[4] worker name, ARGV[5] hashes (8 bytes each): position, block size, version, media, entries
+-- ARGV[4] worker name, ARGV[5] hashes (8 bytes each): position, block size, version, media,
+-- orphans, then per medium the value of each hash (key, 'o' or nil) and its extra copies (false
+-- when the worker has none)
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
@@ -229,17 +296,29 @@ local function read_worker()
   if not slot then return out end
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
-  local hashes = {}
-  for i = 1, #ARGV[5] - 7, 8 do hashes[#hashes + 1] = string.sub(ARGV[5], i, i + 7) end
+  local hashes, packed = {}, ARGV[5]
+  for i = 1, #packed - 7, 8 do hashes[#hashes + 1] = string.sub(packed, i, i + 7) end
   if #hashes == 0 then return out end
-  for i, m in ipairs(split(meta[1])) do
-    local fields, values = {}, {}
+  local xkey = base .. 'x:' .. slot
+  local extras = redis.call('EXISTS', xkey) == 1
+  local buckets = {}
+  for j, h in ipairs(hashes) do buckets[j] = bucket_of(h) end
+  for i in ipairs(split(meta[1])) do
+    local pre, names, values = bucket_prefix(slot, i), {}, {}
     for j, h in ipairs(hashes) do
-      fields[j] = i .. ':' .. h
-      values[j] = redis.call('HGET', base .. 'b:' .. slot .. ':' .. i .. ':' .. bucket_of(h), h)
+      local b = buckets[j]
+      local name = names[b]
+      if not name then name = pre .. b; names[b] = name end
+      values[j] = redis.call('HGET', name, h)
     end
     out[#out + 1] = values
-    out[#out + 1] = hmget(base .. 'x:' .. slot, fields)
+    if extras then
+      local fields = {}
+      for j, h in ipairs(hashes) do fields[j] = i .. ':' .. h end
+      out[#out + 1] = hmget(xkey, fields)
+    else
+      out[#out + 1] = false
+    end
   end
   return out
 end
@@ -249,35 +328,80 @@ local function u32(s, i)
   return ((b1 * 256 + b2) * 256 + b3) * 256 + b4
 end
 
--- entries: 22-byte records (medium index u8, hash 8, kind u8 0 delete | 1 orphan | 2 key, key 8,
--- extra copies u32, 2^32-1: unchanged); deltas: 13-byte records (tier char, key 8, delta i32)
-local function write_worker(name, reset, order, orphans, entries, deltas, counted)
+local function u16(s, i)
+  local b1, b2 = string.byte(s, i, i + 1)
+  return b1 * 256 + b2
+end
+
+-- The entries written, grouped per bucket: ``sets`` and ``dels`` are groups of (medium index u8,
+-- bucket u16, count u32) followed by count records: sets (hash 8, 'k' or 'o', key 8), dels (hash
+-- 8); ``extras`` are records (medium index u8, hash 8, copies beyond the first u32, 0: none). One
+-- record per (medium, hash).
+local function write_entries(slot, sets, dels, extras)
+  local i = 1
+  while i <= #dels do
+    local idx, b, n = string.byte(dels, i), u16(dels, i + 1), u32(dels, i + 3)
+    local fields = {}
+    for j = 1, n do local at = i + 7 + 8 * (j - 1); fields[j] = string.sub(dels, at, at + 7) end
+    chunked('HDEL', bucket_prefix(slot, idx) .. b, fields, 4000)
+    i = i + 7 + 8 * n
+  end
+  local used = {}  -- medium index -> its bitmap of buckets in use, as read
+  i = 1
+  while i <= #sets do
+    local idx, b, n = string.byte(sets, i), u16(sets, i + 1), u32(sets, i + 3)
+    local fields = {}
+    for j = 1, n do
+      local at = i + 7 + 17 * (j - 1)
+      fields[2 * j - 1] = string.sub(sets, at, at + 7)
+      fields[2 * j] = string.byte(sets, at + 8) == 111 and 'o' or string.sub(sets, at + 9, at + 16)
+    end
+    chunked('HSET', bucket_prefix(slot, idx) .. b, fields, 4000)
+    local k = base .. 'k:' .. slot .. ':' .. idx
+    if used[idx] == nil then used[idx] = redis.call('GET', k) end
+    if not has_bit(used[idx], b) then redis.call('SETBIT', k, b, 1) end
+    i = i + 7 + 17 * n
+  end
+  local xkey, xset, xdel = base .. 'x:' .. slot, {}, {}
+  for j = 1, #extras, 13 do
+    local field, n = string.byte(extras, j) .. ':' .. string.sub(extras, j + 1, j + 8), u32(extras, j + 9)
+    if n == 0 then xdel[#xdel + 1] = field else xset[#xset + 1] = field; xset[#xset + 1] = n end
+  end
+  chunked('HDEL', xkey, xdel, 4000)
+  chunked('HSET', xkey, xset, 4000)
+end
+local TIER_OF_BYTE = {[103] = 'g', [99] = 'c', [100] = 'd'}
+-- holder changes: 13-byte records (tier char, key 8, change of copies i32), one per (tier, key)
+local function write_holders(slot, changes)
+  local names, deltas, pre = {}, {}, {}
+  for i = 1, #changes, 13 do
+    local t, d1, d2, d3, d4 = string.byte(changes, i), string.byte(changes, i + 9, i + 12)
+    local d = ((d1 * 256 + d2) * 256 + d3) * 256 + d4
+    if d >= 2147483648 then d = d - 4294967296 end
+    local tc = TIER_OF_BYTE[t]
+    if tc ~= 'g' and d > 0 then mark_offload() end
+    if not pre[tc] then pre[tc] = base .. tc .. ':' end
+    names[#names + 1] = pre[tc] .. string.sub(changes, i + 1, i + 8)
+    deltas[#deltas + 1] = d
+  end
+  apply_holders(slot, names, deltas)
+end
+local function write_worker(name, reset, order, orphans, sets, dels, extras, changes, counted)
   redis.call('HINCRBY', base .. 'v', name, 1)
   local slot = redis.call('HGET', base .. 'W', name)
   if slot and reset then clear_worker(name, slot); slot = false end
-  if #entries == 0 and not slot then return end
+  if #sets == 0 and #dels == 0 and #extras == 0 and not slot then return end
   if not slot then slot = new_worker(name, order) end
-  local xkey = base .. 'x:' .. slot
   redis.call('HSET', base .. 'w:' .. slot, 'M', order, 'o', orphans)
-  for i = 1, #entries, 22 do
-    local idx, h, kind, extra = string.byte(entries, i), string.sub(entries, i + 1, i + 8), string.byte(entries, i + 9), u32(entries, i + 18)
-    if kind == 0 then del_entry(slot, idx, h)
-    elseif kind == 1 then set_entry(slot, idx, h, 'o')
-    else set_entry(slot, idx, h, string.sub(entries, i + 10, i + 17)) end
-    if extra == 0 then redis.call('HDEL', xkey, idx .. ':' .. h)
-    elseif extra < 4294967295 then redis.call('HSET', xkey, idx .. ':' .. h, extra) end
-  end
-  for i = 1, #deltas, 13 do
-    local d = u32(deltas, i + 9)
-    if d >= 2147483648 then d = d - 4294967296 end
-    hold(string.sub(deltas, i, i), string.sub(deltas, i + 1, i + 8), slot, d)
-  end
+  write_entries(slot, sets, dels, extras)
+  write_holders(slot, changes)
   count_entries(name, slot, counted)
 end
 
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
--- [15] entries, [16] holder deltas (packed records, see write_worker), [17] change of entries held
+-- [15] sets, [16] dels, [17] extras (see write_entries), [18] holder changes (see write_holders),
+-- [19] change of the number of entries held
 local function apply_batch()
   local p = read_pos(KEYS[2])
   local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
@@ -290,8 +414,9 @@ local function apply_batch()
   end
   if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
   local slot = redis.call('HGET', base .. 'W', name)
-  if ARGV[12] == '1' or #ARGV[15] > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
-    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16], tonumber(ARGV[17]))
+  local written = #ARGV[15] > 0 or #ARGV[16] > 0 or #ARGV[17] > 0
+  if ARGV[12] == '1' or written or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
+    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16], ARGV[17], ARGV[18], tonumber(ARGV[19]))
   end
   local y, r = p[3], p[4]
   if forced then y, r = '0', string.sub(ARGV[6], 2)
@@ -458,8 +583,9 @@ local function dump()
   return out
 end
 
--- ARGV[4..] groups of (name, medium, hash, key or 'o', copies)
+-- ARGV[4..] groups of (name, medium, hash, key or 'o', copies); holders are written per slot at the end
 local function load()
+  local holdings = {}  -- slot -> {holder key name -> copies} (no worker is freed while loading)
   for i = 4, #ARGV, 5 do
     local name, m, h, key, copies = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
     local slot = redis.call('HGET', base .. 'W', name) or new_worker(name, 'GPU')
@@ -473,8 +599,19 @@ local function load()
     if set_entry(slot, idx, h, key) == 1 then count_entries(name, slot, 1) end
     if copies > 1 then redis.call('HSET', base .. 'x:' .. slot, idx .. ':' .. h, copies - 1) end
     if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. slot, 'o', 1)
-    else hold(tier(m), key, slot, copies) end
+    else
+      local t, mine = tier(m), holdings[slot] or {}
+      if t ~= 'g' then mark_offload() end
+      holdings[slot] = mine
+      local hname = base .. t .. ':' .. key
+      mine[hname] = (mine[hname] or 0) + copies
+    end
     redis.call('HINCRBY', base .. 'v', name, 1)
+  end
+  for slot, mine in pairs(holdings) do
+    local names, deltas = {}, {}
+    for hname, copies in pairs(mine) do names[#names + 1] = hname; deltas[#deltas + 1] = copies end
+    apply_holders(slot, names, deltas)
   end
   return {'ok'}
 end
@@ -551,8 +688,8 @@ class _Plan:
     reset: bool
     media: tuple[str, ...]
     orphans: int
-    entries: bytes  # _ENTRY records
-    holders: bytes  # _DELTA records
+    changes: list[tuple[int, int, int | None, int]]  # (medium index, hash, key / ORPHAN / None: gone, extra)
+    holders: dict[tuple[str, int], int]  # (tier char, key) -> change of the copies held (non-zero)
     counted: int  # change of the number of entries (medium, hash) held
     new_block_size: int | None
 
@@ -566,9 +703,10 @@ def _view_of(reply: list[Any], hashes: list[int]) -> _WorkerView:
         if 9 + 2 * i >= len(reply):
             break
         values, extras = reply[9 + 2 * i], reply[10 + 2 * i]
-        for h, v, x in zip(hashes, values, extras):
+        for j, v in enumerate(values):
             if v is not None:
-                entries[(medium, h)] = (_key_or_orphan(v), 0 if x is None else int(x))
+                x = extras[j] if extras else None
+                entries[(medium, hashes[j])] = (_key_or_orphan(v), 0 if x is None else int(x))
     return _WorkerView(pos, bs, _text(reply[6]), media, int(reply[8] or 0), entries)
 
 
@@ -602,7 +740,13 @@ def _overlay(pod: str, model: str, rank: int, view: _WorkerView) -> tuple[Precis
 
 
 def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: _WorkerView, hashes: list[int]) -> _Plan:
-    """Replay the batch on the overlay with PreciseIndex's own code and diff the worker."""
+    """The batch's plan: the fast path when it applies, else the overlay replay."""
+    return plan_fast(model, events, view, hashes) or plan_replayed(pod, model, rank, events, view, hashes)
+
+
+def plan_replayed(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: _WorkerView,
+                  hashes: list[int]) -> _Plan:
+    """Replay the batch on the overlay with PreciseIndex's own code and diff the worker (any batch)."""
     ov, w = _overlay(pod, model, rank, view)
     done, reset = Applied(), False
     for ev in events:
@@ -619,17 +763,18 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
         else:
             raise TypeError(f"not a KV event: {t.__name__}")
     if reset:  # the store clears the worker first: everything the overlay holds is new
-        entries, holders, counted = _diff(w, {}, [(m, h) for m, blocks in w.media.items() for h in blocks])
+        changes, holders, counted = _diff(w, {}, [(m, h) for m, blocks in w.media.items() for h in blocks])
     else:
-        entries, holders, counted = _diff(w, view.entries, [(m, h) for m in w.media for h in hashes])
+        changes, holders, counted = _diff(w, view.entries, [(m, h) for m in w.media for h in hashes])
     new_bs = ov.block_size(model) if view.block_size is None else None
-    return _Plan(done, reset, tuple(w.media), w.orphans, entries, holders, counted, new_bs)
+    return _Plan(done, reset, tuple(w.media), w.orphans, changes, holders, counted, new_bs)
 
 
-def _diff(w: Any, before: dict[tuple[str, int], tuple[int, int]], touched: list[tuple[str, int]]) -> tuple[bytes, bytes, int]:
+def _diff(w: Any, before: dict[tuple[str, int], tuple[int, int]],
+          touched: list[tuple[str, int]]) -> tuple[list[tuple[int, int, int | None, int]], dict[tuple[str, int], int], int]:
     """The changed entries, the holder deltas (copies per tier and key) and the change of the
     number of entries, between ``before`` and the overlay worker ``w`` over ``touched``."""
-    entries: list[bytes] = []
+    changes: list[tuple[int, int, int | None, int]] = []
     deltas: dict[tuple[str, int], int] = {}
     index = {m: i for i, m in enumerate(w.media, 1)}
     counted = 0
@@ -639,16 +784,98 @@ def _diff(w: Any, before: dict[tuple[str, int], tuple[int, int]], touched: list[
         if old == ((new, new_x) if new is not None else None):
             continue
         counted += (new is not None) - (old is not None)
-        kind = 0 if new is None else (1 if new == ORPHAN else 2)
         keep = old is not None and old[1] == new_x or old is None and new_x == 0
-        entries.append(_ENTRY.pack(index[m], h, kind, new if kind == 2 else 0, UNCHANGED if keep else new_x))
+        changes.append((index[m], h, new, UNCHANGED if keep else new_x))
         t = _TIER_CHAR[tier_of(m)]
         if old is not None and old[0] != ORPHAN:
             deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
         if new is not None and new != ORPHAN:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
-    holders = b"".join(_DELTA.pack(t.encode(), k, d) for (t, k), d in deltas.items() if d)
-    return b"".join(entries), holders, counted
+    return changes, {k: d for k, d in deltas.items() if d}, counted
+
+
+def plan_fast(model: str, events: Sequence[KVEvent], view: _WorkerView, hashes: list[int]) -> _Plan | None:
+    """The common batch without the overlay: a worker holding GPU blocks only, none keyless or
+    copied twice among those the batch names, and GPU stores that all get keys (parent held or
+    none, tokens for every block, the model's block size) of hashes not held yet, and removals.
+    Same result as ``plan_replayed``; None (use it) as soon as the batch leaves that case."""
+    if view.media not in ((), (GPU,)):
+        return None
+    held: dict[int, int] = {}
+    for (_, h), (key, extra) in view.entries.items():
+        if extra or key == ORPHAN:
+            return None
+        held[h] = key
+    now, deltas, done, bs = dict(held), {}, Applied(), view.block_size
+    for ev in events:
+        t = type(ev)
+        if t is BlockStored:
+            if ev.medium != GPU or (bs is not None and ev.block_size != bs):  # type: ignore[union-attr]
+                return None
+            bs = ev.block_size  # type: ignore[union-attr]
+            if not _store_fast(model, ev, now, deltas):  # type: ignore[arg-type]
+                return None
+            done.stored_events += 1
+            done.stored += len(ev.block_hashes)  # type: ignore[union-attr]
+        elif t is BlockRemoved and ev.medium == GPU:  # type: ignore[union-attr]
+            gone = [now.pop(h, None) for h in ev.block_hashes]  # type: ignore[union-attr]
+            for key in gone:
+                if key is not None:
+                    deltas[key] = deltas.get(key, 0) - 1
+            done.removed_events += 1
+            done.unknown_removals += gone.count(None)
+            done.removed += len(gone) - gone.count(None)
+        else:
+            return None
+    changes, counted = [], 0
+    for h in hashes:
+        old, new = held.get(h), now.get(h)
+        if old != new:
+            counted += (new is not None) - (old is not None)
+            changes.append((1, h, new, UNCHANGED))
+    new_bs = bs if view.block_size is None else None
+    return _Plan(done, False, (GPU,), view.orphans, changes, {("g", k): d for k, d in deltas.items() if d}, counted, new_bs)
+
+
+def _store_fast(model: str, ev: BlockStored, now: dict[int, int], deltas: dict[int, int]) -> bool:
+    """Store ``ev``'s blocks in ``now`` (hash -> key); False if one would be keyless or a copy."""
+    if ev.parent_hash is None:
+        parent: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
+    else:
+        parent = now.get(ev.parent_hash)
+        if parent is None:
+            return False
+    hashes = ev.block_hashes
+    keys = K.prompt_keys(parent, ev.token_ids, ev.block_size, limit=len(hashes))
+    if len(keys) < len(hashes):
+        return False
+    for h, key in zip(hashes, keys):
+        if h in now:
+            return False
+        now[h] = key
+        deltas[key] = deltas.get(key, 0) + 1
+    return True
+
+
+def _pack_changes(changes: list[tuple[int, int, int | None, int]]) -> tuple[bytes, bytes, bytes]:
+    """The apply script's entry sections (see write_entries): writes and deletions grouped per
+    (medium, bucket), and the changed extra copies."""
+    sets: dict[tuple[int, int], list[bytes]] = {}
+    dels: dict[tuple[int, int], list[bytes]] = {}
+    extras = []
+    for idx, h, key, extra in changes:
+        group = (idx, h & BUCKET_MASK)
+        if key is None:
+            dels.setdefault(group, []).append(h.to_bytes(8, "big"))
+        elif key == ORPHAN:
+            sets.setdefault(group, []).append(_ORPHAN_SET.pack(h, b"o"))
+        else:
+            sets.setdefault(group, []).append(_KEY_SET.pack(h, b"k", key))
+        if extra != UNCHANGED:
+            extras.append(_EXTRA.pack(idx, h, extra))
+    return (b"".join(_GROUP.pack(i, b, len(r)) + b"".join(r) for (i, b), r in sets.items()),
+            b"".join(_GROUP.pack(i, b, len(r)) + b"".join(r) for (i, b), r in dels.items()),
+            b"".join(extras))
 
 
 def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
@@ -658,9 +885,11 @@ def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: st
         read_bs = "*"
     else:
         read_bs = "" if view.block_size is None else str(view.block_size)
+    sets, dels, extras = _pack_changes(plan.changes)
+    holders = b"".join([_DELTA.pack(t.encode(), k, d) for (t, k), d in plan.holders.items()])
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
-            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), plan.entries, plan.holders,
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), sets, dels, extras, holders,
             str(plan.counted)]
 
 
