@@ -16,8 +16,10 @@ Invariants:
   lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
   by every write to the worker, never deleted: a recreated worker is a new version), ``w:<slot>``
   HASH n(name) M(media in first-store order, "\\n"-joined) o(orphans) c(entries);
-  ``b:<slot>:<i>:<bucket>`` HASH engine hash -> key or "o" of the i-th medium, in 512 buckets by the
-  hash's low 9 bits (small listpack hashes: ~32 bytes per entry), ``k:<slot>:<i>`` bitmap of the
+  ``b:<slot>:<i>:<bucket>`` HASH engine hash -> key or "o" of the i-th medium, in 128 buckets by the
+  hash's low 7 bits (listpack hashes up to Redis's default hash-max-listpack-entries, 512: ~25 bytes
+  per entry, listpack up to ~65k hashes per worker and medium; few buckets: a batch's hashes share
+  them, and each bucket touched costs the scripts one call), ``k:<slot>:<i>`` bitmap of the
   buckets in use, ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier
   t in g|c|d: ``t:<key>`` bitmap of the slots holding the key and ``T:<key>`` HASH slot -> copies
   beyond the first (PreciseIndex's ``_holders`` bitmask and ``_dups``). Engine hashes and keys are
@@ -49,8 +51,10 @@ import secrets
 import struct
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 
@@ -61,12 +65,9 @@ from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, Store
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
-_GROUP = struct.Struct(">BHI")  # medium index, bucket, number of records (write_entries)
-_KEY_SET = struct.Struct(">Q1sQ")  # hash, 'k', key
-_ORPHAN_SET = struct.Struct(">Qc8x")  # hash, 'o', nothing
-_EXTRA = struct.Struct(">BQI")  # medium index, hash, copies beyond the first (0: none)
-_DELTA = struct.Struct(">1sQi")  # tier char, key, change of copies held
-BUCKET_MASK = 511  # a hash's bucket: its low 9 bits (bucket_of in the script)
+_packb = msgpack.Packer(use_bin_type=False).pack  # the scripts' cmsgpack reads str, not bin
+BUCKET_MASK = 127  # a hash's bucket: its low 7 bits (bucket_of in the script)
+_DIGITS = tuple(str(b).encode() for b in range(BUCKET_MASK + 1))  # a bucket's number as its key names it
 UNCHANGED = (1 << 32) - 1  # extra copies not changed
 
 LUA = r"""
@@ -75,6 +76,8 @@ if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
 local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
+-- hot paths never turn numbers into strings by concatenation (Lua formats them with %.14g: slow);
+-- bulk arguments arrive msgpack-encoded (cmsgpack unpacks them in C)
 local function split(s)
   local out = {}
   if s then for part in string.gmatch(s, '[^\n]+') do out[#out + 1] = part end end
@@ -85,6 +88,7 @@ local function tier(m)
   return 'd'
 end
 local function hmget(key, fields)
+  if #fields <= 4000 then return redis.call('HMGET', key, unpack(fields)) end
   local out = {}
   for i = 1, #fields, 4000 do
     local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + 3999, #fields)))
@@ -93,6 +97,7 @@ local function hmget(key, fields)
   return out
 end
 local function chunked(cmd, key, args, step)  -- cmd [key] args..., at most ``step`` args per call
+  if #args == 0 then return end
   for i = 1, #args, step do
     if key then redis.call(cmd, key, unpack(args, i, math.min(i + step - 1, #args)))
     else redis.call(cmd, unpack(args, i, math.min(i + step - 1, #args))) end
@@ -152,12 +157,23 @@ local function apply_holders(slot, names, deltas)
   local pos, dkey = tonumber(slot), base .. 'D:' .. slot
   local solo, bits = with_bit(false, pos, true), mget(names)
   local dups = redis.call('EXISTS', dkey) == 1
-  local sets, dels, slow = {}, {}, {}
-  for i = 1, n do
-    local b, d = bits[i], deltas[i]
-    if not b and d == 1 then sets[#sets + 1] = names[i]; sets[#sets + 1] = solo
-    elseif b == solo and d == -1 and not dups then dels[#dels + 1] = names[i]
-    else slow[#slow + 1] = i end
+  local sets, dels, slow, ns, nd, bj, bm = {}, {}, {}, 0, 0, math.floor(pos / 8) + 1, BIT[pos % 8]
+  for i = 1, n do  -- one copy more or less, no duplicate: decided here (one-byte bitmaps inline)
+    local b, d, fast = bits[i], deltas[i], false
+    if not b then
+      if d == 1 then sets[ns + 1] = names[i]; sets[ns + 2] = solo; ns = ns + 2; fast = true end
+    elseif not dups and (d == 1 or d == -1) then
+      local old = string.byte(b, bj)
+      local held = old ~= nil and band(old, bm) ~= 0
+      if d == -1 and b == solo then nd = nd + 1; dels[nd] = names[i]; fast = true
+      elseif #b == 1 and old ~= nil and held == (d == -1) then
+        local x = d == 1 and bor(old, bm) or band(old, 255 - bm)
+        if x == 0 then nd = nd + 1; dels[nd] = names[i]
+        else sets[ns + 1] = names[i]; sets[ns + 2] = string.char(x); ns = ns + 2 end
+        fast = true
+      end
+    end
+    if not fast then slow[#slow + 1] = i end
   end
   local extras, dset, ddel = {}, {}, {}
   if dups and #slow > 0 then
@@ -172,7 +188,7 @@ local function apply_holders(slot, names, deltas)
     if after > 0 then
       if not held then sets[#sets + 1] = names[i]; sets[#sets + 1] = with_bit(b, pos, true) end
       if after - 1 ~= extra then
-        if after == 1 then ddel[#ddel + 1] = names[i] else dset[#dset + 1] = names[i]; dset[#dset + 1] = after - 1 end
+        if after == 1 then ddel[#ddel + 1] = names[i] else dset[#dset + 1] = names[i]; dset[#dset + 1] = string.format('%d', after - 1) end
       end
     else
       if held then
@@ -189,11 +205,11 @@ local function apply_holders(slot, names, deltas)
   chunked('HDEL', dkey, ddel, 4000)
 end
 
--- a worker's engine hashes of one medium live in 512 small hashes by the hash's low 9 bits
--- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~60k hashes per
+-- a worker's engine hashes of one medium live in 128 hashes by the hash's low 7 bits
+-- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~65k hashes per
 -- worker and medium); the bitmap k:<slot>:<i> marks the buckets that may be in use (a superset:
 -- a bucket emptied keeps its bit until the worker goes)
-local function bucket_of(h) return (string.byte(h, 7) % 2) * 256 + string.byte(h, 8) end
+local function bucket_of(h) return string.byte(h, 8) % 128 end
 local function bucket_prefix(slot, idx) return base .. 'b:' .. slot .. ':' .. idx .. ':' end
 local function set_entry(slot, idx, h, v)
   local b = bucket_of(h)
@@ -284,9 +300,10 @@ local function count_entries(name, slot, delta)  -- a worker without entries is 
   end
 end
 
--- ARGV[4] worker name, ARGV[5] hashes (8 bytes each): position, block size, version, media,
--- orphans, then per medium the value of each hash (key, 'o' or nil) and its extra copies (false
--- when the worker has none)
+-- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, [hash,
+-- ...]], ...] (unpacked in C: no per-hash work here). Replies position, block size, version,
+-- media, orphans, then per medium the values of the hashes in the order sent (key, 'o' or nil)
+-- and their extra copies (false when the worker has none)
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
@@ -296,25 +313,17 @@ local function read_worker()
   if not slot then return out end
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
-  local hashes, packed = {}, ARGV[5]
-  for i = 1, #packed - 7, 8 do hashes[#hashes + 1] = string.sub(packed, i, i + 7) end
-  if #hashes == 0 then return out end
+  if #ARGV[5] == 0 then return out end
+  local groups = cmsgpack.unpack(ARGV[5])
   local xkey = base .. 'x:' .. slot
   local extras = redis.call('EXISTS', xkey) == 1
-  local buckets = {}
-  for j, h in ipairs(hashes) do buckets[j] = bucket_of(h) end
   for i in ipairs(split(meta[1])) do
-    local pre, names, values = bucket_prefix(slot, i), {}, {}
-    for j, h in ipairs(hashes) do
-      local b = buckets[j]
-      local name = names[b]
-      if not name then name = pre .. b; names[b] = name end
-      values[j] = redis.call('HGET', name, h)
-    end
+    local pre, values = bucket_prefix(slot, i), {}
+    for g = 1, #groups do values[g] = hmget(pre .. groups[g][1], groups[g][2]) end
     out[#out + 1] = values
     if extras then
-      local fields = {}
-      for j, h in ipairs(hashes) do fields[j] = i .. ':' .. h end
+      local fields, ip = {}, string.format('%d:', i)
+      for _, g in ipairs(groups) do for _, h in ipairs(g[2]) do fields[#fields + 1] = ip .. h end end
       out[#out + 1] = hmget(xkey, fields)
     else
       out[#out + 1] = false
@@ -323,68 +332,47 @@ local function read_worker()
   return out
 end
 
-local function u32(s, i)
-  local b1, b2, b3, b4 = string.byte(s, i, i + 3)
-  return ((b1 * 256 + b2) * 256 + b3) * 256 + b4
-end
-
-local function u16(s, i)
-  local b1, b2 = string.byte(s, i, i + 1)
-  return b1 * 256 + b2
-end
-
--- The entries written, grouped per bucket: ``sets`` and ``dels`` are groups of (medium index u8,
--- bucket u16, count u32) followed by count records: sets (hash 8, 'k' or 'o', key 8), dels (hash
--- 8); ``extras`` are records (medium index u8, hash 8, copies beyond the first u32, 0: none). One
--- record per (medium, hash).
+-- The entries written (msgpack, unpacked in C; b'': none): ``sets`` [[medium index, bucket digits,
+-- bucket, [hash, key or 'o', ...]], ...] and ``dels`` [[medium index, bucket digits, [hash, ...]],
+-- ...], one group per bucket; ``extras`` [[field "<i>:<hash>", ...] to delete, [field, copies
+-- beyond the first, ...] to set]. One entry per (medium, hash).
 local function write_entries(slot, sets, dels, extras)
-  local i = 1
-  while i <= #dels do
-    local idx, b, n = string.byte(dels, i), u16(dels, i + 1), u32(dels, i + 3)
-    local fields = {}
-    for j = 1, n do local at = i + 7 + 8 * (j - 1); fields[j] = string.sub(dels, at, at + 7) end
-    chunked('HDEL', bucket_prefix(slot, idx) .. b, fields, 4000)
-    i = i + 7 + 8 * n
+  local pfx = {}
+  local function prefix(idx)
+    local p = pfx[idx]
+    if not p then p = bucket_prefix(slot, idx); pfx[idx] = p end
+    return p
   end
-  local used = {}  -- medium index -> its bitmap of buckets in use, as read
-  i = 1
-  while i <= #sets do
-    local idx, b, n = string.byte(sets, i), u16(sets, i + 1), u32(sets, i + 3)
-    local fields = {}
-    for j = 1, n do
-      local at = i + 7 + 17 * (j - 1)
-      fields[2 * j - 1] = string.sub(sets, at, at + 7)
-      fields[2 * j] = string.byte(sets, at + 8) == 111 and 'o' or string.sub(sets, at + 9, at + 16)
+  if #dels > 0 then
+    for _, g in ipairs(cmsgpack.unpack(dels)) do chunked('HDEL', prefix(g[1]) .. g[2], g[3], 4000) end
+  end
+  if #sets > 0 then
+    local used = {}  -- medium index -> {its bitmap of buckets in use, as read}
+    for _, g in ipairs(cmsgpack.unpack(sets)) do
+      local idx = g[1]
+      chunked('HSET', prefix(idx) .. g[2], g[4], 4000)
+      local k = used[idx]
+      if not k then
+        local name = base .. 'k:' .. slot .. ':' .. string.format('%d', idx)
+        k = {name, redis.call('GET', name)}
+        used[idx] = k
+      end
+      if not has_bit(k[2], g[3]) then redis.call('SETBIT', k[1], g[2], '1') end
     end
-    chunked('HSET', bucket_prefix(slot, idx) .. b, fields, 4000)
-    local k = base .. 'k:' .. slot .. ':' .. idx
-    if used[idx] == nil then used[idx] = redis.call('GET', k) end
-    if not has_bit(used[idx], b) then redis.call('SETBIT', k, b, 1) end
-    i = i + 7 + 17 * n
   end
-  local xkey, xset, xdel = base .. 'x:' .. slot, {}, {}
-  for j = 1, #extras, 13 do
-    local field, n = string.byte(extras, j) .. ':' .. string.sub(extras, j + 1, j + 8), u32(extras, j + 9)
-    if n == 0 then xdel[#xdel + 1] = field else xset[#xset + 1] = field; xset[#xset + 1] = n end
+  if #extras > 0 then
+    local x, xkey = cmsgpack.unpack(extras), base .. 'x:' .. slot
+    chunked('HDEL', xkey, x[1], 4000)
+    chunked('HSET', xkey, x[2], 4000)
   end
-  chunked('HDEL', xkey, xdel, 4000)
-  chunked('HSET', xkey, xset, 4000)
 end
-local TIER_OF_BYTE = {[103] = 'g', [99] = 'c', [100] = 'd'}
--- holder changes: 13-byte records (tier char, key 8, change of copies i32), one per (tier, key)
+-- holder changes: msgpack [[holder key name, ...], [change of copies, ...], offload] (one per
+-- name; offload 1 when an offload tier gains copies)
 local function write_holders(slot, changes)
-  local names, deltas, pre = {}, {}, {}
-  for i = 1, #changes, 13 do
-    local t, d1, d2, d3, d4 = string.byte(changes, i), string.byte(changes, i + 9, i + 12)
-    local d = ((d1 * 256 + d2) * 256 + d3) * 256 + d4
-    if d >= 2147483648 then d = d - 4294967296 end
-    local tc = TIER_OF_BYTE[t]
-    if tc ~= 'g' and d > 0 then mark_offload() end
-    if not pre[tc] then pre[tc] = base .. tc .. ':' end
-    names[#names + 1] = pre[tc] .. string.sub(changes, i + 1, i + 8)
-    deltas[#deltas + 1] = d
-  end
-  apply_holders(slot, names, deltas)
+  if #changes == 0 then return end
+  local h = cmsgpack.unpack(changes)
+  if h[3] == 1 then mark_offload() end
+  apply_holders(slot, h[1], h[2])
 end
 local function write_worker(name, reset, order, orphans, sets, dels, extras, changes, counted)
   redis.call('HINCRBY', base .. 'v', name, 1)
@@ -702,7 +690,7 @@ def _view_of(reply: list[Any], hashes: list[int]) -> _WorkerView:
     for i, medium in enumerate(media):
         if 9 + 2 * i >= len(reply):
             break
-        values, extras = reply[9 + 2 * i], reply[10 + 2 * i]
+        values, extras = chain.from_iterable(reply[9 + 2 * i]), reply[10 + 2 * i]  # per bucket group
         for j, v in enumerate(values):
             if v is not None:
                 x = extras[j] if extras else None
@@ -862,23 +850,50 @@ def _pack_changes(changes: list[tuple[int, int, int | None, int]]) -> tuple[byte
     (medium, bucket), and the changed extra copies."""
     sets: dict[tuple[int, int], list[bytes]] = {}
     dels: dict[tuple[int, int], list[bytes]] = {}
-    extras = []
+    xdel: list[bytes] = []
+    xset: list[bytes] = []
     for idx, h, key, extra in changes:
-        group = (idx, h & BUCKET_MASK)
+        group, hb = (idx, h & BUCKET_MASK), h.to_bytes(8, "big")
         if key is None:
-            dels.setdefault(group, []).append(h.to_bytes(8, "big"))
-        elif key == ORPHAN:
-            sets.setdefault(group, []).append(_ORPHAN_SET.pack(h, b"o"))
+            dels.setdefault(group, []).append(hb)
         else:
-            sets.setdefault(group, []).append(_KEY_SET.pack(h, b"k", key))
+            fields = sets.setdefault(group, [])
+            fields.append(hb)
+            fields.append(b"o" if key == ORPHAN else key.to_bytes(8, "big"))
         if extra != UNCHANGED:
-            extras.append(_EXTRA.pack(idx, h, extra))
-    return (b"".join(_GROUP.pack(i, b, len(r)) + b"".join(r) for (i, b), r in sets.items()),
-            b"".join(_GROUP.pack(i, b, len(r)) + b"".join(r) for (i, b), r in dels.items()),
-            b"".join(extras))
+            field = b"%d:%s" % (idx, hb)
+            if extra:
+                xset += (field, b"%d" % extra)
+            else:
+                xdel.append(field)
+    return (_packb([[i, _DIGITS[b], b, f] for (i, b), f in sets.items()]) if sets else b"",
+            _packb([[i, _DIGITS[b], f] for (i, b), f in dels.items()]) if dels else b"",
+            _packb([xdel, xset]) if xdel or xset else b"")
 
 
-def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
+def _read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:
+    """The read script's hashes grouped per bucket (msgpack, see read_worker), and the hashes in
+    that order."""
+    groups: dict[int, list[int]] = {}
+    for h in hashes:
+        groups.setdefault(h & BUCKET_MASK, []).append(h)
+    order: list[int] = []
+    for hs in groups.values():
+        order += hs
+    return _packb([[_DIGITS[b], [h.to_bytes(8, "big") for h in hs]] for b, hs in groups.items()]), order
+
+
+def _pack_holders(base: str, holders: dict[tuple[str, int], int]) -> bytes:
+    """The holder changes as write_holders takes them (b"": none)."""
+    if not holders:
+        return b""
+    prefixes = {t: f"{base}{t}:".encode() for t in "gcd"}
+    names = [prefixes[t] + k.to_bytes(8, "big") for t, k in holders]
+    offload = any(t != "g" and d > 0 for (t, _), d in holders.items())
+    return _packb([names, list(holders.values()), 1 if offload else 0])
+
+
+def _apply_args(base: str, seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
                 plan: _Plan) -> list[str | bytes]:
     """The apply script's arguments; a view of version "*" was not read (nothing to check)."""
     if view.version == "*":
@@ -886,7 +901,7 @@ def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: st
     else:
         read_bs = "" if view.block_size is None else str(view.block_size)
     sets, dels, extras = _pack_changes(plan.changes)
-    holders = b"".join([_DELTA.pack(t.encode(), k, d) for (t, k), d in plan.holders.items()])
+    holders = _pack_holders(base, plan.holders)
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
             "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), sets, dels, extras, holders,
@@ -1022,13 +1037,13 @@ class RedisPreciseStore:
             if blind:  # clears only (or nothing): one round trip, computed on an empty worker
                 view = _WorkerView(None, None, "*", (), 0, {})
             else:
-                packed = struct.pack(f">{len(hashes)}Q", *hashes)
-                view = _view_of(await self._run(base, "read", name, packed, stream=stream.id), hashes)
+                packed, order = _read_groups(hashes)
+                view = _view_of(await self._run(base, "read", name, packed, stream=stream.id), order)
                 outcome = judge(view.position, seq, epoch, force)
                 if outcome is not Outcome.APPLIED:
                     return ApplyResult(outcome, view.position or Position(epoch=epoch))
             plan = plan_batch(stream.pod, stream.model, dp_rank, events, view, hashes)
-            args = _apply_args(seq, epoch, force, cleared, name, view, plan)
+            args = _apply_args(base, seq, epoch, force, cleared, name, view, plan)
             reply = await self._run(base, "apply", *args, stream=stream.id)
             status = _text(reply[0])
             if status == "retry":
