@@ -3,7 +3,10 @@
 Semantics are ``kvindex.precise.PreciseIndex``'s, reproduced exactly: a batch is replayed
 client-side on a small *overlay* (a ``PreciseIndex`` holding only the worker's entries the batch
 can see), so keys, orphans, copies and media follow the very same code; the store receives the
-resulting differences and applies them in one server-side script.
+resulting differences and applies them in one server-side script. The common batch (GPU stores
+that all get keys, of hashes not held yet, and removals, on a worker holding GPU blocks only, none
+keyless or copied among those the batch names) is planned without the overlay (``plan_fast``): the
+same plan, at a fraction of the cost; anything else falls back to the replay.
 
 Invariants:
 - Every key of one model carries the hash tag ``{<model id>}``, so each script touches one slot
@@ -20,12 +23,16 @@ Invariants:
   hash's low 7 bits (listpack hashes up to Redis's default hash-max-listpack-entries, 512: ~25 bytes
   per entry, listpack up to ~65k hashes per worker and medium; few buckets: a batch's hashes share
   them, and each bucket touched costs the scripts one call), ``k:<slot>:<i>`` bitmap of the
-  buckets in use, ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier
-  t in g|c|d: ``t:<key>`` bitmap of the slots holding the key and ``T:<key>`` HASH slot -> copies
-  beyond the first (PreciseIndex's ``_holders`` bitmask and ``_dups``). Engine hashes and keys are
-  8 big-endian bytes (binary strings: compact, and Lua never turns them into numbers); a batch's
-  reads and writes travel as packed records; seqs and epochs are decimal strings that Lua compares
-  as numbers (exact below 2^53).
+  buckets that may be in use (a superset: an emptied bucket keeps its bit until the worker goes),
+  ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier t in g|c|d:
+  ``t:<key>`` bitmap of the slots holding the key (PreciseIndex's ``_holders`` bitmask), and per
+  worker ``D:<slot>`` HASH holder key name -> its copies beyond the first (``_dups``). Engine hashes
+  and keys are 8 big-endian bytes (binary strings: compact, and Lua never turns them into
+  numbers); a batch's bulk arguments (hashes per bucket, entries per bucket, holder changes) travel
+  msgpack-encoded and are unpacked in C (``cmsgpack``): the scripts do no per-entry parsing, and a
+  batch costs about one Redis call per bucket touched plus a few (one MGET / MSET / DEL for all its
+  holder bitmaps); seqs and epochs are decimal strings that Lua compares as numbers (exact below
+  2^53).
 - ``apply`` = at most two round trips: a read script (position, block size, worker version and the
   entries of every hash the batch names), then, unless the read already shows the batch is not to
   be applied, the apply script. It re-judges the position (``judge``/``next_position`` of base.py),
