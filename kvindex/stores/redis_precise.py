@@ -110,6 +110,16 @@ local function chunked(cmd, key, args, step)  -- cmd [key] args..., at most ``st
     else redis.call(cmd, unpack(args, i, math.min(i + step - 1, #args))) end
   end
 end
+local function call_range(cmd, key, flat, a, n)  -- cmd key flat[a .. a + n - 1]: the replies, joined
+  local last = a + n - 1
+  if n <= 4000 then return redis.call(cmd, key, unpack(flat, a, last)) end
+  local out = {}
+  for i = a, last, 4000 do
+    local part = redis.call(cmd, key, unpack(flat, i, math.min(i + 3999, last)))
+    if type(part) == 'table' then for j = 1, #part do out[#out + 1] = part[j] end end
+  end
+  return out
+end
 local function mget(names)
   local out = {}
   for i = 1, #names, 4000 do
@@ -307,8 +317,8 @@ local function count_entries(name, slot, delta)  -- a worker without entries is 
   end
 end
 
--- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, [hash,
--- ...]], ...] (unpacked in C: no per-hash work here). Replies position, block size, version,
+-- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, ...],
+-- [number of hashes, ...], [hash, ...]] (unpacked in C: no per-hash work here). Replies position, block size, version,
 -- media, orphans, then per medium the values of the hashes in the order sent (key, 'o' or nil)
 -- and their extra copies (false when the worker has none)
 local function read_worker()
@@ -322,15 +332,16 @@ local function read_worker()
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
   if #ARGV[5] == 0 then return out end
   local groups = cmsgpack.unpack(ARGV[5])
+  local digits, counts, flat = groups[1], groups[2], groups[3]
   local xkey = base .. 'x:' .. slot
   local extras = redis.call('EXISTS', xkey) == 1
   for i in ipairs(split(meta[1])) do
-    local pre, values = bucket_prefix(slot, i), {}
-    for g = 1, #groups do values[g] = hmget(pre .. groups[g][1], groups[g][2]) end
+    local pre, values, at = bucket_prefix(slot, i), {}, 1
+    for g = 1, #digits do values[g] = call_range('HMGET', pre .. digits[g], flat, at, counts[g]); at = at + counts[g] end
     out[#out + 1] = values
     if extras then
       local fields, ip = {}, string.format('%d:', i)
-      for _, g in ipairs(groups) do for _, h in ipairs(g[2]) do fields[#fields + 1] = ip .. h end end
+      for j = 1, #flat do fields[j] = ip .. flat[j] end
       out[#out + 1] = hmget(xkey, fields)
     else
       out[#out + 1] = false
@@ -339,9 +350,10 @@ local function read_worker()
   return out
 end
 
--- The entries written (msgpack, unpacked in C; b'': none): ``sets`` [[medium index, bucket digits,
--- bucket, [hash, key or 'o', ...]], ...] and ``dels`` [[medium index, bucket digits, [hash, ...]],
--- ...], one group per bucket; ``extras`` [[field "<i>:<hash>", ...] to delete, [field, copies
+-- The entries written (msgpack, unpacked in C; b'': none), one group per bucket: ``sets``
+-- [[medium index, ...], [bucket digits, ...], [bucket, ...], [number of fields, ...], [hash, key
+-- or 'o', ...]] and ``dels`` [[medium index, ...], [bucket digits, ...], [number of hashes, ...],
+-- [hash, ...]]; ``extras`` [[field "<i>:<hash>", ...] to delete, [field, copies
 -- beyond the first, ...] to set]. One entry per (medium, hash).
 local function write_entries(slot, sets, dels, extras)
   local pfx = {}
@@ -351,20 +363,25 @@ local function write_entries(slot, sets, dels, extras)
     return p
   end
   if #dels > 0 then
-    for _, g in ipairs(cmsgpack.unpack(dels)) do chunked('HDEL', prefix(g[1]) .. g[2], g[3], 4000) end
+    local d = cmsgpack.unpack(dels)
+    local idxs, digits, counts, flat, at = d[1], d[2], d[3], d[4], 1
+    for g = 1, #idxs do call_range('HDEL', prefix(idxs[g]) .. digits[g], flat, at, counts[g]); at = at + counts[g] end
   end
   if #sets > 0 then
     local used = {}  -- medium index -> {its bitmap of buckets in use, as read}
-    for _, g in ipairs(cmsgpack.unpack(sets)) do
-      local idx = g[1]
-      chunked('HSET', prefix(idx) .. g[2], g[4], 4000)
+    local t = cmsgpack.unpack(sets)
+    local idxs, digits, buckets, counts, flat, at = t[1], t[2], t[3], t[4], t[5], 1
+    for g = 1, #idxs do
+      local idx = idxs[g]
+      call_range('HSET', prefix(idx) .. digits[g], flat, at, counts[g])
+      at = at + counts[g]
       local k = used[idx]
       if not k then
         local name = base .. 'k:' .. slot .. ':' .. string.format('%d', idx)
         k = {name, redis.call('GET', name)}
         used[idx] = k
       end
-      if not has_bit(k[2], g[3]) then redis.call('SETBIT', k[1], g[2], '1') end
+      if not has_bit(k[2], buckets[g]) then redis.call('SETBIT', k[1], digits[g], '1') end
     end
   end
   if #extras > 0 then
@@ -873,9 +890,20 @@ def _pack_changes(changes: list[tuple[int, int, int | None, int]]) -> tuple[byte
                 xset += (field, b"%d" % extra)
             else:
                 xdel.append(field)
-    return (_packb([[i, _DIGITS[b], b, f] for (i, b), f in sets.items()]) if sets else b"",
-            _packb([[i, _DIGITS[b], f] for (i, b), f in dels.items()]) if dels else b"",
+    return (_packb(_columns(sets, with_bucket=True)) if sets else b"",
+            _packb(_columns(dels, with_bucket=False)) if dels else b"",
             _packb([xdel, xset]) if xdel or xset else b"")
+
+
+def _columns(groups: dict[tuple[int, int], list[bytes]], *, with_bucket: bool) -> list[list[Any]]:
+    """Groups as write_entries takes them: medium indexes, bucket digits, (buckets,) sizes, items."""
+    keys = list(groups)
+    out: list[list[Any]] = [[i for i, _ in keys], [_DIGITS[b] for _, b in keys]]
+    if with_bucket:
+        out.append([b for _, b in keys])
+    out.append([len(f) for f in groups.values()])
+    out.append([x for f in groups.values() for x in f])
+    return out
 
 
 def _read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:
@@ -884,10 +912,9 @@ def _read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:
     groups: dict[int, list[int]] = {}
     for h in hashes:
         groups.setdefault(h & BUCKET_MASK, []).append(h)
-    order: list[int] = []
-    for hs in groups.values():
-        order += hs
-    return _packb([[_DIGITS[b], [h.to_bytes(8, "big") for h in hs]] for b, hs in groups.items()]), order
+    order = [h for hs in groups.values() for h in hs]
+    return _packb([[_DIGITS[b] for b in groups], [len(hs) for hs in groups.values()],
+                   [h.to_bytes(8, "big") for h in order]]), order
 
 
 def _pack_holders(base: str, holders: dict[tuple[str, int], int]) -> bytes:
