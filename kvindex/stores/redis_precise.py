@@ -492,6 +492,19 @@ local function holders_from(packed, first, offload)  -- bitmaps of CHUNK keys: g
   if #names == 0 then return {} end
   return redis.call('MGET', unpack(names))
 end
+-- one key of the walk without offload tiers (the three alive sets are one: w.d)
+local function narrow_gpu(w, g, depth)
+  local any, alive, dep = false, w.d, w.ddep
+  for j = 1, #alive do
+    local a = alive[j]
+    if a ~= 0 then
+      local y = band(a, string.byte(g, j) or 0)
+      if y ~= a then note_dropped(dep, j, bxor(a, y), depth); alive[j] = y end
+      if y ~= 0 then any = true end
+    end
+  end
+  return any
+end
 -- one key of the walk: narrow the three alive sets (w.g within w.c within w.d), noting at
 -- ``depth`` the workers each drops; returns whether any worker is left
 local function narrow(w, g, c, d, depth)
@@ -522,18 +535,28 @@ local function match()
   local w = {d = candidates(npods), g = {}, c = {}, gdep = {}, cdep = {}, ddep = {}}
   for j = 1, #w.d do w.g[j], w.c[j] = w.d[j], w.d[j] end
   local offload = redis.call('EXISTS', base .. 'off') == 1
-  local pg, pc, pd, depth, alive, step = false, false, false, 0, true, offload and 3 or 1
+  local pg, pc, pd, depth, alive = false, false, false, 0, true
   for first = 1, #packed - 7, 8 * CHUNK do
     local r = holders_from(packed, first, offload)
-    for j = 1, #r, step do
-      local g, c, d = r[j] or '', offload and r[j + 1] or '', offload and r[j + 2] or ''
-      if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
-      pg, pc, pd, depth = g, c, d, depth + 1
+    if offload then
+      for j = 1, #r, 3 do
+        local g, c, d = r[j] or '', r[j + 1] or '', r[j + 2] or ''
+        if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
+        pg, pc, pd, depth = g, c, d, depth + 1
+      end
+    else
+      for j = 1, #r do
+        local g = r[j] or ''
+        if g ~= pg and not narrow_gpu(w, g, depth) then alive = false; break end
+        pg, depth = g, depth + 1
+      end
     end
     if not alive then break end
   end
+  if not offload then w.g, w.c, w.gdep, w.cdep = w.d, w.d, w.ddep, w.ddep end  -- one set: every tier alike
   for j = 1, #w.d do
-    note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth); note_dropped(w.ddep, j, w.d[j], depth)
+    if offload then note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth) end
+    note_dropped(w.ddep, j, w.d[j], depth)
   end
   local out, slots = {}, {}
   for s, d in pairs(w.ddep) do
