@@ -902,11 +902,18 @@ def _pack_changes(changes: list[tuple[int, int, int | None, int]]) -> tuple[byte
     for idx, h, key, extra in changes:
         group, hb = (idx, h & BUCKET_MASK), h.to_bytes(8, "big")
         if key is None:
-            dels.setdefault(group, []).append(hb)
+            fields = dels.get(group)
+            if fields is None:
+                dels[group] = [hb]
+            else:
+                fields.append(hb)
         else:
-            fields = sets.setdefault(group, [])
-            fields.append(hb)
-            fields.append(b"o" if key == ORPHAN else key.to_bytes(8, "big"))
+            value = b"o" if key == ORPHAN else key.to_bytes(8, "big")
+            fields = sets.get(group)
+            if fields is None:
+                sets[group] = [hb, value]
+            else:
+                fields += (hb, value)
         if extra != UNCHANGED:
             field = b"%d:%s" % (idx, hb)
             if extra:
@@ -934,7 +941,11 @@ def _read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:
     that order."""
     groups: dict[int, list[int]] = {}
     for h in hashes:
-        groups.setdefault(h & BUCKET_MASK, []).append(h)
+        group = groups.get(h & BUCKET_MASK)
+        if group is None:
+            groups[h & BUCKET_MASK] = [h]
+        else:
+            group.append(h)
     order = [h for hs in groups.values() for h in hs]
     return _packb([[_DIGITS[b] for b in groups], [len(hs) for hs in groups.values()],
                    [h.to_bytes(8, "big") for h in order]]), order
