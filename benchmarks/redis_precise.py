@@ -135,6 +135,15 @@ async def sample_usage(client: aioredis.Redis) -> dict[str, Any]:
     return out
 
 
+async def time_split(client: aioredis.Redis, cpu_s: float, batches: int) -> dict[str, float]:
+    """Per batch: this process's CPU (client Python, redis-py, syscalls), the scripts' time inside
+    Redis (INFO commandstats, reset before the run) and the script calls (round trips)."""
+    stats = (await client.info("commandstats")).get("cmdstat_evalsha", {})
+    return {"client_cpu_us_per_batch": cpu_s * 1e6 / batches,
+            "server_script_us_per_batch": stats.get("usec", 0) / batches,
+            "script_calls_per_batch": stats.get("calls", 0) / batches}
+
+
 async def fresh(stores: list[RedisPreciseStore], client: aioredis.Redis) -> None:
     await client.flushall()
     for s in stores:
@@ -167,7 +176,10 @@ async def bench_apply(args: argparse.Namespace, url: str) -> tuple[dict[str, Any
     try:
         await fresh(stores, clients[0])
         base_mem = await used_memory(clients[0])
+        await clients[0].config_resetstat()
+        cpu0 = time.process_time()
         red_s, outcomes = await apply_redis(stores, batches, every_client=False)
+        split = await time_split(clients[0], time.process_time() - cpu0, len(batches))
         await same_state(mem, stores[0])
         entries = len(await mem.export_entries())
         used = await used_memory(clients[0]) - base_mem
@@ -187,7 +199,7 @@ async def bench_apply(args: argparse.Namespace, url: str) -> tuple[dict[str, Any
     result = {
         "batches": n, "block_ops": ops, "streams": k, "clients": args.clients,
         "memory": rates(mem_s, n, ops, k, mem_s),
-        "redis": rates(red_s, n, ops, k, mem_s),
+        "redis": {**rates(red_s, n, ops, k, mem_s), **split},
         "redis_one_batch_at_a_time": rates(seq_s, n, ops, k, mem_s),
         "redis_every_client_offers_every_batch": {**rates(rep_s, n, ops, k, mem_s), "outcomes": rep_outcomes},
         "entry_memory": {"entries": entries, "redis_used_memory_delta": used,
@@ -282,6 +294,9 @@ def report(doc: dict[str, Any]) -> None:
         r = a[name]
         print(f"  {name:<38} {r['block_ops_per_s']:>11,.0f} block ops/s  {r['batches_per_s']:>8,.0f} batches/s "
               f"({r['batches_per_s_per_stream']:,.0f} per stream)  ratio vs memory {r['ratio_vs_memory']:.3f}")
+    r = a["redis"]
+    print(f"  per batch, concurrent run: client CPU {r['client_cpu_us_per_batch']:.0f} us, scripts in redis "
+          f"{r['server_script_us_per_batch']:.0f} us over {r['script_calls_per_batch']:.2f} calls")
     print(f"  outcomes when every client offers every batch: {a['redis_every_client_offers_every_batch']['outcomes']}")
     em = a["entry_memory"]
     print(f"  bytes per (block, pod) entry over {em['entries']} entries: redis {em['redis_bytes_per_entry']}, "

@@ -574,6 +574,118 @@ async def test_random_workload_gives_equal_state_after_every_batch(seed: int, pa
     assert len(prompts) > 10 and await mem.pods()
 
 
+class ChainFleet:
+    """The common vLLM traffic, seeded: GPU stores chained on the last block a worker stored (or
+    from the root), over prompts sharing prefixes, and removals of held blocks, newest first."""
+
+    def __init__(self, seed: int, workers: list[tuple[str, int]]) -> None:
+        self.rng = random.Random(seed)
+        self.prompts = [[self.rng.randrange(50) for _ in range(8 * BS)] for _ in range(3)]
+        self.held: dict[tuple[str, int], list[int]] = {w: [] for w in workers}
+        self.depth: dict[tuple[str, int], int] = {w: 0 for w in workers}
+        self.prompt: dict[tuple[str, int], int] = {w: 0 for w in workers}
+        self.next_hash = 1
+
+    def batch(self, worker: tuple[str, int]) -> list[KVEvent]:
+        rng, held, events = self.rng, self.held[worker], []
+        for _ in range(rng.randint(1, 3)):
+            if held and rng.random() < 0.35:
+                n = rng.randint(1, min(3, len(held)))
+                events.append(BlockRemoved(tuple(held.pop() for _ in range(n))))
+                self.depth[worker] = len(held)
+                continue
+            depth = self.depth[worker] if held else 0
+            if depth == 0:
+                self.prompt[worker] = rng.randrange(len(self.prompts))
+            n = rng.randint(1, 3)
+            tokens = self.prompts[self.prompt[worker]][depth * BS:(depth + n) * BS]
+            if len(tokens) < BS:  # the prompt is held in full: start another from the root
+                depth, held[:] = 0, []
+                tokens = self.prompts[self.prompt[worker]][:n * BS]
+            hashes = list(range(self.next_hash, self.next_hash + len(tokens) // BS))
+            self.next_hash += len(hashes)
+            events.append(stored(hashes, held[-1] if held else None, tokens))
+            held.extend(hashes)
+            self.depth[worker] = len(held)
+        return events
+
+
+def view_from(mem: MemoryPreciseStore, pod: str, rank: int, model: str, hashes: list[int]) -> Any:
+    """What the read script returns for a batch, taken from the memory backend's worker."""
+    from kvindex.precise import ORPHAN, entries_of
+    from kvindex.stores.redis_precise import _WorkerView
+    copy = [c for c in mem.index.frozen_copy() if c[:2] == (pod, rank)]
+    held = [e for e in entries_of(copy)]
+    wanted = set(hashes)
+    entries = {(e.medium, e.hash): (ORPHAN if e.key is None else e.key, e.copies - 1) for e in held if e.hash in wanted}
+    orphans = sum(e.key is None for e in held)
+    return _WorkerView(None, mem.index.block_size(model), "1", tuple(c[2] for c in copy), orphans, entries)
+
+
+def plan_summary(plan: Any) -> tuple[Any, ...]:
+    return (plan.done, plan.reset, plan.media, plan.orphans, sorted(plan.changes, key=str), plan.holders,
+            plan.counted, plan.new_block_size)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+async def test_the_fast_plan_equals_the_overlay_replay(seed: int) -> None:
+    """Every batch the fast path plans (common vLLM traffic, and the random fleet's odd cases) gets
+    the very plan the PreciseIndex overlay replay computes; the others fall back to it."""
+    from kvindex.stores.redis_precise import _hashes_of, plan_fast, plan_replayed
+    workers, odd_workers = [("a", 0), ("a", 1), ("b", 0)], [("c", 0), ("c", 1)]
+    chains, odd = ChainFleet(seed, workers), RandomFleet(seed)
+    mem = MemoryPreciseStore()
+    fast = slow = 0
+    seqs: dict[str, int] = {}
+    for step in range(400):
+        if step % 4 == 3:
+            pod, rank = odd.rng.choice(odd_workers)
+            events = odd.batch((pod, rank))
+        else:
+            pod, rank = chains.rng.choice(workers)
+            events = chains.batch((pod, rank))
+        hashes = _hashes_of(events)
+        view = view_from(mem, pod, rank, "m", hashes)
+        want = plan_replayed(pod, "m", rank, events, view, hashes)
+        got = plan_fast("m", events, view, hashes)
+        if got is None:
+            slow += 1
+        else:
+            fast += 1
+            assert plan_summary(got) == plan_summary(want), (step, events)
+        stream = StreamRef(f"{pod}|{rank}", pod, "m")
+        seq = seqs[stream.id] = seqs.get(stream.id, -1) + 1
+        assert (await mem.apply(stream, seq, 0, rank, events)).applied == want.done
+    assert fast > 150 and slow > 50
+
+
+async def test_many_workers_sharing_prefixes_give_equal_state(pair: Any) -> None:
+    """Twelve workers (holder bitmaps of two bytes) storing and evicting shared prefixes: the
+    holder updates of one copy more or less, inline or bit by bit, against the memory backend."""
+    mem, (r1, r2) = pair
+    workers = [(f"m{i:02d}", i % 2) for i in range(12)]  # pods named after their model (assert_same)
+    fleet = ChainFleet(5, workers)
+    seqs: dict[str, int] = {}
+    prompts = [keys_of(p) for p in fleet.prompts]
+    for step in range(240):
+        pod, rank = fleet.rng.choice(workers)
+        stream = StreamRef.of(pod, f"kv@{pod}@m:{rank}", "m")
+        seq = seqs[stream.id] = seqs.get(stream.id, -1) + 1
+        events = fleet.batch((pod, rank))
+        a = await mem.apply(stream, seq, 0, rank, events)
+        b = await (r1 if step % 2 else r2).apply(stream, seq, 0, rank, events)
+        assert (a.outcome, a.position, a.applied) == (b.outcome, b.position, b.applied), (step, events)
+        if step % 40 == 39:
+            await assert_same(mem, r1, prompts, ["m"])
+        else:
+            await assert_same_entries(mem, r1, prompts[:1])
+    assert len(await mem.pods()) >= 10 and len(await mem.match(prompts[0])) >= 3
+    for pod, _ in workers:
+        await mem.clear_pod(pod)
+        await r1.clear_pod(pod)
+    assert await residue(r1) == 0 and await residue(mem) == 0
+
+
 # -- failures: a real redis-server stopped, killed, restarted ----------------------------------------
 @pytest.fixture
 async def own_server(tmp_path: Path) -> AsyncIterator[RedisServer]:

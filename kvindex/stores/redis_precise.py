@@ -3,7 +3,10 @@
 Semantics are ``kvindex.precise.PreciseIndex``'s, reproduced exactly: a batch is replayed
 client-side on a small *overlay* (a ``PreciseIndex`` holding only the worker's entries the batch
 can see), so keys, orphans, copies and media follow the very same code; the store receives the
-resulting differences and applies them in one server-side script.
+resulting differences and applies them in one server-side script. The common batch (GPU stores
+that all get keys, of hashes not held yet, and removals, on a worker holding GPU blocks only, none
+keyless or copied among those the batch names) is planned without the overlay (``plan_fast``): the
+same plan, at a fraction of the cost; anything else falls back to the replay.
 
 Invariants:
 - Every key of one model carries the hash tag ``{<model id>}``, so each script touches one slot
@@ -16,14 +19,20 @@ Invariants:
   lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH "rank|pod" -> version (bumped
   by every write to the worker, never deleted: a recreated worker is a new version), ``w:<slot>``
   HASH n(name) M(media in first-store order, "\\n"-joined) o(orphans) c(entries);
-  ``b:<slot>:<i>:<bucket>`` HASH engine hash -> key or "o" of the i-th medium, in 512 buckets by the
-  hash's low 9 bits (small listpack hashes: ~32 bytes per entry), ``k:<slot>:<i>`` bitmap of the
-  buckets in use, ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier
-  t in g|c|d: ``t:<key>`` bitmap of the slots holding the key and ``T:<key>`` HASH slot -> copies
-  beyond the first (PreciseIndex's ``_holders`` bitmask and ``_dups``). Engine hashes and keys are
-  8 big-endian bytes (binary strings: compact, and Lua never turns them into numbers); a batch's
-  reads and writes travel as packed records; seqs and epochs are decimal strings that Lua compares
-  as numbers (exact below 2^53).
+  ``b:<slot>:<i>:<bucket>`` HASH engine hash -> key or "o" of the i-th medium, in 128 buckets by the
+  hash's low 7 bits (listpack hashes up to Redis's default hash-max-listpack-entries, 512: ~25 bytes
+  per entry, listpack up to ~65k hashes per worker and medium; few buckets: a batch's hashes share
+  them, and each bucket touched costs the scripts one call), ``k:<slot>:<i>`` bitmap of the
+  buckets that may be in use (a superset: an emptied bucket keeps its bit until the worker goes),
+  ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first; holders per tier t in g|c|d:
+  ``t:<key>`` bitmap of the slots holding the key (PreciseIndex's ``_holders`` bitmask), and per
+  worker ``D:<slot>`` HASH holder key name -> its copies beyond the first (``_dups``). Engine hashes
+  and keys are 8 big-endian bytes (binary strings: compact, and Lua never turns them into
+  numbers); a batch's bulk arguments (hashes per bucket, entries per bucket, holder changes) travel
+  msgpack-encoded and are unpacked in C (``cmsgpack``): the scripts do no per-entry parsing, and a
+  batch costs about one Redis call per bucket touched plus a few (one MGET / MSET / DEL for all its
+  holder bitmaps); seqs and epochs are decimal strings that Lua compares as numbers (exact below
+  2^53).
 - ``apply`` = at most two round trips: a read script (position, block size, worker version and the
   entries of every hash the batch names), then, unless the read already shows the batch is not to
   be applied, the apply script. It re-judges the position (``judge``/``next_position`` of base.py),
@@ -49,19 +58,23 @@ import secrets
 import struct
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex import keys as K
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, WorkerReplay, tier_of
 from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
-_ENTRY = struct.Struct(">BQBQI")  # medium index, hash, kind (0 delete, 1 orphan, 2 key), key, extra copies
-_DELTA = struct.Struct(">1sQi")  # tier char, key, change of copies held
+_packb = msgpack.Packer(use_bin_type=False).pack  # the scripts' cmsgpack reads str, not bin
+BUCKET_MASK = 127  # a hash's bucket: its low 7 bits (bucket_of in the script)
+_DIGITS = tuple(str(b).encode() for b in range(BUCKET_MASK + 1))  # a bucket's number as its key names it
 UNCHANGED = (1 << 32) - 1  # extra copies not changed
 
 LUA = r"""
@@ -70,6 +83,8 @@ if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
 local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
+-- hot paths never turn numbers into strings by concatenation (Lua formats them with %.14g: slow);
+-- bulk arguments arrive msgpack-encoded (cmsgpack unpacks them in C)
 local function split(s)
   local out = {}
   if s then for part in string.gmatch(s, '[^\n]+') do out[#out + 1] = part end end
@@ -80,9 +95,35 @@ local function tier(m)
   return 'd'
 end
 local function hmget(key, fields)
+  if #fields <= 4000 then return redis.call('HMGET', key, unpack(fields)) end
   local out = {}
   for i = 1, #fields, 4000 do
     local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + 3999, #fields)))
+    for j = 1, #part do out[#out + 1] = part[j] end
+  end
+  return out
+end
+local function chunked(cmd, key, args, step)  -- cmd [key] args..., at most ``step`` args per call
+  if #args == 0 then return end
+  for i = 1, #args, step do
+    if key then redis.call(cmd, key, unpack(args, i, math.min(i + step - 1, #args)))
+    else redis.call(cmd, unpack(args, i, math.min(i + step - 1, #args))) end
+  end
+end
+local function call_range(cmd, key, flat, a, n)  -- cmd key flat[a .. a + n - 1]: the replies, joined
+  local last = a + n - 1
+  if n <= 4000 then return redis.call(cmd, key, unpack(flat, a, last)) end
+  local out = {}
+  for i = a, last, 4000 do
+    local part = redis.call(cmd, key, unpack(flat, i, math.min(i + 3999, last)))
+    if type(part) == 'table' then for j = 1, #part do out[#out + 1] = part[j] end end
+  end
+  return out
+end
+local function mget(names)
+  local out = {}
+  for i = 1, #names, 4000 do
+    local part = redis.call('MGET', unpack(names, i, math.min(i + 3999, #names)))
     for j = 1, #part do out[#out + 1] = part[j] end
   end
   return out
@@ -100,50 +141,98 @@ local function workers_of(pod, rank)  -- {name, slot} of the pod's workers (one 
   return out
 end
 
--- holders of (tier, key): bit ``slot`` of the string t:key, copies beyond the first in HASH T:key
-local offload_marked = false
-local function hold(t, key, slot, delta)  -- the copies of key in tier t held by slot change by delta
-  local bits, extra = base .. t .. ':' .. key, base .. string.upper(t) .. ':' .. key
-  if t ~= 'g' and delta > 0 and not offload_marked then  -- sticky: offload tiers in use
-    redis.call('SET', base .. 'off', '1')
-    offload_marked = true
+-- holders of (tier, key): bit ``slot`` of the string t:key (read with one MGET and written with
+-- one MSET / DEL per batch, the bits computed here), copies beyond the first in the worker's HASH
+-- D:<slot> "<tier char><key>" -> count
+local function with_bit(s, pos, on)  -- bitmap s (false: none) with bit pos set or cleared
+  s = s or ''
+  local j, m = math.floor(pos / 8) + 1, BIT[pos % 8]
+  if #s < j then
+    if not on then return s end
+    s = s .. string.rep('\0', j - #s)
   end
-  if delta > 0 then  -- SETBIT answers whether the slot held the key already: one call when new
-    if redis.call('SETBIT', bits, slot, 1) == 1 then redis.call('HINCRBY', extra, slot, delta)
-    elseif delta > 1 then redis.call('HSET', extra, slot, delta - 1) end
-    return
-  end
-  local more = tonumber(redis.call('HGET', extra, slot)) or 0
-  local n = 1 + more + delta
-  if n <= 0 then
-    if more > 0 then redis.call('HDEL', extra, slot) end
-    redis.call('SETBIT', bits, slot, 0)
-    if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
-  elseif n > 1 then redis.call('HSET', extra, slot, n - 1)
-  elseif more > 0 then redis.call('HDEL', extra, slot) end
+  local old = string.byte(s, j)
+  local new = on and bor(old, m) or band(old, 255 - m)
+  if new == old then return s end
+  return string.sub(s, 1, j - 1) .. string.char(new) .. string.sub(s, j + 1)
 end
-local function unhold_all(t, key, slot)
-  local bits = base .. t .. ':' .. key
-  redis.call('HDEL', base .. string.upper(t) .. ':' .. key, slot)
-  redis.call('SETBIT', bits, slot, 0)
-  if redis.call('BITCOUNT', bits) == 0 then redis.call('DEL', bits) end
+local function has_bit(s, pos)
+  if not s then return false end
+  local b = string.byte(s, math.floor(pos / 8) + 1)
+  return b ~= nil and band(b, BIT[pos % 8]) ~= 0
+end
+local offload_marked = false
+local function mark_offload()  -- sticky: offload tiers in use
+  if not offload_marked then redis.call('SET', base .. 'off', '1'); offload_marked = true end
+end
+-- names[i] (holder key names, each once) change by deltas[i] copies held by ``slot``. The common
+-- cases cost no call of their own: a new key held by the slot alone (one MSET for all) and the
+-- slot's last copy of a key only it holds (one DEL for all); the rest is computed bit by bit.
+local function apply_holders(slot, names, deltas)
+  local n = #names
+  if n == 0 then return end
+  local pos, dkey = tonumber(slot), base .. 'D:' .. slot
+  local solo, bits = with_bit(false, pos, true), mget(names)
+  local dups = redis.call('EXISTS', dkey) == 1
+  local sets, dels, slow, ns, nd, bj, bm = {}, {}, {}, 0, 0, math.floor(pos / 8) + 1, BIT[pos % 8]
+  for i = 1, n do  -- one copy more or less, no duplicate: decided here (one-byte bitmaps inline)
+    local b, d, fast = bits[i], deltas[i], false
+    if not b then
+      if d == 1 then sets[ns + 1] = names[i]; sets[ns + 2] = solo; ns = ns + 2; fast = true end
+    elseif not dups and (d == 1 or d == -1) then
+      local old = string.byte(b, bj)
+      local held = old ~= nil and band(old, bm) ~= 0
+      if d == -1 and b == solo then nd = nd + 1; dels[nd] = names[i]; fast = true
+      elseif #b == 1 and old ~= nil and held == (d == -1) then
+        local x = d == 1 and bor(old, bm) or band(old, 255 - bm)
+        if x == 0 then nd = nd + 1; dels[nd] = names[i]
+        else sets[ns + 1] = names[i]; sets[ns + 2] = string.char(x); ns = ns + 2 end
+        fast = true
+      end
+    end
+    if not fast then slow[#slow + 1] = i end
+  end
+  local extras, dset, ddel = {}, {}, {}
+  if dups and #slow > 0 then
+    local fields = {}
+    for j, i in ipairs(slow) do fields[j] = names[i] end
+    extras = hmget(dkey, fields)
+  end
+  for j, i in ipairs(slow) do
+    local b, held = bits[i], has_bit(bits[i], pos)
+    local extra = held and tonumber(extras[j]) or 0
+    local after = (held and 1 + extra or 0) + deltas[i]
+    if after > 0 then
+      if not held then sets[#sets + 1] = names[i]; sets[#sets + 1] = with_bit(b, pos, true) end
+      if after - 1 ~= extra then
+        if after == 1 then ddel[#ddel + 1] = names[i] else dset[#dset + 1] = names[i]; dset[#dset + 1] = string.format('%d', after - 1) end
+      end
+    else
+      if held then
+        local left = with_bit(b, pos, false)
+        if string.find(left, '[^%z]') then sets[#sets + 1] = names[i]; sets[#sets + 1] = left
+        else dels[#dels + 1] = names[i] end
+      end
+      if extra > 0 then ddel[#ddel + 1] = names[i] end
+    end
+  end
+  chunked('MSET', false, sets, 4000)
+  chunked('DEL', false, dels, 4000)
+  chunked('HSET', dkey, dset, 4000)
+  chunked('HDEL', dkey, ddel, 4000)
 end
 
--- a worker's engine hashes of one medium live in 512 small hashes by the hash's low 9 bits
--- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~60k hashes per
--- worker and medium); the bitmap k:<slot>:<i> marks the buckets in use
-local function bucket_of(h) return (string.byte(h, 7) % 2) * 256 + string.byte(h, 8) end
+-- a worker's engine hashes of one medium live in 128 hashes by the hash's low 7 bits
+-- (listpack-encoded while a bucket holds at most hash-max-listpack-entries: up to ~65k hashes per
+-- worker and medium); the bitmap k:<slot>:<i> marks the buckets that may be in use (a superset:
+-- a bucket emptied keeps its bit until the worker goes)
+local function bucket_of(h) return string.byte(h, 8) % 128 end
+local function bucket_prefix(slot, idx) return base .. 'b:' .. slot .. ':' .. idx .. ':' end
 local function set_entry(slot, idx, h, v)
   local b = bucket_of(h)
-  local added = redis.call('HSET', base .. 'b:' .. slot .. ':' .. idx .. ':' .. b, h, v)
+  local added = redis.call('HSET', bucket_prefix(slot, idx) .. b, h, v)
   if added == 1 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 1) end
   return added
-end
-local function del_entry(slot, idx, h)
-  local b = bucket_of(h)
-  local bkey = base .. 'b:' .. slot .. ':' .. idx .. ':' .. b
-  redis.call('HDEL', bkey, h)
-  if redis.call('EXISTS', bkey) == 0 then redis.call('SETBIT', base .. 'k:' .. slot .. ':' .. idx, b, 0) end
 end
 local function buckets_used(slot, idx)  -- bucket key names of one medium
   local used, out = redis.call('GET', base .. 'k:' .. slot .. ':' .. idx) or '', {}
@@ -166,17 +255,25 @@ end
 
 local function clear_worker(name, slot)
   local media = split(redis.call('HGET', base .. 'w:' .. slot, 'M'))
+  local names, deltas, seen = {}, {}, {}
   for i, m in ipairs(media) do
-    local t = tier(m)
-    for _, bkey in ipairs(buckets_used(slot, i)) do
+    local pre = base .. tier(m) .. ':'
+    local buckets = buckets_used(slot, i)
+    for _, bkey in ipairs(buckets) do
       local all = redis.call('HGETALL', bkey)
       for j = 2, #all, 2 do
-        if all[j] ~= 'o' then unhold_all(t, all[j], slot) end
+        local v = all[j]
+        if v ~= 'o' then
+          local name = pre .. v
+          if not seen[name] then seen[name] = true; names[#names + 1] = name; deltas[#deltas + 1] = -1 end
+        end
       end
-      redis.call('DEL', bkey)
     end
+    chunked('DEL', false, buckets, 4000)
     redis.call('DEL', base .. 'k:' .. slot .. ':' .. i)
   end
+  redis.call('DEL', base .. 'D:' .. slot)  -- first: every holding goes, whatever its copies
+  apply_holders(slot, names, deltas)
   redis.call('DEL', base .. 'x:' .. slot, base .. 'w:' .. slot)
   redis.call('HDEL', base .. 'W', name)
   redis.call('HDEL', base .. 'N', slot)
@@ -185,10 +282,11 @@ local function clear_worker(name, slot)
 end
 local function read_pos(key) return redis.call('HMGET', key, 'q', 'e', 'y', 'r') end
 local function write_pos(key, q, e, y, r)
+  local fields = {'e', e, 'y', y}
+  if q then fields[#fields + 1] = 'q'; fields[#fields + 1] = q end
+  if r then fields[#fields + 1] = 'r'; fields[#fields + 1] = r end
   redis.call('DEL', key)
-  redis.call('HSET', key, 'e', e, 'y', y)
-  if q then redis.call('HSET', key, 'q', q) end
-  if r then redis.call('HSET', key, 'r', r) end
+  redis.call('HSET', key, unpack(fields))
 end
 local function judge(p, seq, epoch, forced)
   if not p[2] then return 'applied' end
@@ -219,7 +317,10 @@ local function count_entries(name, slot, delta)  -- a worker without entries is 
   end
 end
 
--- ARGV[4] worker name, ARGV[5] hashes (8 bytes each): position, block size, version, media, entries
+-- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, ...],
+-- [number of hashes, ...], [hash, ...]] (unpacked in C: no per-hash work here). Replies position, block size, version,
+-- media, orphans, then per medium the values of the hashes in the order sent (key, 'o' or nil)
+-- and their extra copies (false when the worker has none)
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
@@ -229,55 +330,90 @@ local function read_worker()
   if not slot then return out end
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
-  local hashes = {}
-  for i = 1, #ARGV[5] - 7, 8 do hashes[#hashes + 1] = string.sub(ARGV[5], i, i + 7) end
-  if #hashes == 0 then return out end
-  for i, m in ipairs(split(meta[1])) do
-    local fields, values = {}, {}
-    for j, h in ipairs(hashes) do
-      fields[j] = i .. ':' .. h
-      values[j] = redis.call('HGET', base .. 'b:' .. slot .. ':' .. i .. ':' .. bucket_of(h), h)
-    end
+  if #ARGV[5] == 0 then return out end
+  local groups = cmsgpack.unpack(ARGV[5])
+  local digits, counts, flat = groups[1], groups[2], groups[3]
+  local xkey = base .. 'x:' .. slot
+  local extras = redis.call('EXISTS', xkey) == 1
+  for i in ipairs(split(meta[1])) do
+    local pre, values, at = bucket_prefix(slot, i), {}, 1
+    for g = 1, #digits do values[g] = call_range('HMGET', pre .. digits[g], flat, at, counts[g]); at = at + counts[g] end
     out[#out + 1] = values
-    out[#out + 1] = hmget(base .. 'x:' .. slot, fields)
+    if extras then
+      local fields, ip = {}, string.format('%d:', i)
+      for j = 1, #flat do fields[j] = ip .. flat[j] end
+      out[#out + 1] = hmget(xkey, fields)
+    else
+      out[#out + 1] = false
+    end
   end
   return out
 end
 
-local function u32(s, i)
-  local b1, b2, b3, b4 = string.byte(s, i, i + 3)
-  return ((b1 * 256 + b2) * 256 + b3) * 256 + b4
+-- The entries written (msgpack, unpacked in C; b'': none), one group per bucket: ``sets``
+-- [[medium index, ...], [bucket digits, ...], [bucket, ...], [number of fields, ...], [hash, key
+-- or 'o', ...]] and ``dels`` [[medium index, ...], [bucket digits, ...], [number of hashes, ...],
+-- [hash, ...]]; ``extras`` [[field "<i>:<hash>", ...] to delete, [field, copies
+-- beyond the first, ...] to set]. One entry per (medium, hash).
+local function write_entries(slot, sets, dels, extras)
+  local pfx = {}
+  local function prefix(idx)
+    local p = pfx[idx]
+    if not p then p = bucket_prefix(slot, idx); pfx[idx] = p end
+    return p
+  end
+  if #dels > 0 then
+    local d = cmsgpack.unpack(dels)
+    local idxs, digits, counts, flat, at = d[1], d[2], d[3], d[4], 1
+    for g = 1, #idxs do call_range('HDEL', prefix(idxs[g]) .. digits[g], flat, at, counts[g]); at = at + counts[g] end
+  end
+  if #sets > 0 then
+    local used = {}  -- medium index -> {its bitmap of buckets in use, as read}
+    local t = cmsgpack.unpack(sets)
+    local idxs, digits, buckets, counts, flat, at = t[1], t[2], t[3], t[4], t[5], 1
+    for g = 1, #idxs do
+      local idx = idxs[g]
+      call_range('HSET', prefix(idx) .. digits[g], flat, at, counts[g])
+      at = at + counts[g]
+      local k = used[idx]
+      if not k then
+        local name = base .. 'k:' .. slot .. ':' .. string.format('%d', idx)
+        k = {name, redis.call('GET', name)}
+        used[idx] = k
+      end
+      if not has_bit(k[2], buckets[g]) then redis.call('SETBIT', k[1], digits[g], '1') end
+    end
+  end
+  if #extras > 0 then
+    local x, xkey = cmsgpack.unpack(extras), base .. 'x:' .. slot
+    chunked('HDEL', xkey, x[1], 4000)
+    chunked('HSET', xkey, x[2], 4000)
+  end
 end
-
--- entries: 22-byte records (medium index u8, hash 8, kind u8 0 delete | 1 orphan | 2 key, key 8,
--- extra copies u32, 2^32-1: unchanged); deltas: 13-byte records (tier char, key 8, delta i32)
-local function write_worker(name, reset, order, orphans, entries, deltas, counted)
+-- holder changes: msgpack [[holder key name, ...], [change of copies, ...], offload] (one per
+-- name; offload 1 when an offload tier gains copies)
+local function write_holders(slot, changes)
+  if #changes == 0 then return end
+  local h = cmsgpack.unpack(changes)
+  if h[3] == 1 then mark_offload() end
+  apply_holders(slot, h[1], h[2])
+end
+local function write_worker(name, reset, order, orphans, sets, dels, extras, changes, counted)
   redis.call('HINCRBY', base .. 'v', name, 1)
   local slot = redis.call('HGET', base .. 'W', name)
   if slot and reset then clear_worker(name, slot); slot = false end
-  if #entries == 0 and not slot then return end
+  if #sets == 0 and #dels == 0 and #extras == 0 and not slot then return end
   if not slot then slot = new_worker(name, order) end
-  local xkey = base .. 'x:' .. slot
   redis.call('HSET', base .. 'w:' .. slot, 'M', order, 'o', orphans)
-  for i = 1, #entries, 22 do
-    local idx, h, kind, extra = string.byte(entries, i), string.sub(entries, i + 1, i + 8), string.byte(entries, i + 9), u32(entries, i + 18)
-    if kind == 0 then del_entry(slot, idx, h)
-    elseif kind == 1 then set_entry(slot, idx, h, 'o')
-    else set_entry(slot, idx, h, string.sub(entries, i + 10, i + 17)) end
-    if extra == 0 then redis.call('HDEL', xkey, idx .. ':' .. h)
-    elseif extra < 4294967295 then redis.call('HSET', xkey, idx .. ':' .. h, extra) end
-  end
-  for i = 1, #deltas, 13 do
-    local d = u32(deltas, i + 9)
-    if d >= 2147483648 then d = d - 4294967296 end
-    hold(string.sub(deltas, i, i), string.sub(deltas, i + 1, i + 8), slot, d)
-  end
+  write_entries(slot, sets, dels, extras)
+  write_holders(slot, changes)
   count_entries(name, slot, counted)
 end
 
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
--- [15] entries, [16] holder deltas (packed records, see write_worker), [17] change of entries held
+-- [15] sets, [16] dels, [17] extras (see write_entries), [18] holder changes (see write_holders),
+-- [19] change of the number of entries held
 local function apply_batch()
   local p = read_pos(KEYS[2])
   local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
@@ -290,8 +426,9 @@ local function apply_batch()
   end
   if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
   local slot = redis.call('HGET', base .. 'W', name)
-  if ARGV[12] == '1' or #ARGV[15] > 0 or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
-    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16], tonumber(ARGV[17]))
+  local written = #ARGV[15] > 0 or #ARGV[16] > 0 or #ARGV[17] > 0
+  if ARGV[12] == '1' or written or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
+    write_worker(name, ARGV[12] == '1', ARGV[13], ARGV[14], ARGV[15], ARGV[16], ARGV[17], ARGV[18], tonumber(ARGV[19]))
   end
   local y, r = p[3], p[4]
   if forced then y, r = '0', string.sub(ARGV[6], 2)
@@ -355,6 +492,19 @@ local function holders_from(packed, first, offload)  -- bitmaps of CHUNK keys: g
   if #names == 0 then return {} end
   return redis.call('MGET', unpack(names))
 end
+-- one key of the walk without offload tiers (the three alive sets are one: w.d)
+local function narrow_gpu(w, g, depth)
+  local any, alive, dep = false, w.d, w.ddep
+  for j = 1, #alive do
+    local a = alive[j]
+    if a ~= 0 then
+      local y = band(a, string.byte(g, j) or 0)
+      if y ~= a then note_dropped(dep, j, bxor(a, y), depth); alive[j] = y end
+      if y ~= 0 then any = true end
+    end
+  end
+  return any
+end
 -- one key of the walk: narrow the three alive sets (w.g within w.c within w.d), noting at
 -- ``depth`` the workers each drops; returns whether any worker is left
 local function narrow(w, g, c, d, depth)
@@ -385,18 +535,28 @@ local function match()
   local w = {d = candidates(npods), g = {}, c = {}, gdep = {}, cdep = {}, ddep = {}}
   for j = 1, #w.d do w.g[j], w.c[j] = w.d[j], w.d[j] end
   local offload = redis.call('EXISTS', base .. 'off') == 1
-  local pg, pc, pd, depth, alive, step = false, false, false, 0, true, offload and 3 or 1
+  local pg, pc, pd, depth, alive = false, false, false, 0, true
   for first = 1, #packed - 7, 8 * CHUNK do
     local r = holders_from(packed, first, offload)
-    for j = 1, #r, step do
-      local g, c, d = r[j] or '', offload and r[j + 1] or '', offload and r[j + 2] or ''
-      if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
-      pg, pc, pd, depth = g, c, d, depth + 1
+    if offload then
+      for j = 1, #r, 3 do
+        local g, c, d = r[j] or '', r[j + 1] or '', r[j + 2] or ''
+        if not (g == pg and c == pc and d == pd) and not narrow(w, g, c, d, depth) then alive = false; break end
+        pg, pc, pd, depth = g, c, d, depth + 1
+      end
+    else
+      for j = 1, #r do
+        local g = r[j] or ''
+        if g ~= pg and not narrow_gpu(w, g, depth) then alive = false; break end
+        pg, depth = g, depth + 1
+      end
     end
     if not alive then break end
   end
+  if not offload then w.g, w.c, w.gdep, w.cdep = w.d, w.d, w.ddep, w.ddep end  -- one set: every tier alike
   for j = 1, #w.d do
-    note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth); note_dropped(w.ddep, j, w.d[j], depth)
+    if offload then note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth) end
+    note_dropped(w.ddep, j, w.d[j], depth)
   end
   local out, slots = {}, {}
   for s, d in pairs(w.ddep) do
@@ -458,8 +618,9 @@ local function dump()
   return out
 end
 
--- ARGV[4..] groups of (name, medium, hash, key or 'o', copies)
+-- ARGV[4..] groups of (name, medium, hash, key or 'o', copies); holders are written per slot at the end
 local function load()
+  local holdings = {}  -- slot -> {holder key name -> copies} (no worker is freed while loading)
   for i = 4, #ARGV, 5 do
     local name, m, h, key, copies = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], tonumber(ARGV[i + 4])
     local slot = redis.call('HGET', base .. 'W', name) or new_worker(name, 'GPU')
@@ -473,8 +634,19 @@ local function load()
     if set_entry(slot, idx, h, key) == 1 then count_entries(name, slot, 1) end
     if copies > 1 then redis.call('HSET', base .. 'x:' .. slot, idx .. ':' .. h, copies - 1) end
     if key == 'o' then redis.call('HINCRBY', base .. 'w:' .. slot, 'o', 1)
-    else hold(tier(m), key, slot, copies) end
+    else
+      local t, mine = tier(m), holdings[slot] or {}
+      if t ~= 'g' then mark_offload() end
+      holdings[slot] = mine
+      local hname = base .. t .. ':' .. key
+      mine[hname] = (mine[hname] or 0) + copies
+    end
     redis.call('HINCRBY', base .. 'v', name, 1)
+  end
+  for slot, mine in pairs(holdings) do
+    local names, deltas = {}, {}
+    for hname, copies in pairs(mine) do names[#names + 1] = hname; deltas[#deltas + 1] = copies end
+    apply_holders(slot, names, deltas)
   end
   return {'ok'}
 end
@@ -551,8 +723,8 @@ class _Plan:
     reset: bool
     media: tuple[str, ...]
     orphans: int
-    entries: bytes  # _ENTRY records
-    holders: bytes  # _DELTA records
+    changes: list[tuple[int, int, int | None, int]]  # (medium index, hash, key / ORPHAN / None: gone, extra)
+    holders: dict[tuple[str, int], int]  # (tier char, key) -> change of the copies held (non-zero)
     counted: int  # change of the number of entries (medium, hash) held
     new_block_size: int | None
 
@@ -565,10 +737,11 @@ def _view_of(reply: list[Any], hashes: list[int]) -> _WorkerView:
     for i, medium in enumerate(media):
         if 9 + 2 * i >= len(reply):
             break
-        values, extras = reply[9 + 2 * i], reply[10 + 2 * i]
-        for h, v, x in zip(hashes, values, extras):
+        values, extras = chain.from_iterable(reply[9 + 2 * i]), reply[10 + 2 * i]  # per bucket group
+        for j, v in enumerate(values):
             if v is not None:
-                entries[(medium, h)] = (_key_or_orphan(v), 0 if x is None else int(x))
+                x = extras[j] if extras else None
+                entries[(medium, hashes[j])] = (_key_or_orphan(v), 0 if x is None else int(x))
     return _WorkerView(pos, bs, _text(reply[6]), media, int(reply[8] or 0), entries)
 
 
@@ -586,22 +759,28 @@ def _hashes_of(events: Sequence[KVEvent]) -> list[int]:
 
 
 def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: _WorkerView, hashes: list[int]) -> _Plan:
-    """Replay the batch with PreciseIndex's own rules (``WorkerReplay``) and diff the worker."""
+    """The batch's plan: the fast path when it applies, else the full replay."""
+    return plan_fast(model, events, view, hashes) or plan_replayed(pod, model, rank, events, view, hashes)
+
+
+def plan_replayed(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: _WorkerView,
+                  hashes: list[int]) -> _Plan:
+    """Replay the batch with PreciseIndex's own rules (``WorkerReplay``) and diff the worker (any batch)."""
     replay = WorkerReplay(pod, model, rank, view.block_size, view.media, view.entries, view.orphans)
     done = replay.run(events)
     if replay.reset:  # the store clears the worker first: everything the replay holds is new
-        entries, holders, counted = _diff(replay, {}, replay.held())
+        changes, holders, counted = _diff(replay, {}, replay.held())
     else:
-        entries, holders, counted = _diff(replay, view.entries, [(m, h) for m in replay.media for h in hashes])
+        changes, holders, counted = _diff(replay, view.entries, [(m, h) for m in replay.media for h in hashes])
     new_bs = replay.block_size() if view.block_size is None else None
-    return _Plan(done, replay.reset, replay.media, replay.orphans, entries, holders, counted, new_bs)
+    return _Plan(done, replay.reset, replay.media, replay.orphans, changes, holders, counted, new_bs)
 
 
 def _diff(replay: WorkerReplay, before: dict[tuple[str, int], tuple[int, int]],
-          touched: list[tuple[str, int]]) -> tuple[bytes, bytes, int]:
+          touched: list[tuple[str, int]]) -> tuple[list[tuple[int, int, int | None, int]], dict[tuple[str, int], int], int]:
     """The changed entries, the holder deltas (copies per tier and key) and the change of the
     number of entries, between ``before`` and the replayed worker over ``touched``."""
-    entries: list[bytes] = []
+    changes: list[tuple[int, int, int | None, int]] = []
     deltas: dict[tuple[str, int], int] = {}
     index = {m: i for i, m in enumerate(replay.media, 1)}
     counted = 0
@@ -611,28 +790,160 @@ def _diff(replay: WorkerReplay, before: dict[tuple[str, int], tuple[int, int]],
             continue
         new, new_x = now if now is not None else (None, 0)
         counted += (new is not None) - (old is not None)
-        kind = 0 if new is None else (1 if new == ORPHAN else 2)
         keep = old is not None and old[1] == new_x or old is None and new_x == 0
-        entries.append(_ENTRY.pack(index[m], h, kind, new if kind == 2 else 0, UNCHANGED if keep else new_x))
+        changes.append((index[m], h, new, UNCHANGED if keep else new_x))
         t = _TIER_CHAR[tier_of(m)]
         if old is not None and old[0] != ORPHAN:
             deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
         if new is not None and new != ORPHAN:
             deltas[(t, new)] = deltas.get((t, new), 0) + 1 + new_x
-    holders = b"".join(_DELTA.pack(t.encode(), k, d) for (t, k), d in deltas.items() if d)
-    return b"".join(entries), holders, counted
+    return changes, {k: d for k, d in deltas.items() if d}, counted
 
 
-def _apply_args(seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
+def plan_fast(model: str, events: Sequence[KVEvent], view: _WorkerView, hashes: list[int]) -> _Plan | None:
+    """The common batch without the overlay: a worker holding GPU blocks only, none keyless or
+    copied twice among those the batch names, and GPU stores that all get keys (parent held or
+    none, tokens for every block, the model's block size) of hashes not held yet, and removals.
+    Same result as ``plan_replayed``; None (use it) as soon as the batch leaves that case."""
+    if view.media not in ((), (GPU,)):
+        return None
+    held: dict[int, int] = {}
+    for (_, h), (key, extra) in view.entries.items():
+        if extra or key == ORPHAN:
+            return None
+        held[h] = key
+    now, deltas, done, bs = dict(held), {}, Applied(), view.block_size
+    for ev in events:
+        t = type(ev)
+        if t is BlockStored:
+            if ev.medium != GPU or (bs is not None and ev.block_size != bs):  # type: ignore[union-attr]
+                return None
+            bs = ev.block_size  # type: ignore[union-attr]
+            if not _store_fast(model, ev, now, deltas):  # type: ignore[arg-type]
+                return None
+            done.stored_events += 1
+            done.stored += len(ev.block_hashes)  # type: ignore[union-attr]
+        elif t is BlockRemoved and ev.medium == GPU:  # type: ignore[union-attr]
+            gone = [now.pop(h, None) for h in ev.block_hashes]  # type: ignore[union-attr]
+            for key in gone:
+                if key is not None:
+                    deltas[key] = deltas.get(key, 0) - 1
+            done.removed_events += 1
+            done.unknown_removals += gone.count(None)
+            done.removed += len(gone) - gone.count(None)
+        else:
+            return None
+    changes, counted = [], 0
+    for h in hashes:
+        old, new = held.get(h), now.get(h)
+        if old != new:
+            counted += (new is not None) - (old is not None)
+            changes.append((1, h, new, UNCHANGED))
+    new_bs = bs if view.block_size is None else None
+    return _Plan(done, False, (GPU,), view.orphans, changes, {("g", k): d for k, d in deltas.items() if d}, counted, new_bs)
+
+
+def _store_fast(model: str, ev: BlockStored, now: dict[int, int], deltas: dict[int, int]) -> bool:
+    """Store ``ev``'s blocks in ``now`` (hash -> key); False if one would be keyless or a copy."""
+    if ev.parent_hash is None:
+        parent: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
+    else:
+        parent = now.get(ev.parent_hash)
+        if parent is None:
+            return False
+    hashes = ev.block_hashes
+    keys = K.prompt_keys(parent, ev.token_ids, ev.block_size, limit=len(hashes))
+    if len(keys) < len(hashes):
+        return False
+    for h, key in zip(hashes, keys):
+        if h in now:
+            return False
+        now[h] = key
+        deltas[key] = deltas.get(key, 0) + 1
+    return True
+
+
+def _pack_changes(changes: list[tuple[int, int, int | None, int]]) -> tuple[bytes, bytes, bytes]:
+    """The apply script's entry sections (see write_entries): writes and deletions grouped per
+    (medium, bucket), and the changed extra copies."""
+    sets: dict[tuple[int, int], list[bytes]] = {}
+    dels: dict[tuple[int, int], list[bytes]] = {}
+    xdel: list[bytes] = []
+    xset: list[bytes] = []
+    for idx, h, key, extra in changes:
+        group, hb = (idx, h & BUCKET_MASK), h.to_bytes(8, "big")
+        if key is None:
+            fields = dels.get(group)
+            if fields is None:
+                dels[group] = [hb]
+            else:
+                fields.append(hb)
+        else:
+            value = b"o" if key == ORPHAN else key.to_bytes(8, "big")
+            fields = sets.get(group)
+            if fields is None:
+                sets[group] = [hb, value]
+            else:
+                fields += (hb, value)
+        if extra != UNCHANGED:
+            field = b"%d:%s" % (idx, hb)
+            if extra:
+                xset += (field, b"%d" % extra)
+            else:
+                xdel.append(field)
+    return (_packb(_columns(sets, with_bucket=True)) if sets else b"",
+            _packb(_columns(dels, with_bucket=False)) if dels else b"",
+            _packb([xdel, xset]) if xdel or xset else b"")
+
+
+def _columns(groups: dict[tuple[int, int], list[bytes]], *, with_bucket: bool) -> list[list[Any]]:
+    """Groups as write_entries takes them: medium indexes, bucket digits, (buckets,) sizes, items."""
+    keys = list(groups)
+    out: list[list[Any]] = [[i for i, _ in keys], [_DIGITS[b] for _, b in keys]]
+    if with_bucket:
+        out.append([b for _, b in keys])
+    out.append([len(f) for f in groups.values()])
+    out.append([x for f in groups.values() for x in f])
+    return out
+
+
+def _read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:
+    """The read script's hashes grouped per bucket (msgpack, see read_worker), and the hashes in
+    that order."""
+    groups: dict[int, list[int]] = {}
+    for h in hashes:
+        group = groups.get(h & BUCKET_MASK)
+        if group is None:
+            groups[h & BUCKET_MASK] = [h]
+        else:
+            group.append(h)
+    order = [h for hs in groups.values() for h in hs]
+    return _packb([[_DIGITS[b] for b in groups], [len(hs) for hs in groups.values()],
+                   [h.to_bytes(8, "big") for h in order]]), order
+
+
+def _pack_holders(base: str, holders: dict[tuple[str, int], int]) -> bytes:
+    """The holder changes as write_holders takes them (b"": none)."""
+    if not holders:
+        return b""
+    prefixes = {t: f"{base}{t}:".encode() for t in "gcd"}
+    names = [prefixes[t] + k.to_bytes(8, "big") for t, k in holders]
+    offload = any(t != "g" and d > 0 for (t, _), d in holders.items())
+    return _packb([names, list(holders.values()), 1 if offload else 0])
+
+
+def _apply_args(base: str, seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: _WorkerView,
                 plan: _Plan) -> list[str | bytes]:
     """The apply script's arguments; a view of version "*" was not read (nothing to check)."""
     if view.version == "*":
         read_bs = "*"
     else:
         read_bs = "" if view.block_size is None else str(view.block_size)
+    sets, dels, extras = _pack_changes(plan.changes)
+    holders = _pack_holders(base, plan.holders)
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
-            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), plan.entries, plan.holders,
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), sets, dels, extras, holders,
             str(plan.counted)]
 
 
@@ -765,13 +1076,13 @@ class RedisPreciseStore:
             if blind:  # clears only (or nothing): one round trip, computed on an empty worker
                 view = _WorkerView(None, None, "*", (), 0, {})
             else:
-                packed = struct.pack(f">{len(hashes)}Q", *hashes)
-                view = _view_of(await self._run(base, "read", name, packed, stream=stream.id), hashes)
+                packed, order = _read_groups(hashes)
+                view = _view_of(await self._run(base, "read", name, packed, stream=stream.id), order)
                 outcome = judge(view.position, seq, epoch, force)
                 if outcome is not Outcome.APPLIED:
                     return ApplyResult(outcome, view.position or Position(epoch=epoch))
             plan = plan_batch(stream.pod, stream.model, dp_rank, events, view, hashes)
-            args = _apply_args(seq, epoch, force, cleared, name, view, plan)
+            args = _apply_args(base, seq, epoch, force, cleared, name, view, plan)
             reply = await self._run(base, "apply", *args, stream=stream.id)
             status = _text(reply[0])
             if status == "retry":
