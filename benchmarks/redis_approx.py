@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import socket
 import sys
@@ -44,6 +43,7 @@ if str(ROOT) not in sys.path:
 import redis.asyncio as aioredis  # noqa: E402
 from common import RESULTS, latency_summary, machine  # noqa: E402
 
+from tests.redis_server import RedisServer  # noqa: E402
 from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings  # noqa: E402
 from kvindex.stores.memory import MemoryApproxStore  # noqa: E402
 from kvindex.stores.redis_approx import RedisApproxStore  # noqa: E402
@@ -52,13 +52,6 @@ MODEL = "bench-model"
 OPS = ("record_refresh", "record_new", "score", "depth", "score_shared")
 
 
-def _redis_server_class() -> Any:
-    """tests/redis_server.py's RedisServer, imported by path (tests/ is not a package here)."""
-    spec = importlib.util.spec_from_file_location("kvi_bench_redis_server", ROOT / "tests" / "redis_server.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RedisServer
 
 
 def free_port() -> int:
@@ -170,7 +163,7 @@ async def one_transport(url: str, pods: list[str], prompts: int, repeat: int) ->
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     pods = [f"pod-{i}" for i in range(args.pods)]
-    server_cls = _redis_server_class()
+    server_cls = RedisServer
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvi-bench-redis-") as tmp:
         server = server_cls(Path(tmp), port=args.port).start()

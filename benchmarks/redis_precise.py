@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.util
 import json
 import os
 import random
@@ -39,6 +38,7 @@ import redis.asyncio as aioredis  # noqa: E402
 from common import BLOCK_SIZE, MODEL, QUERY_BLOCKS, RESULTS, latency_summary, machine, pct  # noqa: E402
 
 from adapters import DIALECTS  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 from kvindex import keys as K  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
 from kvindex.ingest import split_topic  # noqa: E402
@@ -50,12 +50,6 @@ from kvindex.workload import read_messages  # noqa: E402
 Batch = tuple[StreamRef, int, int, tuple]
 
 
-def redis_server_class() -> Any:
-    spec = importlib.util.spec_from_file_location("kvi_redis_server", ROOT / "tests" / "redis_server.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.RedisServer
 
 
 def generate(replicas: int, blocks: int, capacity: int) -> tuple[list[Batch], int]:
@@ -327,7 +321,7 @@ def main() -> None:
     if args.smoke:
         args.blocks, args.capacity, args.background, args.match_iters = 6000, 600, 50, 30
     out = args.out or RESULTS / ("redis_precise_smoke.json" if args.smoke else "redis_precise.json")
-    server = redis_server_class()(Path(tempfile.mkdtemp(prefix="kvi-bench-redis-"))).start()
+    server = RedisServer(Path(tempfile.mkdtemp(prefix="kvi-bench-redis-"))).start()
     try:
         doc = asyncio.run(run(args, server.url))
     finally:
