@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from kvindex.approx import ApproxConfig, ApproxIndex
-from kvindex.stores.base import ApproxStore, PreciseStore, StoreUnavailable
+from kvindex.stores.base import ApproxStore, PreciseStore
 from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
 
 MEMORY = "memory://"
@@ -106,14 +106,3 @@ def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str]
                             retry=Retry(NoBackoff(), 0))  # the stores retry what is safe to retry
     return Stores(url, RedisPreciseStore(client), RedisApproxStore(client, approx_config, on_evict=on_evict), client)
 
-
-async def open_stores(url: str, approx_config: ApproxConfig,
-                      on_evict: Callable[[str], None] | None) -> tuple[PreciseStore, ApproxStore]:
-    """Both stores for ``url``, opened (``StoreUnavailable`` when the store cannot be reached)."""
-    stores = build_stores(url, approx_config, on_evict)
-    try:
-        await stores.open()
-    except StoreUnavailable:
-        await stores.close()
-        raise
-    return stores.precise, stores.approx
