@@ -961,6 +961,9 @@ class RedisPreciseStore:
         self._script = client.register_script(LUA)
         self._gen: str | None = None
         self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
+        # model -> block size as last read or set here: a query's keys need it before its one round
+        # trip; it changes only by configuration (set_block_size), never back to unknown
+        self._block_sizes: dict[str, int] = {}
         self._ready_pods: set[tuple[str, str]] = set()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -994,6 +997,7 @@ class RedisPreciseStore:
         self._gen = _text(await self._call(lambda: self._client.get(gen_key)))
         await self._call(lambda: self._client.script_load(LUA))
         self._bases.clear()
+        self._block_sizes.clear()
         self._ready_pods.clear()
 
     async def _ensure(self, model: str, pod: str | None = None) -> str:
@@ -1116,10 +1120,19 @@ class RedisPreciseStore:
     # -- models and pods -----------------------------------------------------------------------
     async def set_block_size(self, model: str, block_size: int) -> None:
         await self._run(await self._ensure(model), "setbs", str(block_size))
+        self._block_sizes[model] = block_size
 
     async def block_size(self, model: str) -> int | None:
+        """The model's block size; once known, from this client's memory (no round trip: a
+        query's only round trip is its walk). Unknown sizes are read every time."""
+        known = self._block_sizes.get(model)
+        if known is not None:
+            return known
         reply = await self._run(await self._ensure(model), "getbs")
-        return None if reply[1] is None else int(reply[1])
+        if reply[1] is None:
+            return None
+        bs = self._block_sizes[model] = int(reply[1])
+        return bs
 
     async def block_sizes(self) -> dict[str, int]:
         out = {}
