@@ -28,6 +28,7 @@ import msgspec
 import xxhash
 
 from kvindex import keys as K
+from kvindex.approx import score_matches
 from kvindex.precise import PodMatch
 from kvindex.render import RenderError
 from kvindex.stores.base import ApproxStore, PreciseStore
@@ -217,9 +218,8 @@ class QueryService:
             raise QueryError(str(exc), field="request", reason="unrenderable") from None
 
     async def approx_match(self, model: str, hashes: tuple[int, ...], pods: Iterable[str]) -> ApproxAnswer:
-        pods = list(pods)
-        return ApproxAnswer(hashes, await self.approx.match(model, hashes, pods),
-                            await self.approx.score(model, hashes, pods))
+        matches = await self.approx.match(model, hashes, list(pods))  # one walk: scores follow from it
+        return ApproxAnswer(hashes, matches, score_matches(self.approx.config.for_model(model), matches, len(hashes)))
 
     async def approx_answer(self, model: str, body: dict[str, Any], pods: Iterable[str]) -> ApproxAnswer | None:
         hashes = self.approx_hashes(model, body)
