@@ -6,6 +6,9 @@ Invariants:
 - ``key_i = XXH3-64(LE64(key_{i-1}) || LE64(local_i))``; ``key_{-1}`` is the root, derived from
   (model, lora_name, cache_salt), so different models, adapters and salted tenants never share keys.
 - Only full blocks have keys. Engine hashes never enter a key: engines may hash differently.
+- The functions here are the reference. ``prompt_keys``, ``local_hashes`` and ``chain_keys`` run
+  on their C twins (``kvindex/_keys.c``) when built; ``py_*`` are the Python definitions, always
+  available, and the tests hold the two equal.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ from functools import lru_cache
 
 import xxhash
 
+from kvindex import native
+
 LOCAL_SEED = 1337
 MASK64 = (1 << 64) - 1
 _PAIR = struct.Struct("<QQ")
 _xxh3 = xxhash.xxh3_64_intdigest
+_C = native.load("_keys")
 
 
 def local_hash(tokens: Sequence[int]) -> int:
@@ -42,13 +48,16 @@ def root_key(model: str, lora_name: str | None = None, cache_salt: str | None = 
     return _xxh3(data)
 
 
+def _u32(token_ids: Sequence[int]) -> array:
+    return token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
+
+
 def packed(token_ids: Sequence[int]) -> memoryview:
     """Token ids as u32 little-endian bytes (no copy when they already are an ``array("I")``)."""
-    arr = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
-    return memoryview(arr).cast("B")
+    return memoryview(_u32(token_ids)).cast("B")
 
 
-def local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+def py_local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
     """Per-block local hashes of the full blocks of ``token_ids`` (at most ``limit`` blocks)."""
     data = packed(token_ids)
     width = 4 * block_size
@@ -56,7 +65,7 @@ def local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = 
     return [_xxh3(data[i : i + width], LOCAL_SEED) for i in range(0, n * width, width)]
 
 
-def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
+def py_chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
     keys = []
     key = root
     for local in locals_:
@@ -65,14 +74,28 @@ def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
     return keys
 
 
-def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+def py_prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
     """Chained keys of the full blocks of a prompt (at most ``limit`` blocks).
 
-    ``chain_keys(root, local_hashes(...))`` in one comprehension: no list of local hashes, no
+    ``py_chain_keys(root, py_local_hashes(...))`` in one comprehension: no list of local hashes, no
     per-block method call (the ingest path computes one key per stored block)."""
-    arr = token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" else array("I", token_ids)
-    data = arr.tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
+    data = _u32(token_ids).tobytes()  # one copy; slicing bytes is cheaper than slicing a memoryview
     width = 4 * block_size
     n = len(data) // width if limit is None else min(limit, len(data) // width)
     key, pack = root, _PAIR.pack
     return [key := _xxh3(pack(key, _xxh3(data[i : i + width], LOCAL_SEED))) for i in range(0, n * width, width)]
+
+
+if _C is None:
+    local_hashes, chain_keys, prompt_keys = py_local_hashes, py_chain_keys, py_prompt_keys
+else:
+    _c_local, _c_chain, _c_prompt = _C.local_hashes, _C.chain_keys, _C.prompt_keys
+
+    def local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+        return _c_local(_u32(token_ids), block_size, -1 if limit is None else limit)
+
+    def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
+        return _c_chain(root, locals_)
+
+    def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+        return _c_prompt(root, _u32(token_ids), block_size, -1 if limit is None else limit)

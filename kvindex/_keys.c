@@ -1,0 +1,165 @@
+/* kvindex._keys: the chained block keys of kvindex.keys, in C.
+ *
+ * Same definitions as the Python twin (kvindex/keys.py is the reference; tests compare both):
+ *   local_i = XXH3-64(tokens of block i as u32 little-endian, seed 1337)
+ *   key_i   = XXH3-64(LE64(key_{i-1}) || LE64(local_i)), key_{-1} = root
+ * Only full blocks have keys. Token ids arrive as a buffer of u32s (an array("I")); XXH3 comes
+ * from the system's xxhash.h (Debian's libxxhash-dev), inlined: no runtime library.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#define LOCAL_SEED 1337ULL
+
+static void put_le64(unsigned char *out, uint64_t v) {
+    for (int i = 0; i < 8; i++) out[i] = (unsigned char)(v >> (8 * i));
+}
+
+static uint64_t chain(uint64_t parent, uint64_t local) {
+    unsigned char pair[16];
+    put_le64(pair, parent);
+    put_le64(pair + 8, local);
+    return XXH3_64bits(pair, sizeof pair);
+}
+
+/* A u64 from a Python int (0 <= v < 2**64); sets an exception otherwise. */
+static int as_u64(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "expected an int");
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Full blocks in a token buffer of ``nbytes``, at most ``limit`` (negative: no limit). */
+static Py_ssize_t full_blocks(Py_ssize_t nbytes, Py_ssize_t block_size, Py_ssize_t limit) {
+    Py_ssize_t n = nbytes / (4 * block_size);
+    return (limit >= 0 && limit < n) ? limit : n;
+}
+
+static int token_buffer(PyObject *tokens, Py_buffer *view, Py_ssize_t block_size) {
+    if (block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return -1;
+    }
+    if (PyObject_GetBuffer(tokens, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->itemsize != 4 && view->itemsize != 1) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "token ids must be a buffer of u32 (array('I')) or bytes");
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(prompt_keys_doc,
+"prompt_keys(root, tokens, block_size, limit=-1) -> list[int]\n\n"
+"Chained keys of the full blocks of ``tokens`` (a buffer of u32, e.g. array('I')), at most\n"
+"``limit`` blocks when limit >= 0.");
+
+static PyObject *prompt_keys(PyObject *self, PyObject *args) {
+    PyObject *root_obj, *tokens;
+    Py_ssize_t block_size, limit = -1;
+    uint64_t key;
+    if (!PyArg_ParseTuple(args, "OOn|n", &root_obj, &tokens, &block_size, &limit)) return NULL;
+    if (as_u64(root_obj, &key) < 0) return NULL;
+    Py_buffer view;
+    if (token_buffer(tokens, &view, block_size) < 0) return NULL;
+    Py_ssize_t n = full_blocks(view.len, block_size, limit);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) goto done;
+    const unsigned char *data = view.buf;
+    size_t width = (size_t)(4 * block_size);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        key = chain(key, XXH3_64bits_withSeed(data + i * width, width, LOCAL_SEED));
+        PyObject *k = PyLong_FromUnsignedLongLong(key);
+        if (k == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, k);
+    }
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
+PyDoc_STRVAR(local_hashes_doc,
+"local_hashes(tokens, block_size, limit=-1) -> list[int]\n\n"
+"Dynamo's per-block hashes (XXH3-64, seed 1337) of the full blocks of ``tokens``.");
+
+static PyObject *local_hashes(PyObject *self, PyObject *args) {
+    PyObject *tokens;
+    Py_ssize_t block_size, limit = -1;
+    if (!PyArg_ParseTuple(args, "On|n", &tokens, &block_size, &limit)) return NULL;
+    Py_buffer view;
+    if (token_buffer(tokens, &view, block_size) < 0) return NULL;
+    Py_ssize_t n = full_blocks(view.len, block_size, limit);
+    PyObject *out = PyList_New(n);
+    if (out != NULL) {
+        const unsigned char *data = view.buf;
+        size_t width = (size_t)(4 * block_size);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *h = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(data + i * width, width, LOCAL_SEED));
+            if (h == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyList_SET_ITEM(out, i, h);
+        }
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+PyDoc_STRVAR(chain_keys_doc,
+"chain_keys(root, locals) -> list[int]\n\n"
+"key_i = XXH3-64(LE64(key_{i-1}) || LE64(locals[i])), starting from ``root``.");
+
+static PyObject *chain_keys(PyObject *self, PyObject *args) {
+    PyObject *root_obj, *locals;
+    uint64_t key;
+    if (!PyArg_ParseTuple(args, "OO", &root_obj, &locals)) return NULL;
+    if (as_u64(root_obj, &key) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(locals, "locals must be a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        uint64_t local;
+        PyObject *k = NULL;
+        if (as_u64(items[i], &local) == 0) {
+            key = chain(key, local);
+            k = PyLong_FromUnsignedLongLong(key);
+        }
+        if (k == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, k);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"prompt_keys", prompt_keys, METH_VARARGS, prompt_keys_doc},
+    {"local_hashes", local_hashes, METH_VARARGS, local_hashes_doc},
+    {"chain_keys", chain_keys, METH_VARARGS, chain_keys_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvindex._keys",
+    "kvindex's chained block keys in C (kvindex/keys.py is the reference).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__keys(void) { return PyModule_Create(&module); }
