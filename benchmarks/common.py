@@ -16,10 +16,12 @@ import platform
 import statistics
 import subprocess
 import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from random import Random
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -31,7 +33,10 @@ QUERY_TOKENS = QUERY_BLOCKS * BLOCK_SIZE
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from kvindex import loops, native  # noqa: E402
 from kvindex.workload import read_messages  # noqa: E402
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +145,19 @@ def machine() -> dict:
     except OSError:
         pass
     pkgs = {}
-    for name in ("kvindex", "pyzmq", "msgpack", "msgspec", "aiohttp", "xxhash", "ai-dynamo-runtime"):
+    for name in ("kvindex", "pyzmq", "msgpack", "msgspec", "aiohttp", "uvloop", "xxhash", "ai-dynamo-runtime"):
         try:
             pkgs[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pkgs[name] = None
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), "packages": pkgs, "git": git_state()}
+            "platform": platform.platform(), "packages": pkgs, "git": git_state(),
+            "event_loop": loops.factory(os.environ.get(loops.ENV, "auto"))[0], "native": native.status()}
+
+
+def run_daemon(main: Coroutine[Any, Any, T]) -> T:
+    """Runs a coroutine that drives an in-process Daemon on the loop ``kvindex serve`` would use."""
+    return loops.run(main, os.environ.get(loops.ENV, "auto"))
 
 
 def git_state() -> dict:

@@ -21,7 +21,6 @@ Results: benchmarks/results/<timestamp>.json and a table on stdout. No assertion
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import subprocess
 import sys
@@ -130,7 +129,7 @@ def run_replicas(args: argparse.Namespace, n: int, dyn_reason: str | None) -> di
     res["query_inproc"] = inproc.query(wl, index, held, queries, args.repeat)
     del index, held
     res["e2e_reference"] = e2e.reference_e2e(wl)
-    kv = asyncio.run(e2e.kvindex_e2e(wl, qfile, args.http_repeat))
+    kv = common.run_daemon(e2e.kvindex_e2e(wl, qfile, args.http_repeat))
     kv["ingest"]["ratio_vs_reference"] = kv["ingest"]["blocks_per_s"] / res["e2e_reference"]["blocks_per_s"]
     kv["ingest"]["rss_bytes_per_entry"] = kv["ingest"]["rss_delta_bytes"] / max(1, res["workload"]["entries_held"])
     res["e2e_kvindex"] = kv["ingest"]

@@ -137,7 +137,7 @@ def run_replicas(args: argparse.Namespace, n: int, with_http: bool) -> dict:
         for w in args.worker_counts:
             print(f"... {n} replicas, {w} worker(s), round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
             http = qfile if r == 0 else None
-            rounds[str(w)].append(asyncio.run(one_run(wl, w, http, args.http_repeat, args.timeout)))
+            rounds[str(w)].append(common.run_daemon(one_run(wl, w, http, args.http_repeat, args.timeout)))
     runs = {w: median_run(rs) for w, rs in rounds.items()}
     base = runs[str(args.worker_counts[0])]
     for run in runs.values():

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from kvindex import loops
 from kvindex.config import Config, ConfigError, config_from_toml, load_toml, with_overrides
 from kvindex.demo import add_demo_parser, demo_main
 from kvindex.stores.base import StoreUnavailable
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "engine replica really holds (from its KV events), what the router believes, and "
                                 "the drift between them.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default=os.environ.get("KVINDEX_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--event-loop", choices=loops.CHOICES, default=os.environ.get(loops.ENV, "auto"),
+                   help="event loop: uvloop (faster HTTP and ZeroMQ; the default when installed, as auto) or "
+                   "asyncio's own (also $KVINDEX_LOOP)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the daemon: subscribe to engines, serve the HTTP API",
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(dispatch(args))
+        os.environ[loops.ENV] = args.event_loop  # ingest workers (kvindex.worker) run on the same loop
+        return loops.run(dispatch(args), args.event_loop)
     except ConfigError as exc:
         print(f"kvindex: {exc}", file=sys.stderr)
         return 2

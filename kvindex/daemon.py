@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter
 from adapters import DIALECTS
 from adapters.engine_tokenizer import EngineTokenizer
 from adapters.llmd_sim import SimTokenizer
-from kvindex import compat_api
+from kvindex import compat_api, native
 from kvindex.approx import ApproxIndex
 from kvindex.config import Config, EngineConfig
 from kvindex.decisions import Decisions
@@ -264,7 +264,8 @@ class Daemon:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        log.info("kvindex listening on http://%s:%d with %d engine(s)", self.config.host, self.port, len(self.config.engines))
+        log.info("kvindex listening on http://%s:%d with %d engine(s); event loop %s; %s", self.config.host, self.port,
+                 len(self.config.engines), type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
 
     async def stop(self) -> None:
         """Undo whatever ``start()`` got to (all of it, part of it, or nothing); idempotent."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -24,6 +25,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvindex import native
 from kvindex.config import Config
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
@@ -108,9 +110,25 @@ def require_token(request: web.Request) -> None:
         raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
 
 
-async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bool = True) -> dict[str, Any]:
+def decode_json(raw: bytes, u32_field: str | None, split: Any = native.load("_jsontokens")) -> Any:
+    """``msgspec.json.decode(raw)``, except that a top-level array of u32s named ``u32_field``
+    comes back as an ``array("I")``: with the C scanner (``kvindex._jsontokens``) its digits go
+    straight into u32s, and only the rest of the body goes through the decoder (~50 us instead
+    of ~300 us for 8k token ids). Whatever the scanner declines is decoded whole, as before."""
+    lifted = split.split(raw, u32_field) if u32_field is not None and split is not None else None
+    if lifted is None:
+        return msgspec.json.decode(raw)
+    values, rest = lifted
+    body = msgspec.json.decode(rest)  # the scanner's "{...}" with the array taken out: a dict
+    body[u32_field] = array("I", values)
+    return body
+
+
+async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bool = True,
+                    u32_field: str | None = None) -> dict[str, Any]:
     """The body as a dict. ``go``: decode JSON as Go does (for bodies whose text the approximate
-    index renders); otherwise the plain fast decoder (token ids, hashes)."""
+    index renders); otherwise the plain fast decoder (token ids, hashes), which returns the
+    top-level field ``u32_field`` (token ids) as an ``array("I")`` when it is a plain u32 array."""
     raw = await request.read()
     if allow_msgpack and request.content_type == MSGPACK:
         try:
@@ -119,7 +137,7 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
             raise ApiError("body is not valid msgpack", field="body", reason="malformed") from None
     else:
         try:
-            body = go_json_loads(raw) if go else msgspec.json.decode(raw)
+            body = go_json_loads(raw) if go else decode_json(raw, u32_field)
         except (RenderError, msgspec.DecodeError):
             raise ApiError("body is not valid JSON", field="body", reason="malformed") from None
     if not isinstance(body, dict):

@@ -199,10 +199,13 @@ class QueryService:
                              reason="tokenizer_unavailable") from None
 
     def check_token_ids(self, value: Any) -> array:
-        """Token ids as a packed ``array("I")``; validated in C (no bools, floats, negatives)."""
-        if isinstance(value, list) and len(value) > self._max_token_ids:
+        """Token ids as a packed ``array("I")``; validated in C (no bools, floats, negatives).
+        An ``array("I")`` (the body decoder's fast path) is already valid: only its length counts."""
+        if isinstance(value, (list, array)) and len(value) > self._max_token_ids:
             raise QueryError(f"token_ids has {len(value)} entries; the limit is {self._max_token_ids}",
                              field="token_ids", status=413, reason="too_large")
+        if isinstance(value, array) and value.typecode == "I":
+            return value
         try:
             return array("I", msgspec.convert(value, _TOKEN_IDS))
         except msgspec.ValidationError:

@@ -41,6 +41,7 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from adapters import DIALECTS
+from kvindex import loops
 from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit, DriftSettings
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s worker-{a.index} %(name)s: %(message)s")
-    asyncio.run(run(a.channel, WorkerSettings.from_json(a.settings)))
+    loops.run(run(a.channel, WorkerSettings.from_json(a.settings)), os.environ.get(loops.ENV, "auto"))
     return 0
 
 

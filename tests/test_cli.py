@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvindex import native
 from kvindex.config import ConfigError, config_from_toml, parse_engine_spec
 from tests.conftest import FIXTURES
 
@@ -126,3 +127,19 @@ def test_ranks_of_one_pod_are_separate_engines_and_endpoints_are_unique() -> Non
     assert len({e.lane_key for e in cfg.engines}) == 2
     with pytest.raises(ConfigError, match="configured twice"):
         with_overrides(cfg, host=None, port=None, engines=["tcp://h:5557"])
+
+
+@pytest.mark.parametrize("flag,loop", [([], "uvloop"), (["--event-loop", "asyncio"], "asyncio")])
+def test_serve_logs_its_event_loop_and_native_accelerators(flag: list[str], loop: str) -> None:
+    """uvloop by default (a dependency on Linux), asyncio's on request; the log says which, and
+    which native accelerators run (CI requires them all)."""
+    with subprocess.Popen(KVINDEX + flag + ["serve", "--port", "0"], stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            line = ""
+            while "listening" not in line:
+                line = proc.stderr.readline()
+                assert line, "serve exited before listening"
+            assert f"event loop {loop};" in line and native.status() in line, line
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0

@@ -6,13 +6,18 @@ on a machine without a compiler these tests fail with the hint, never skip.
 
 from __future__ import annotations
 
+import json
 import random
 from array import array
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvindex import keys as K
 from kvindex import native
+from kvindex.http_api import decode_json
 
 _keys = native.load("_keys")
 
@@ -64,3 +69,67 @@ def test_status_names_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVINDEX_REQUIRE_NATIVE", "1")
     with pytest.raises(ImportError, match="libxxhash-dev"):
         native.load("_no_such_accelerator")
+
+
+# -- kvindex._jsontokens: the /query body's token ids, against msgspec.json.decode -------------
+
+_json = native.load("_jsontokens")
+_u32 = st.integers(min_value=0, max_value=(1 << 32) - 1)
+_scalar = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=False),
+                    st.text(max_size=8), st.just('"token_ids": [1, 2]'), st.just("\\\"]}"))
+_value = st.recursive(_scalar, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.sampled_from(["token_ids", "a", "t\u00e9"]), inner, max_size=3), max_leaves=12)
+_token_ids = st.one_of(st.lists(_u32, max_size=40), st.lists(st.one_of(_u32, _scalar), max_size=6), _value)
+_member = st.tuples(st.sampled_from(["token_ids", "model_name", "x", "token_id", "token_idss", "token\\u005fids"]),
+                    st.one_of(_token_ids, _value)) | st.tuples(st.just("token_ids"), st.lists(_u32, max_size=40))
+
+
+def _reference(raw: bytes) -> object:
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return "DecodeError"
+
+
+def _fast(raw: bytes) -> object:
+    try:
+        body = decode_json(raw, "token_ids", split=_json)
+    except msgspec.DecodeError:
+        return "DecodeError"
+    if isinstance(body, dict) and isinstance(body.get("token_ids"), array):
+        body["token_ids"] = list(body["token_ids"])
+    return body
+
+
+def _render(members: list[tuple[str, object]], sep: tuple[str, str], indent: int | None) -> bytes:
+    """A JSON object, keys raw (so duplicates and escaped names survive), values by json.dumps."""
+    pad = "\n" + " " * indent if indent is not None else ""
+    inner = sep[0].join(f'{pad}"{k}"{sep[1]}{json.dumps(v, separators=sep)}' for k, v in members)
+    return ("{" + inner + pad + "}").encode()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_member, max_size=5), st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", " :\r\n")]),
+       st.one_of(st.none(), st.integers(0, 3)), st.data())
+def test_body_scanner_agrees_with_the_reference_decoder(members, sep, indent, data) -> None:
+    require(_json, "_jsontokens")
+    raw = _render(members, sep, indent)
+    assert _fast(raw) == _reference(raw)
+    cut = data.draw(st.integers(0, len(raw)))  # truncated or with one byte changed: same verdict
+    assert _fast(raw[:cut]) == _reference(raw[:cut])
+    if raw:
+        i = data.draw(st.integers(0, len(raw) - 1))
+        bad = raw[:i] + bytes([data.draw(st.sampled_from(b'0-.e,[]{}":\\ x'))]) + raw[i + 1:]
+        assert _fast(bad) == _reference(bad)
+
+
+def test_body_scanner_lifts_only_plain_u32_arrays() -> None:
+    require(_json, "_jsontokens")
+    tokens = list(range(0, 1 << 32, 1 << 20)) + [(1 << 32) - 1]
+    values, rest = _json.split(json.dumps({"model_name": "m", "token_ids": tokens}).encode(), "token_ids")
+    assert list(array("I", values)) == tokens and msgspec.json.decode(rest) == {"model_name": "m", "token_ids": []}
+    for declined in (b'{"token_ids":[1,-2]}', b'{"token_ids":[01]}', b'{"token_ids":[1e3]}', b'{"token_ids":[1.5]}',
+                     b'{"token_ids":[4294967296]}', b'{"token_ids":[true]}', b'{"token_ids":[1],"token_ids":[2]}',
+                     b'{"token\\u005fids":[1]}', b'{"a":{"token_ids":[1]}}', b'[{"token_ids":[1]}]', b'{"token_ids":[1,]}'):
+        assert _json.split(declined, "token_ids") is None, declined
+    assert decode_json(b'{"token_ids":[1],"token_ids":[2]}', "token_ids", split=_json) == {"token_ids": [2]}

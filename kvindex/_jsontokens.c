@@ -1,0 +1,219 @@
+/* kvindex._jsontokens: lifts one top-level array of token ids out of a JSON request body, in C.
+ *
+ * split(raw, key) -> (u32 bytes, remainder) | None
+ *
+ * A router's /query body is ~60 KB of JSON, nearly all of it ``"token_ids": [..8k ints..]``;
+ * a general JSON decoder spends ~200 us turning those digits into Python ints that kvindex
+ * packs into an array("I") right after. Here one pass parses the digits straight into u32s.
+ *
+ * Contract (kvindex/http_api.py's read_body is the caller; msgspec.json.decode is the reference):
+ * - Only the top-level member named exactly ``key`` is lifted, and only when its value is an
+ *   array of plain non-negative integers below 2**32 (no sign, fraction, exponent or leading zero).
+ * - ``remainder`` is ``raw`` with that array replaced by ``[]``. The caller decodes the remainder
+ *   with the reference decoder, which validates everything this scanner only skipped over; so
+ *   for any input the caller's result is the reference result, or the reference's error.
+ * - Anything unusual returns None and the caller takes the reference path for the whole body:
+ *   no such member, a second one, a key with an escape, any other element type, bad structure.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    const char *p, *end;
+} Cursor;
+
+static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+static void skip_ws(Cursor *c) {
+    while (c->p < c->end && is_ws(*c->p)) c->p++;
+}
+
+static int at(Cursor *c, char ch) { return c->p < c->end && *c->p == ch; }
+
+/* c->p at an opening quote: past the closing one. 0 on success. ``escaped`` says if any \ was seen. */
+static int skip_string(Cursor *c, int *escaped) {
+    c->p++;
+    while (c->p < c->end) {
+        char ch = *c->p++;
+        if (ch == '"') return 0;
+        if (ch == '\\') {
+            if (escaped) *escaped = 1;
+            if (c->p >= c->end) return -1;
+            c->p++;
+        }
+    }
+    return -1;
+}
+
+/* Past one JSON value, trusting the reference decoder to validate it later. 0 on success. */
+static int skip_value(Cursor *c) {
+    if (at(c, '"')) return skip_string(c, NULL);
+    if (at(c, '{') || at(c, '[')) {
+        int depth = 0;
+        while (c->p < c->end) {
+            char ch = *c->p;
+            if (ch == '"') {
+                if (skip_string(c, NULL) < 0) return -1;
+                continue;
+            }
+            if (ch == '{' || ch == '[') depth++;
+            else if (ch == '}' || ch == ']') depth--;
+            c->p++;
+            if (depth == 0) return 0;
+        }
+        return -1;
+    }
+    const char *start = c->p;
+    while (c->p < c->end && !is_ws(*c->p) && *c->p != ',' && *c->p != '}' && *c->p != ']') c->p++;
+    return c->p > start ? 0 : -1;
+}
+
+typedef struct {
+    uint32_t *items;
+    Py_ssize_t len, cap;
+} U32s;
+
+static int push(U32s *out, uint32_t v) {
+    if (out->len == out->cap) {
+        Py_ssize_t cap = out->cap ? 2 * out->cap : 1024;
+        uint32_t *grown = PyMem_Realloc(out->items, (size_t)cap * sizeof *grown);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        out->items = grown;
+        out->cap = cap;
+    }
+    out->items[out->len++] = v;
+    return 0;
+}
+
+/* One plain non-negative integer below 2**32, followed by whitespace, ',' or ']'. */
+static int parse_u32(Cursor *c, uint32_t *value) {
+    const char *start = c->p;
+    uint64_t v = 0;
+    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+        v = v * 10 + (uint64_t)(*c->p - '0');
+        if (v > UINT32_MAX) return -1;
+        c->p++;
+    }
+    Py_ssize_t digits = c->p - start;
+    if (digits == 0 || (digits > 1 && *start == '0')) return -1;
+    if (c->p < c->end && !is_ws(*c->p) && *c->p != ',' && *c->p != ']') return -1;
+    *value = (uint32_t)v;
+    return 0;
+}
+
+/* c->p at '['; past the matching ']'. -1: not a plain u32 array (or memory). */
+static int parse_array(Cursor *c, U32s *out) {
+    c->p++;
+    skip_ws(c);
+    if (at(c, ']')) {
+        c->p++;
+        return 0;
+    }
+    for (;;) {
+        uint32_t v;
+        if (parse_u32(c, &v) < 0 || push(out, v) < 0) return -1;
+        skip_ws(c);
+        if (at(c, ']')) {
+            c->p++;
+            return 0;
+        }
+        if (!at(c, ',')) return -1;
+        c->p++;
+        skip_ws(c);
+    }
+}
+
+/* Finds the member; sets [*lo, *hi) to its array's span. 1 found, 0 not applicable, -1 memory. */
+static int scan_object(Cursor *c, const char *key, Py_ssize_t key_len, U32s *out,
+                       const char **lo, const char **hi) {
+    int found = 0;
+    skip_ws(c);
+    if (!at(c, '{')) return 0;
+    c->p++;
+    skip_ws(c);
+    if (at(c, '}')) return 0;
+    for (;;) {
+        if (!at(c, '"')) return 0;
+        const char *name = c->p + 1;
+        int escaped = 0;
+        if (skip_string(c, &escaped) < 0 || escaped) return 0;
+        int match = (c->p - 1 - name) == key_len && memcmp(name, key, (size_t)key_len) == 0;
+        skip_ws(c);
+        if (!at(c, ':')) return 0;
+        c->p++;
+        skip_ws(c);
+        if (match) {
+            if (found || !at(c, '[')) return 0;
+            *lo = c->p;
+            if (parse_array(c, out) < 0) return PyErr_Occurred() ? -1 : 0;
+            *hi = c->p;
+            found = 1;
+        } else if (skip_value(c) < 0) {
+            return 0;
+        }
+        skip_ws(c);
+        if (at(c, '}')) return found;
+        if (!at(c, ',')) return 0;
+        c->p++;
+        skip_ws(c);
+    }
+}
+
+static PyObject *without_array(const char *raw, Py_ssize_t n, const char *lo, const char *hi) {
+    Py_ssize_t head = lo - raw, tail = n - (hi - raw);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, head + 2 + tail);
+    if (out == NULL) return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    memcpy(dst, raw, (size_t)head);
+    memcpy(dst + head, "[]", 2);
+    memcpy(dst + head + 2, hi, (size_t)tail);
+    return out;
+}
+
+PyDoc_STRVAR(split_doc,
+"split(raw, key) -> (bytes, bytes) | None\n\n"
+"The top-level member ``key`` of the JSON object ``raw``, when it is an array of plain u32\n"
+"integers: (its values as u32 native-endian bytes, raw with the array replaced by []).\n"
+"None when that does not apply; then decode ``raw`` as a whole.");
+
+static PyObject *split(PyObject *self, PyObject *args) {
+    Py_buffer raw;
+    const char *key;
+    Py_ssize_t key_len;
+    if (!PyArg_ParseTuple(args, "y*s#", &raw, &key, &key_len)) return NULL;
+    Cursor c = {raw.buf, (const char *)raw.buf + raw.len};
+    U32s values = {NULL, 0, 0};
+    const char *lo = NULL, *hi = NULL;
+    PyObject *result = NULL;
+    int found = scan_object(&c, key, key_len, &values, &lo, &hi);
+    if (found == 1) {
+        PyObject *data = PyBytes_FromStringAndSize((const char *)values.items, values.len * (Py_ssize_t)sizeof(uint32_t));
+        PyObject *rest = data ? without_array(raw.buf, raw.len, lo, hi) : NULL;
+        if (rest != NULL) result = PyTuple_Pack(2, data, rest);
+        Py_XDECREF(data);
+        Py_XDECREF(rest);
+    } else if (found == 0) {
+        result = Py_NewRef(Py_None);
+    }
+    PyMem_Free(values.items);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"split", split, METH_VARARGS, split_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvindex._jsontokens",
+    "Lifts a top-level array of token ids out of a JSON body (msgspec.json.decode is the reference).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__jsontokens(void) { return PyModule_Create(&module); }
