@@ -15,7 +15,8 @@ Invariants: ``decode`` raises only ``DecodeError``; an event it cannot read is s
 Adjacent BlockRemoved events of one medium and group are merged into one (vLLM sends one hash per
 event; applied in order, the effect is the same).
 
-Two paths, one result: a typed msgspec decoder (the structs below state the wire format; C-level
+Three paths, one result: the C twin of the typed path (``adapters/_vllm.c``: token ids straight
+into an ``array("I")``, no Python int per token) takes the batches engines really send; a typed msgspec decoder (the structs below state the wire format; C-level
 validation, no Python object per token) handles well-formed batches; anything it refuses goes
 through the tolerant generic path, which knows how to skip and name what is wrong.
 """
@@ -29,6 +30,7 @@ from typing import Any
 import msgpack
 import msgspec
 
+from kvindex import native
 from kvindex.events import (
     GPU,
     AllBlocksCleared,
@@ -123,16 +125,24 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 _TYPED = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU)  # what adapters._vllm builds
 
 
 class VllmDecoder:
     """Decodes one payload. ``bytes_hash`` maps a byte digest to a u64."""
 
-    def __init__(self, bytes_hash: Callable[[bytes], int] = last8_be) -> None:
+    def __init__(self, bytes_hash: Callable[[bytes], int] = last8_be, fast: Any = native.load("adapters._vllm")) -> None:
         self._bytes_hash = bytes_hash
         self._typed = list(_TYPED)  # the dialect that worked last is tried first
+        self._fast = fast  # the C twin of the typed path (None: not built, or pure Python)
 
     def decode(self, payload: bytes) -> EventBatch:
+        if self._fast is not None and (batch := self._fast.decode(payload, _KINDS)) is not None:
+            return batch
+        return self.decode_python(payload)
+
+    def decode_python(self, payload: bytes) -> EventBatch:
+        """The reference: the typed msgspec path, then the tolerant one."""
         for i, typed in enumerate(self._typed):
             try:
                 wire = typed.decode(payload)

@@ -110,7 +110,7 @@ def require_token(request: web.Request) -> None:
         raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
 
 
-def decode_json(raw: bytes, u32_field: str | None, split: Any = native.load("_jsontokens")) -> Any:
+def decode_json(raw: bytes, u32_field: str | None, split: Any = native.load("kvindex._jsontokens")) -> Any:
     """``msgspec.json.decode(raw)``, except that a top-level array of u32s named ``u32_field``
     comes back as an ``array("I")``: with the C scanner (``kvindex._jsontokens``) its digits go
     straight into u32s, and only the rest of the body goes through the decoder (~50 us instead

@@ -26,7 +26,7 @@ LOCAL_SEED = 1337
 MASK64 = (1 << 64) - 1
 _PAIR = struct.Struct("<QQ")
 _xxh3 = xxhash.xxh3_64_intdigest
-_C = native.load("_keys")
+_C = native.load("kvindex._keys")
 
 
 def local_hash(tokens: Sequence[int]) -> int:

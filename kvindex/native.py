@@ -2,8 +2,9 @@
 
 Invariants:
 - Every accelerator has a pure-Python twin that defines its behaviour (``kvindex.keys`` for
-  ``_keys``, ``msgspec.json.decode`` for ``_jsontokens``); tests compare the two on the same inputs, so the C code can only be faster.
-- ``load(name)`` returns the compiled module, or None when it is not built (no C compiler or no
+  ``_keys``, ``msgspec.json.decode`` for ``_jsontokens``, ``VllmDecoder.decode_python`` for
+  ``adapters._vllm``); tests compare the two on the same inputs, so the C code can only be faster.
+- ``load(name)`` (a module path, e.g. ``kvindex._keys``) returns the compiled module, or None when it is not built (no C compiler or no
   libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set. ``KVINDEX_REQUIRE_NATIVE=1``
   turns a missing build into an ImportError (CI sets it: a silent fallback would hide a slow path).
 - Chosen once, at import of the module that uses it; nothing here changes afterwards.
@@ -15,7 +16,7 @@ import importlib
 import os
 from types import ModuleType
 
-ACCELERATORS = ("_keys", "_jsontokens")
+ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "adapters._vllm")
 HINT = "install a C compiler and libxxhash-dev (Debian), then pip install -e . again"
 
 
@@ -27,10 +28,10 @@ def load(name: str) -> ModuleType | None:
     if pure_python():
         return None
     try:
-        return importlib.import_module(f"kvindex.{name}")
+        return importlib.import_module(name)
     except ImportError as exc:
         if os.environ.get("KVINDEX_REQUIRE_NATIVE", "") not in ("", "0"):
-            raise ImportError(f"kvindex.{name} is not built ({exc}); {HINT}") from None
+            raise ImportError(f"{name} is not built ({exc}); {HINT}") from None
         return None
 
 

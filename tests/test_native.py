@@ -19,7 +19,7 @@ from kvindex import keys as K
 from kvindex import native
 from kvindex.http_api import decode_json
 
-_keys = native.load("_keys")
+_keys = native.load("kvindex._keys")
 
 
 def require(mod: object, name: str) -> None:
@@ -64,16 +64,16 @@ def test_native_keys_refuse_bad_input_like_python() -> None:
 def test_status_names_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert native.status() == "native: " + ", ".join(native.ACCELERATORS)
     monkeypatch.setenv("KVINDEX_PURE_PYTHON", "1")
-    assert native.load("_keys") is None and native.status().startswith("pure Python")
+    assert native.load("kvindex._keys") is None and native.status().startswith("pure Python")
     monkeypatch.delenv("KVINDEX_PURE_PYTHON")
     monkeypatch.setenv("KVINDEX_REQUIRE_NATIVE", "1")
     with pytest.raises(ImportError, match="libxxhash-dev"):
-        native.load("_no_such_accelerator")
+        native.load("kvindex._no_such_accelerator")
 
 
 # -- kvindex._jsontokens: the /query body's token ids, against msgspec.json.decode -------------
 
-_json = native.load("_jsontokens")
+_json = native.load("kvindex._jsontokens")
 _u32 = st.integers(min_value=0, max_value=(1 << 32) - 1)
 _scalar = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=False),
                     st.text(max_size=8), st.just('"token_ids": [1, 2]'), st.just("\\\"]}"))

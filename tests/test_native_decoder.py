@@ -1,0 +1,142 @@
+"""adapters._vllm (the C decoder) against VllmDecoder's Python path: equal, or declined.
+
+For every payload the C twin returns None (decode it in Python) or exactly what the Python path
+returns; and it must not decline the batches engines really send, or it would be dead weight.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+
+import msgpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.vllm import _KINDS, VllmDecoder
+from kvindex import native
+from kvindex.engine_sim import SimulatedCache, encode_batch
+from kvindex.events import DecodeError
+from kvindex.workload import Workload
+from tests.conftest import FIXTURES
+from tests.test_decoder import A, B, C
+
+_fast = native.load("adapters._vllm")
+_python = VllmDecoder(fast=None)
+
+
+def _reference(payload: bytes) -> object:
+    try:
+        return _python.decode(payload)
+    except DecodeError as exc:
+        return exc
+
+
+def check(payload: bytes) -> bool:
+    """The C result equals the reference or is None; True when C took it."""
+    assert _fast is not None, f"adapters._vllm is not in use: {native.status()}"
+    got = _fast.decode(payload, _KINDS)
+    if got is not None:
+        assert got == _reference(payload), payload.hex()
+    return got is not None
+
+
+def fixture_payloads() -> dict[str, list[bytes]]:
+    out: dict[str, list[bytes]] = {}
+    for path in sorted(FIXTURES.rglob("events.jsonl")):
+        for line in path.read_text().splitlines():
+            frames = json.loads(line)["frames"]
+            out.setdefault(path.parent.name, []).append(base64.b64decode(frames[-1]))
+    return out
+
+
+def test_every_recorded_vllm_payload_is_taken_and_equal() -> None:
+    payloads = fixture_payloads()
+    assert len(payloads) >= 4
+    for name, batch in payloads.items():
+        taken = [check(p) for p in batch]
+        if name == "small_bytes_hashes":  # 32-byte hashes: the Python path's job
+            assert not any(taken)
+        else:
+            assert all(taken), name
+
+
+def test_reference_bytes_and_simulated_engines_in_both_dialects() -> None:
+    assert all(check(p) for p in (A, B, C))
+    for dialect in ("map", "array"):
+        cache, wl = SimulatedCache(num_blocks=64, block_size=4), Workload(3, tenants=3, system_tokens=40)
+        for i, req in enumerate(wl.take(200)):
+            events = cache.admit(req.token_ids).events
+            assert check(encode_batch(events, ts=float(i), dp_rank=i % 3, dialect=dialect))
+
+
+_u64 = st.integers(0, (1 << 64) - 1)
+_any = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(allow_nan=False),
+                 st.text(max_size=4), st.binary(max_size=4), st.lists(st.integers(0, 3), max_size=2),
+                 st.dictionaries(st.text(max_size=3), st.integers(0, 3), max_size=2))
+_hash = st.one_of(_u64, _u64, st.integers(-(1 << 63), -1), st.binary(min_size=1, max_size=32))
+_medium = st.sampled_from([None, "", "GPU", "gpu", "CPU_tier", "disk", "ß"])
+_extra = st.one_of(st.none(), st.just([]), st.lists(st.one_of(st.none(), st.lists(st.one_of(st.text(max_size=3), _any),
+                   max_size=3), st.dictionaries(st.just("cache_salt"), st.text(max_size=3)), _any), max_size=3))
+_stored = st.fixed_dictionaries({
+    "type": st.just("BlockStored"), "block_hashes": st.lists(_hash, max_size=4) | st.lists(_u64, min_size=1, max_size=4),
+    "parent_block_hash": st.one_of(st.none(), st.just(0), _hash), "token_ids": st.lists(st.integers(-1, 1 << 33), max_size=8)
+    | st.lists(st.integers(0, 1 << 32 - 1), max_size=8), "block_size": st.one_of(st.integers(-1, 8), _any),
+    "medium": _medium, "lora_name": st.one_of(st.none(), st.sampled_from(["sql", "a"]), _any),
+    "extra_keys": _extra, "group_idx": st.one_of(st.none(), st.integers(-3, 3), _any)},
+    optional={"lora_id": _any, "kv_cache_spec_kind": _any, "zzz": _any})
+_removed = st.fixed_dictionaries({"type": st.just("BlockRemoved"), "block_hashes": st.lists(_hash, max_size=3)
+                                  | st.lists(_u64, min_size=1, max_size=3)},
+                                 optional={"medium": _medium, "group_idx": st.one_of(st.none(), st.integers(0, 2)), "x": _any})
+_cleared = st.fixed_dictionaries({"type": st.sampled_from(["AllBlocksCleared", "Other"])}, optional={"x": _any})
+_good_stored = st.fixed_dictionaries({
+    "type": st.just("BlockStored"), "block_hashes": st.lists(_u64, min_size=1, max_size=4),
+    "parent_block_hash": st.one_of(st.none(), _u64), "token_ids": st.lists(st.integers(0, (1 << 32) - 1), max_size=8),
+    "block_size": st.integers(1, 8), "medium": _medium, "lora_name": st.sampled_from([None, "sql"]),
+    "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.sampled_from(["sql", "s1", 7, None]),
+                                                                                   max_size=3)), max_size=2)),
+    "group_idx": st.one_of(st.none(), st.integers(0, 2))}, optional={"lora_id": st.none(), "kv_cache_spec_kind": st.text(max_size=3)})
+_good_removed = st.fixed_dictionaries({"type": st.just("BlockRemoved"), "block_hashes": st.lists(_u64, min_size=1, max_size=3)},
+                                      optional={"medium": _medium, "group_idx": st.one_of(st.none(), st.integers(0, 2))})
+_event = st.one_of(_stored, _removed, _cleared, _good_stored, _good_stored, _good_removed, _good_removed)
+
+ARRAY_FIELDS = {"BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                                "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"],
+                "BlockRemoved": ["block_hashes", "medium", "group_idx"], "AllBlocksCleared": [], "Other": []}
+
+
+def as_array(ev: dict, keep: int) -> list:
+    fields = ARRAY_FIELDS[ev["type"]]
+    return [ev["type"], *(ev.get(f) for f in fields)][: max(1, keep)]
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(_event, max_size=5), st.sampled_from(["map", "array", "mixed"]), st.integers(0, 14),
+       st.one_of(st.none(), st.integers(-1, 1 << 17)), st.one_of(st.floats(allow_nan=False), st.integers(-(1 << 60), 1 << 60),
+       st.none()), st.booleans(), st.data())
+def test_generated_payloads_equal_or_declined(events, dialect, keep, rank, ts, three, data) -> None:
+    if dialect == "map":
+        evs = events
+    elif dialect == "array":
+        evs = [as_array(e, keep) for e in events]
+    else:
+        evs = [as_array(e, keep) if i % 2 else e for i, e in enumerate(events)]
+    payload = msgpack.packb([ts, evs, rank] if three else [ts, evs])
+    check(payload)
+    cut = data.draw(st.integers(0, len(payload)))  # truncated, one byte changed, trailing bytes
+    check(payload[:cut])
+    i = data.draw(st.integers(0, len(payload) - 1))
+    check(payload[:i] + bytes([data.draw(st.integers(0, 255))]) + payload[i + 1:])
+    check(payload + b"\x00")
+
+
+def test_random_bytes_never_crash_and_fixture_mutations_agree() -> None:
+    rnd = random.Random(5)
+    samples = [p for batch in fixture_payloads().values() for p in batch[:20]]
+    for _ in range(3000):
+        p = bytearray(rnd.choice(samples))
+        for _ in range(rnd.randrange(1, 4)):
+            p[rnd.randrange(len(p))] = rnd.randrange(256)
+        check(bytes(p))
+        check(bytes(rnd.randrange(256) for _ in range(rnd.randrange(0, 40))))
