@@ -13,6 +13,7 @@ setup(
     ext_modules=[
         Extension("kvindex._keys", ["kvindex/_keys.c"], extra_compile_args=FLAGS, optional=True),
         Extension("kvindex._jsontokens", ["kvindex/_jsontokens.c"], extra_compile_args=FLAGS, optional=True),
+        Extension("kvindex._walk", ["kvindex/_walk.c"], extra_compile_args=FLAGS, optional=True),
         Extension("adapters._vllm", ["adapters/_vllm.c"], extra_compile_args=FLAGS, optional=True),
     ],
 )

@@ -17,11 +17,13 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 from aiohttp import web
 
 from kvindex.config import ConfigError, EngineConfig
@@ -251,6 +253,20 @@ async def query(request: web.Request) -> web.Response:
     return reply(request, _scores(answer))
 
 
+_NON_NEGATIVE = list[Annotated[int, msgspec.Meta(ge=0)]]
+
+
+def _u64s(value: Any) -> Sequence[int] | None:
+    """Dynamo's block hashes (u64, or i64 for the same bits) as u64s; None unless every one is."""
+    try:
+        return array("Q", msgspec.convert(value, _NON_NEGATIVE))  # u64s already (the common case), in C
+    except (msgspec.ValidationError, OverflowError):
+        pass
+    if isinstance(value, list) and all(type(h) is int and -(1 << 63) <= h < 1 << 64 for h in value):
+        return [h & (1 << 64) - 1 for h in value]
+    return None
+
+
 async def query_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
@@ -259,14 +275,13 @@ async def query_by_hash(request: web.Request) -> web.Response:
     assert model is not None
     if body.get("cache_salt") is not None:
         raise ApiError("cache_salt is not supported by /query_by_hash: use /query with token_ids", field="cache_salt")
-    hashes = body.get("block_hashes")
-    if not isinstance(hashes, list) or not all(type(h) is int and -(1 << 63) <= h < 1 << 64 for h in hashes):
+    hashes = _u64s(body.get("block_hashes"))
+    if hashes is None:
         raise ApiError("block_hashes must be an array of 64-bit integers", field="block_hashes", reason="bad_field")
     if len(hashes) > svc.config.max_token_ids:
         raise ApiError("block_hashes is too long", field="block_hashes", status=413, reason="too_large")
     group = get_str(body, "routing_group", required=False)
-    answer = await svc.query.precise_by_local_hashes(model, [h & (1 << 64) - 1 for h in hashes],
-                                                     await _candidates(request, model, group))
+    answer = await svc.query.precise_by_local_hashes(model, hashes, await _candidates(request, model, group))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
     return reply(request, _scores(answer))
 

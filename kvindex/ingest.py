@@ -186,6 +186,7 @@ class EngineLane:
         self._restored: set[str] = set()
         self._restored_positions: dict[str, Position] = {}
         self._held: deque[tuple[Stream, int, EventBatch, bytes]] = deque()
+        self._resyncs_due = 0  # streams whose needs_resync is set
         self._drainer: asyncio.Task[None] | None = None
         self.key = engine.name  # the fleet's key for this lane (set by Fleet.add)
         # the write-ahead log: .batch(lane key, topic, seq, payload) after each applied batch,
@@ -250,6 +251,8 @@ class EngineLane:
     def behind(self, model: str) -> bool:
         """Whether a stream of ``model`` waits for the store (buffered batches or a resync due):
         the store's answers for the model may then lack what the engine published."""
+        if not self._held and not self._resyncs_due:  # the common case, checked on every query
+            return False
         return any(st.model == model and (st.held or st.needs_resync is not None)
                    for st in self.state.streams.values())
 
@@ -285,6 +288,12 @@ class EngineLane:
         if st.needs_resync is None:
             st.needs_resync = why
             st.synced, st.unsynced_reason = False, why
+            self._resyncs_due += 1
+
+    def _resync_done(self, st: Stream) -> None:
+        if st.needs_resync is not None:
+            st.needs_resync = None
+            self._resyncs_due -= 1
 
     def store_lost(self) -> None:
         """The store lost its state: every stream resynchronises once the store answers."""
@@ -338,7 +347,7 @@ class EngineLane:
         reason = await self._recover(st, self._first_seq, None) if self.engine.replay else "gap_no_replay_endpoint"
         if reason is not None and st.baseline_unknown:
             st.force = reason
-        st.needs_resync = None
+        self._resync_done(st)
         self._observe(st, st.stored or pos)
         log.warning("pod %s: resynchronised after %s%s", st.pod, why,
                     f" ({reason}: the next batch is applied unsynced)" if st.force else " (history replayed)")
@@ -369,7 +378,7 @@ class EngineLane:
         for st in streams:
             pos = await self._store.restart(st.ref, st.epoch, sorted(st.ranks) or None)
             self._reset(st, pos, None)  # without a replay, the next batch is the new baseline
-            st.needs_resync = None
+            self._resync_done(st)
 
     def _reset(self, st: Stream, pos: Position, expect_from: int | None) -> None:
         """The stream starts over at the store's ``pos`` (after a restart or a clear)."""

@@ -3,7 +3,7 @@
 Invariants:
 - Every accelerator has a pure-Python twin that defines its behaviour (``kvindex.keys`` for
   ``_keys``, ``msgspec.json.decode`` for ``_jsontokens``, ``VllmDecoder.decode_python`` for
-  ``adapters._vllm``); tests compare the two on the same inputs, so the C code can only be faster.
+  ``adapters._vllm``, ``precise._walk`` for ``_walk``); tests compare the two on the same inputs, so the C code can only be faster.
 - ``load(name)`` (a module path, e.g. ``kvindex._keys``) returns the compiled module, or None when it is not built (no C compiler or no
   libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set. ``KVINDEX_REQUIRE_NATIVE=1``
   turns a missing build into an ImportError (CI sets it: a silent fallback would hide a slow path).
@@ -16,7 +16,7 @@ import importlib
 import os
 from types import ModuleType
 
-ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "adapters._vllm")
+ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "adapters._vllm")
 HINT = "install a C compiler and libxxhash-dev (Debian), then pip install -e . again"
 
 

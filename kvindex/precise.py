@@ -47,6 +47,7 @@ from operator import and_, neg
 from typing import NamedTuple
 
 from kvindex import keys as K
+from kvindex import native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 TIERS = ("gpu", "cpu", "disk")
@@ -59,6 +60,7 @@ _MIN_BITS = 3
 _PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
+_WALK = native.load("kvindex._walk")  # the C twin of ``_walk`` for the device tier, when built
 
 
 def _grown(bits: int) -> int:
@@ -641,7 +643,7 @@ class PreciseIndex:
         allowed = (1 << len(self._slots)) - 1 if pods is None else self._mask_of(pods)
         if not allowed:
             return {}
-        gpu = _walk(keys, self._holders["gpu"], None, allowed)
+        gpu = _WALK.walk(keys, self._holders["gpu"], allowed) if _WALK else _walk(keys, self._holders["gpu"], None, allowed)
         if not self._holders["cpu"] and not self._holders["disk"]:
             return self._per_pod_gpu(gpu)
         cpu = _walk(keys, self._holders["gpu"], [self._holders["cpu"]], allowed)

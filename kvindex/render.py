@@ -107,10 +107,13 @@ def go_json_loads(data: bytes | str) -> Any:
         value = _loads(text, scrub, exact_ints)
     except RenderError:
         raise
-    except ValueError as exc:
-        if exact_ints or "limit" not in str(exc):
+    except ValueError as exc:  # "delimiter" contains "limit": match the digit limit's own words
+        if exact_ints or "integer string conversion" not in str(exc):
             raise RenderError(f"malformed JSON: {exc}") from None
-        value = _loads(text, scrub, True)  # an integer past Python's digit limit: Go keeps it
+        try:
+            value = _loads(text, scrub, True)  # an integer past Python's digit limit: Go keeps it
+        except ValueError as again:
+            raise RenderError(f"malformed JSON: {again}") from None
     # the common case (no surrogates anywhere) skips the walk over every value: bodies carry
     # token arrays of thousands of integers
     return _scrub_tree(value) if scrub else value

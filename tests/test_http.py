@@ -243,6 +243,9 @@ async def test_bad_bodies_get_4xx_naming_the_field_and_are_counted(make_harness:
         # (method, path, request kwargs, status, field, reason)
         ("POST", "/v1/score", {"data": b"{not json", "headers": json_ct}, 400, "body", "malformed"),
         ("POST", "/v1/score", {"data": b"", "headers": json_ct}, 400, "body", "malformed"),
+        # "Expecting ':' delimiter" once passed for the integer digit limit's error ("limit"): a 500
+        ("POST", "/v1/score", {"data": b'{"model"', "headers": json_ct}, 400, "body", "malformed"),
+        ("POST", "/v1/score", {"data": b'{"model": "m", "token_ids": [1, 2] "x": 1}', "headers": json_ct}, 400, "body", "malformed"),
         ("POST", "/v1/score", {"json": [1, 2]}, 400, "body", "malformed"),
         ("POST", "/v1/score", {"json": "a string"}, 400, "body", "malformed"),
         ("POST", "/v1/score", {"json": {"token_ids": [1]}}, 400, "model", "missing_field"),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvindex import keys as K
 from kvindex import native
 from kvindex.http_api import decode_json
+from kvindex.render import RenderError, go_json_loads
 
 _keys = native.load("kvindex._keys")
 
@@ -84,21 +85,27 @@ _member = st.tuples(st.sampled_from(["token_ids", "model_name", "x", "token_id",
                     st.one_of(_token_ids, _value)) | st.tuples(st.just("token_ids"), st.lists(_u32, max_size=40))
 
 
-def _reference(raw: bytes) -> object:
+def _reference(raw: bytes, loads=msgspec.json.decode) -> object:
     try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        return "DecodeError"
+        return loads(raw)
+    except (msgspec.DecodeError, RenderError) as exc:
+        return type(exc).__name__
 
 
-def _fast(raw: bytes) -> object:
+def _fast(raw: bytes, loads=msgspec.json.decode) -> object:
     try:
-        body = decode_json(raw, "token_ids", split=_json)
-    except msgspec.DecodeError:
-        return "DecodeError"
+        body = decode_json(raw, "token_ids", loads, split=_json)
+    except (msgspec.DecodeError, RenderError) as exc:
+        return type(exc).__name__
     if isinstance(body, dict) and isinstance(body.get("token_ids"), array):
         body["token_ids"] = list(body["token_ids"])
     return body
+
+
+def agree(raw: bytes) -> None:
+    """Both decoders a body may go through (plain, and Go's rules for rendered bodies)."""
+    assert _fast(raw) == _reference(raw)
+    assert _fast(raw, go_json_loads) == _reference(raw, go_json_loads)
 
 
 def _render(members: list[tuple[str, object]], sep: tuple[str, str], indent: int | None) -> bytes:
@@ -114,13 +121,12 @@ def _render(members: list[tuple[str, object]], sep: tuple[str, str], indent: int
 def test_body_scanner_agrees_with_the_reference_decoder(members, sep, indent, data) -> None:
     require(_json, "_jsontokens")
     raw = _render(members, sep, indent)
-    assert _fast(raw) == _reference(raw)
+    agree(raw)
     cut = data.draw(st.integers(0, len(raw)))  # truncated or with one byte changed: same verdict
-    assert _fast(raw[:cut]) == _reference(raw[:cut])
+    agree(raw[:cut])
     if raw:
         i = data.draw(st.integers(0, len(raw) - 1))
-        bad = raw[:i] + bytes([data.draw(st.sampled_from(b'0-.e,[]{}":\\ x'))]) + raw[i + 1:]
-        assert _fast(bad) == _reference(bad)
+        agree(raw[:i] + bytes([data.draw(st.sampled_from(b'0-.e,[]{}":\\ x\xff'))]) + raw[i + 1:])
 
 
 def test_body_scanner_lifts_only_plain_u32_arrays() -> None:
@@ -133,3 +139,31 @@ def test_body_scanner_lifts_only_plain_u32_arrays() -> None:
                      b'{"token\\u005fids":[1]}', b'{"a":{"token_ids":[1]}}', b'[{"token_ids":[1]}]', b'{"token_ids":[1,]}'):
         assert _json.split(declined, "token_ids") is None, declined
     assert decode_json(b'{"token_ids":[1],"token_ids":[2]}', "token_ids", split=_json) == {"token_ids": [2]}
+    lifted = decode_json(b'{"token_ids":[7, 8],"prompt":"caf\xc3\xa9 \\ud800"}', "token_ids", go_json_loads, split=_json)
+    assert lifted == {"token_ids": array("I", [7, 8]), "prompt": "caf\u00e9 \ufffd"}
+
+
+# -- kvindex._walk: the prefix walk, against precise._walk -----------------------------------------
+
+_walk_c = native.load("kvindex._walk")
+
+
+@pytest.mark.parametrize("slots", [1, 8, 64, 65, 200])
+def test_native_walk_equals_python(slots: int) -> None:
+    require(_walk_c, "_walk")
+    from kvindex.precise import _walk
+
+    rnd = random.Random(slots)
+    for _ in range(300):
+        keys = [rnd.randrange(50) for _ in range(rnd.randrange(0, 40))]
+        holders = {k: rnd.getrandbits(slots) | (1 << rnd.randrange(slots)) for k in range(50) if rnd.random() < 0.9}
+        for k in rnd.sample(sorted(holders), min(3, len(holders))):  # a few keys held by everyone
+            holders[k] = (1 << slots) - 1
+        allowed = rnd.choice([(1 << slots) - 1, rnd.getrandbits(slots) or 1, 1 << (slots - 1)])
+        assert _walk_c.walk(keys, holders, allowed) == _walk(keys, holders, None, allowed), (keys, allowed)
+    deep = list(range(512))
+    assert _walk_c.walk(deep, dict.fromkeys(deep, 3), 3) == [(512, 3)]
+    wide = {**dict.fromkeys(deep, 1 << 70), **dict.fromkeys(range(7), 1 << 70 | 1)}  # slot 0 holds 7 keys
+    assert _walk_c.walk(deep, wide, 1 << 70 | 1) == [(512, 1 << 70), (7, 1)]
+    with pytest.raises(TypeError):
+        _walk_c.walk(deep, {0: 1}, "all")
