@@ -6,6 +6,8 @@
 - ``http-client``: sequential keep-alive requests to ``/query``, ``/query_by_hash`` (and
   ``/v1/score`` for kvindex), plus ``GET /health`` as the HTTP round-trip baseline; prints JSON
   with latencies and the matched tokens per instance for every query.
+- ``floor-server``: a bare aiohttp app on kvindex's event loop whose /query and /query_by_hash
+  only read the body: the same client against it gives the HTTP floor under any aiohttp handler.
 - ``kvindex_e2e`` runs a real ``kvindex.daemon.Daemon`` (one engine lane per replica) in this
   process; ``reference_e2e`` is the plain pyzmq + msgpack + dict loop on the same bytes.
 Only 127.0.0.1 addresses are ever used.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -241,6 +244,53 @@ async def http_client_async(url: str, flavor: str, queries_file: Path, repeat: i
     return json.loads(out)
 
 
+# -- the HTTP floor: the same client and bodies against a handler that does nothing ------------------
+def floor_server(port_file: Path) -> None:
+    """A bare aiohttp app on kvindex's event loop: POST /query, /query_by_hash read the body and
+    answer an empty Dynamo answer; GET /health. What any aiohttp handler costs before its work."""
+    from aiohttp import web
+
+    from kvindex import loops
+
+    async def empty(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=b'{"scores":{},"frequencies":[],"instances":{}}', content_type="application/json")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+    async def serve() -> None:
+        app = web.Application()
+        app.add_routes([web.post("/query", empty), web.post("/query_by_hash", empty), web.get("/health", health),
+                        web.get("/metrics", health)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port_file.write_text(str(site._server.sockets[0].getsockname()[1]))  # type: ignore[union-attr]
+        await asyncio.Event().wait()
+
+    loops.run(serve(), os.environ.get(loops.ENV, "auto"))
+
+
+async def floor_http(queries_file: Path, repeat: int) -> dict:
+    """The client's round trips against ``floor_server`` (its own process, as kvindex's server is)."""
+    port_file = queries_file.with_suffix(".floor-port")
+    port_file.unlink(missing_ok=True)
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "e2e.py"), "floor-server",
+                                                "--port-file", str(port_file))
+    try:
+        for _ in range(200):
+            if port_file.exists() and port_file.read_text():
+                break
+            await asyncio.sleep(0.05)
+        return await http_client_async(f"http://127.0.0.1:{port_file.read_text()}", "floor", queries_file, repeat)
+    finally:
+        proc.kill()
+        await proc.wait()
+        port_file.unlink(missing_ok=True)
+
+
 def _bodies(flavor: str, token_ids: list[int]) -> dict[str, bytes]:
     """Pre-encoded request bodies per endpoint for one query."""
     local = [h - (1 << 64) if h >= 1 << 63 else h for h in K.local_hashes(token_ids, BLOCK_SIZE)]
@@ -255,6 +305,8 @@ def _matched(endpoint: str, doc: dict) -> dict[str, int]:
     """Matched tokens per instance (max over dp ranks), non-zero only."""
     if endpoint == "/v1/score":
         return {p: v["precise"]["tokens"] for p, v in doc["pods"].items() if v["precise"]["tokens"]}
+    if "scores" not in doc:
+        return {}
     return {str(i): max(r.values()) for i, r in doc["scores"].items() if r and max(r.values())}
 
 
@@ -316,17 +368,20 @@ async def _run_client(url: str, flavor: str, queries: list[dict], repeat: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Subprocess entry points: ``publish`` and ``http-client``."""
+    """Subprocess entry points: ``publish``, ``http-client`` and ``floor-server``."""
     p = argparse.ArgumentParser(description="end-to-end benchmark children (publisher, HTTP client)")
-    p.add_argument("what", choices=["publish", "http-client"])
+    p.add_argument("what", choices=["publish", "http-client", "floor-server"])
     p.add_argument("--workload", type=Path)
     p.add_argument("--url")
-    p.add_argument("--flavor", choices=["kvindex", "dynamo"], default="kvindex")
+    p.add_argument("--port-file", type=Path, help="floor-server: write the port it listens on here")
+    p.add_argument("--flavor", choices=["kvindex", "dynamo", "floor"], default="kvindex")
     p.add_argument("--queries", type=Path)
     p.add_argument("--repeat", type=int, default=200)
     a = p.parse_args(argv)
     if a.what == "publish":
         publish(a.workload)
+    elif a.what == "floor-server":
+        floor_server(a.port_file)
     else:
         queries = json.loads(a.queries.read_text())
         print(json.dumps(asyncio.run(_run_client(a.url, a.flavor, queries, a.repeat))))

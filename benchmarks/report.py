@@ -60,6 +60,13 @@ def _http_rows(r: dict) -> list[Row]:
             d = dyn.get(ep, {}).get(p)
             rows.append((f"HTTP {ep} {p[:3]}", _us(lat[ep][p]), _us(base) + " health",
                          _r(lat[ep][p], base), _us(d), _r(lat[ep][p], d)))
+    floor = r.get("http_floor", {}).get("latency", {})
+    for ep in ("/query", "/query_by_hash"):
+        for p in ("p50_us", "p99_us"):
+            if ep in floor:
+                d = dyn.get(ep, {}).get(p)
+                rows.append((f"HTTP {ep} {p[:3]} floor: empty aiohttp handler", _us(floor[ep][p]), "-", "-",
+                             _us(d), _r(floor[ep][p], d)))
     kv_srv = r["http_kvindex"].get("server_mean_us", {})
     dyn_srv = r.get("dynamo", {}).get("http", {}).get("server_mean_us", {})
     for ep in ("/query", "/query_by_hash", "/v1/score"):

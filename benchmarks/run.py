@@ -134,6 +134,7 @@ def run_replicas(args: argparse.Namespace, n: int, dyn_reason: str | None) -> di
     kv["ingest"]["rss_bytes_per_entry"] = kv["ingest"]["rss_delta_bytes"] / max(1, res["workload"]["entries_held"])
     res["e2e_kvindex"] = kv["ingest"]
     res["http_kvindex"] = kv["http"]
+    res["http_floor"] = common.run_daemon(e2e.floor_http(qfile, args.http_repeat))
     dyn = None
     if dyn_reason is None:
         dyn = run_dynamo(args, wl, qfile)
