@@ -33,6 +33,11 @@ def _ingest_rows(r: dict) -> list[Row]:
         ("ingest e2e ZMQ blocks/s" + gaps, _k(kv["blocks_per_s"]), _k(ref["blocks_per_s"]),
          _r(kv["blocks_per_s"], ref["blocks_per_s"]), _k(d), _r(kv["blocks_per_s"], d)),
     ]
+    if "e2e_kvindex_workers" in r:  # the same core budget as Dynamo's --threads
+        w = r["e2e_kvindex_workers"]
+        rows.append((f"ingest e2e ZMQ blocks/s, --workers {w['workers']} (gaps={w['gaps']} "
+                     f"msgs={w['messages']}/{w['expected_messages']})", _k(w["blocks_per_s"]), "-", "-", _k(d),
+                     _r(w["blocks_per_s"], d)))
     if "frozen_copy_ms" in ip:  # snapshot capture on the event loop vs copying per-replica dicts
         rows.append(("snapshot copy on the event loop (frozen_copy) ms", f"{ip['frozen_copy_ms']:,.1f}",
                      f"{ip['reference_copy_ms']:,.1f}", _r(ip["frozen_copy_ms"], ip["reference_copy_ms"]), "-", "-"))

@@ -7,8 +7,10 @@ system prompts, multi-turn chats, round-robin routing so several pods hold deep 
 
   ingest (in-process)   decode + PreciseIndex.apply, blocks/s     vs msgpack + dict per replica
   ingest (end to end)   publisher process -> ZeroMQ tcp -> Daemon  vs plain pyzmq + msgpack + dicts
+                        (and with --workers 2: the core budget of Dynamo's --threads 2)
   lookup (in-process)   PreciseIndex.match, 512 blocks, p50/p99   vs walking the per-replica dicts
   HTTP                  /query, /query_by_hash, /v1/score          vs GET /health round trip
+                        (and the floor: the same bodies to an empty aiohttp handler)
   approximate           hash + record + score of an 8 KB prompt   vs XXH64 of its 64-byte slices
   memory                RSS per (block, pod) entry, 1M and 5M      vs dict per replica (fresh process)
 
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import shards  # noqa: E402
 import e2e  # noqa: E402
 import inproc  # noqa: E402
 
@@ -50,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dynamo-python", default=sys.executable,
                    help="Python with ai-dynamo-runtime==1.6.1 installed (default: this one)")
     p.add_argument("--dynamo-threads", type=int, default=2, help="Dynamo indexer --threads (default 2)")
+    p.add_argument("--kvindex-workers", type=int, default=2, help="also measure e2e ingest with kvindex serve "
+                   "--workers N, the same core budget as Dynamo's threads (default 2; 1 skips it)")
     p.add_argument("--out", type=Path, help="result JSON (default benchmarks/results/<timestamp>.json)")
     a = p.parse_args(argv)
     if a.smoke:
@@ -135,6 +140,8 @@ def run_replicas(args: argparse.Namespace, n: int, dyn_reason: str | None) -> di
     res["e2e_kvindex"] = kv["ingest"]
     res["http_kvindex"] = kv["http"]
     res["http_floor"] = common.run_daemon(e2e.floor_http(qfile, args.http_repeat))
+    if args.kvindex_workers > 1:
+        res["e2e_kvindex_workers"] = common.run_daemon(shards.one_run(wl, args.kvindex_workers, None, 0, 300.0))
     dyn = None
     if dyn_reason is None:
         dyn = run_dynamo(args, wl, qfile)
