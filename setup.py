@@ -12,5 +12,6 @@ FLAGS = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field
 setup(
     ext_modules=[
         Extension("kvindex._keys", ["kvindex/_keys.c"], extra_compile_args=FLAGS, optional=True),
+        Extension("kvindex._apply", ["kvindex/_apply.c"], extra_compile_args=FLAGS, optional=True),
     ],
 )

@@ -2,7 +2,7 @@
 
 Invariants:
 - Every accelerator has a pure-Python twin that defines its behaviour (``kvindex.keys`` for
-  ``_keys``); tests compare the two on the same inputs, so the C code can only be faster.
+  ``_keys``, the loops of ``kvindex.precise`` for ``_apply``); tests compare the two on the same inputs, so the C code can only be faster.
 - ``load(name)`` returns the compiled module, or None when it is not built (no C compiler or no
   libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set. ``KVINDEX_REQUIRE_NATIVE=1``
   turns a missing build into an ImportError (CI sets it: a silent fallback would hide a slow path).
@@ -15,7 +15,7 @@ import importlib
 import os
 from types import ModuleType
 
-ACCELERATORS = ("_keys",)
+ACCELERATORS = ("_keys", "_apply")
 HINT = "install a C compiler and libxxhash-dev (Debian), then pip install -e . again"
 
 
