@@ -8,8 +8,8 @@
  *       new mask as PreciseIndex._intern does, ``cap`` = _MASKS_CAP). Adds table.used itself.
  *   remove(table, holders, masks, keep, dups, extra, medium, tier, slot, hashes, start, cap)
  *       the inline branch of PreciseIndex._remove (table without a side dict): backward-shift
- *       deletion and holder release. Leaves table.used alone (the caller subtracts ``gone`` and
- *       shrinks once, after the event, as the Python loop does).
+ *       deletion and holder release. Subtracts what it deleted from table.used but never shrinks
+ *       the table (the caller does, once per event, as the Python loop does).
  *   rehash(old, new, sh, m, start)
  *       _Table._resize's loop: the non-empty slot pairs of ``old`` into the empty array ``new``.
  *
@@ -242,7 +242,7 @@ static int store_args(Store *c, PyObject *const *args) {
     return ok;
 }
 
-/* table.used += added (the pure loop's ``t.used += added``). */
+/* table.used += added (negative for deletions), as the Python loops do on their way out. */
 static int add_used(PyObject *table, Py_ssize_t added) {
     if (added == 0) return 0;
     PyObject *used = PyObject_GetAttr(table, s_used), *step = PyLong_FromSsize_t(added);
@@ -334,7 +334,8 @@ PyDoc_STRVAR(remove_doc,
 "remove(table, holders, masks, keep, dups, extra, medium, tier, slot, hashes, start, cap)\n"
 "    -> (stop, gone, unknown)\n\n"
 "PreciseIndex._remove's inline loop from ``start``: ``stop`` is the first element left to\n"
-"Python (len(hashes) when none), ``gone`` the entries deleted (table.used is not changed),\n"
+"Python (len(hashes) when none), ``gone`` the entries deleted (subtracted from table.used;\n"
+"the table is not shrunk),\n"
 "``unknown`` the hashes the table did not hold.");
 
 static PyObject *remove_(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -354,7 +355,7 @@ static PyObject *remove_(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         else break;
     }
     PyBuffer_Release(&c.s.view);
-    if (rc == FAIL) return NULL;
+    if (add_used(args[0], -gone) < 0 || rc == FAIL) return NULL;
     return Py_BuildValue("nnn", i, gone, unknown);
 }
 

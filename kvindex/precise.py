@@ -421,42 +421,44 @@ class PreciseIndex:
         tab, sh, m, side = t.tab, t.sh, t.m, t.side
         last = len(tab) - 2
         added = orphans = 0
-        for h, key in zip(hashes, keys):
-            if h and (not side or h not in side):
-                j = h * _MIX >> sh & m  # _Table.insert
-                x = tab[j]
-                while x:
-                    if x == h:
-                        break
-                    j += 2
+        try:  # used stays right if a bad hash raises mid-loop
+            for h, key in zip(hashes, keys):
+                if h and (not side or h not in side):
+                    j = h * _MIX >> sh & m  # _Table.insert
                     x = tab[j]
-                else:
-                    try:
-                        tab[j] = h
-                    except OverflowError:  # not a u64 (events should not carry one): the slow path
-                        pass
+                    while x:
+                        if x == h:
+                            break
+                        j += 2
+                        x = tab[j]
                     else:
-                        tab[j + 1] = key
-                        added += 1
-                        if j == last:
-                            t._extend()
-                            tab = t.tab
-                            last = len(tab) - 2
-                        mask = holders.get(key, 0)
-                        if not mask:
-                            holders[key] = bit  # a lone holder shares its bit object
-                        elif not mask & bit:
-                            mask |= bit
-                            holders[key] = masks.get(mask) or self._intern(mask)
+                        try:
+                            tab[j] = h
+                        except OverflowError:  # not a u64 (events should not carry one): the slow path
+                            pass
                         else:
-                            self._hold(tier, key, w)  # counts the duplicate
-                        continue
+                            tab[j + 1] = key
+                            added += 1
+                            if j == last:
+                                t._extend()
+                                tab = t.tab
+                                last = len(tab) - 2
+                            mask = holders.get(key, 0)
+                            if not mask:
+                                holders[key] = bit  # a lone holder shares its bit object
+                            elif not mask & bit:
+                                mask |= bit
+                                holders[key] = masks.get(mask) or self._intern(mask)
+                            else:
+                                self._hold(tier, key, w)  # counts the duplicate
+                            continue
+                t.used += added
+                added = 0
+                orphans += self._store_one(w, medium, tier, t, h, key)
+                tab, sh, m, side = t.tab, t.sh, t.m, t.side
+                last = len(tab) - 2
+        finally:
             t.used += added
-            added = 0
-            orphans += self._store_one(w, medium, tier, t, h, key)
-            tab, sh, m, side = t.tab, t.sh, t.m, t.side
-            last = len(tab) - 2
-        t.used += added
         return orphans
 
     def _store_keyed_c(self, w: _Worker, medium: str, tier: str, t: _Table, hashes: Sequence[int],
@@ -511,10 +513,8 @@ class PreciseIndex:
                 removed, unknown, gone = self._remove_c(w, medium, blocks, hashes)
             else:
                 removed, unknown, gone = self._remove_run(w, medium, blocks, hashes, inline)
-            if gone:  # the inline deletions' used and shrinking: once, after the loop
-                blocks.used -= gone
-                if blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
-                    blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
+            if gone and blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
+                blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))  # once, after the loop
         done.removed_events += 1
         done.removed += removed
         done.unknown_removals += unknown
@@ -522,63 +522,66 @@ class PreciseIndex:
     def _remove_run(self, w: _Worker, medium: str, blocks: _Table, hashes: Sequence[int],
                     inline: bool) -> tuple[int, int, int]:
         """Remove one copy of each hash: (removed, unknown, gone). With ``inline``, ``_Table.pop``
-        is inlined and ``gone`` counts its deletions, which the caller subtracts from ``used``
-        (the reference of kvindex._apply.remove)."""
+        is inlined minus its shrinking (the caller's, once per event); ``gone`` counts its
+        deletions, subtracted from ``used`` here (the reference of kvindex._apply.remove)."""
         removed = unknown = gone = 0
         tier = tier_of(medium)
         holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
         pop, tab, sh, m = blocks.pop, blocks.tab, blocks.sh, blocks.m
-        for h in hashes:
-            if extra and (medium, h) in extra:  # a copy goes, the hash stays
-                key = blocks.get(h)
-                c = extra[(medium, h)]
-                if c == 1:
-                    del extra[(medium, h)]
-                else:
-                    extra[(medium, h)] = c - 1
-            elif inline:  # _Table.pop, inlined
-                j = h * _MIX >> sh & m
-                x = tab[j]
-                while x:
-                    if x == h:
-                        break
+        try:  # used stays right if a bad hash raises mid-loop
+            for h in hashes:
+                if extra and (medium, h) in extra:  # a copy goes, the hash stays
+                    key = blocks.get(h)
+                    c = extra[(medium, h)]
+                    if c == 1:
+                        del extra[(medium, h)]
+                    else:
+                        extra[(medium, h)] = c - 1
+                elif inline:  # _Table.pop, inlined
+                    j = h * _MIX >> sh & m
+                    x = tab[j]
+                    while x:
+                        if x == h:
+                            break
+                        j += 2
+                        x = tab[j]
+                    else:
+                        unknown += 1
+                        continue
+                    key = tab[j + 1]
+                    i = j  # the hole: later entries of the run whose home is at or before it move in
                     j += 2
                     x = tab[j]
+                    while x:
+                        if x * _MIX >> sh & m <= i:
+                            tab[i] = x
+                            tab[i + 1] = tab[j + 1]
+                            i = j
+                        j += 2
+                        x = tab[j]
+                    tab[i] = 0
+                    gone += 1
                 else:
-                    unknown += 1
-                    continue
-                key = tab[j + 1]
-                i = j  # the hole: later entries of the run whose home is at or before it move in
-                j += 2
-                x = tab[j]
-                while x:
-                    if x * _MIX >> sh & m <= i:
-                        tab[i] = x
-                        tab[i + 1] = tab[j + 1]
-                        i = j
-                    j += 2
-                    x = tab[j]
-                tab[i] = 0
-                gone += 1
-            else:
-                key = pop(h)
-                tab, sh, m = blocks.tab, blocks.sh, blocks.m  # pop may have resized the table
-                if key is None:
-                    unknown += 1
-                    continue
-                if key == ORPHAN:  # its last copy went
-                    w.orphans -= 1
-            removed += 1
-            if key == ORPHAN:
-                pass
-            elif dups:
-                self._release(tier, key, w)
-            else:  # _release, inlined
-                mask = holders.get(key, 0) & keep
-                if mask:
-                    holders[key] = masks.get(mask) or self._intern(mask)
-                else:
-                    holders.pop(key, None)
+                    key = pop(h)
+                    tab, sh, m = blocks.tab, blocks.sh, blocks.m  # pop may have resized the table
+                    if key is None:
+                        unknown += 1
+                        continue
+                    if key == ORPHAN:  # its last copy went
+                        w.orphans -= 1
+                removed += 1
+                if key == ORPHAN:
+                    pass
+                elif dups:
+                    self._release(tier, key, w)
+                else:  # _release, inlined
+                    mask = holders.get(key, 0) & keep
+                    if mask:
+                        holders[key] = masks.get(mask) or self._intern(mask)
+                    else:
+                        holders.pop(key, None)
+        finally:
+            blocks.used -= gone
         return removed, unknown, gone
 
     def _remove_c(self, w: _Worker, medium: str, blocks: _Table, hashes: Sequence[int]) -> tuple[int, int, int]:
