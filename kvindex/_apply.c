@@ -254,6 +254,23 @@ static int add_used(PyObject *table, Py_ssize_t added) {
     return rc;
 }
 
+/* The call's way out: write back what it did to table.used (even after an error, keeping that
+ * error), then its result, or NULL. */
+static PyObject *settle(PyObject *table, Py_ssize_t delta, int failed, PyObject *result) {
+    PyObject *type = NULL, *value = NULL, *tb = NULL;
+    if (failed) PyErr_Fetch(&type, &value, &tb);
+    int bad = add_used(table, delta) < 0;
+    if (failed) {
+        if (bad) PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+    }
+    if (failed || bad) {
+        Py_XDECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
 PyDoc_STRVAR(store_doc,
 "store(table, holders, masks, bit, hashes, keys, start, cap) -> int\n\n"
 "PreciseIndex._store's common-case loop from ``start``: the index of the first element it left\n"
@@ -275,8 +292,7 @@ static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     PyBuffer_Release(&c.s.view);
     Py_DECREF(c.side);
-    if (add_used(args[0], i - start) < 0 || rc == FAIL) return NULL;
-    return PyLong_FromSsize_t(i);
+    return settle(args[0], i - start, rc == FAIL, rc == FAIL ? NULL : PyLong_FromSsize_t(i));
 }
 
 /* -- remove -------------------------------------------------------------------------------- */
@@ -334,9 +350,8 @@ PyDoc_STRVAR(remove_doc,
 "remove(table, holders, masks, keep, dups, extra, medium, tier, slot, hashes, start, cap)\n"
 "    -> (stop, gone, unknown)\n\n"
 "PreciseIndex._remove's inline loop from ``start``: ``stop`` is the first element left to\n"
-"Python (len(hashes) when none), ``gone`` the entries deleted (subtracted from table.used;\n"
-"the table is not shrunk),\n"
-"``unknown`` the hashes the table did not hold.");
+"Python (len(hashes) when none), ``gone`` the entries deleted (subtracted from table.used; the\n"
+"table is not shrunk), ``unknown`` the hashes the table did not hold.");
 
 static PyObject *remove_(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 12) return PyErr_Format(PyExc_TypeError, "remove() takes 12 arguments (%zd given)", nargs);
@@ -355,8 +370,7 @@ static PyObject *remove_(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         else break;
     }
     PyBuffer_Release(&c.s.view);
-    if (add_used(args[0], -gone) < 0 || rc == FAIL) return NULL;
-    return Py_BuildValue("nnn", i, gone, unknown);
+    return settle(args[0], -gone, rc == FAIL, rc == FAIL ? NULL : Py_BuildValue("nnn", i, gone, unknown));
 }
 
 /* -- rehash -------------------------------------------------------------------------------- */
