@@ -15,5 +15,6 @@ setup(
         Extension("kvindex._jsontokens", ["kvindex/_jsontokens.c"], extra_compile_args=FLAGS, optional=True),
         Extension("kvindex._walk", ["kvindex/_walk.c"], extra_compile_args=FLAGS, optional=True),
         Extension("adapters._vllm", ["adapters/_vllm.c"], extra_compile_args=FLAGS, optional=True),
+        Extension("kvindex._apply", ["kvindex/_apply.c"], extra_compile_args=FLAGS, optional=True),
     ],
 )

@@ -1,12 +1,17 @@
 """Which native accelerators kvindex runs on: C twins of its hottest Python loops.
 
 Invariants:
-- Every accelerator has a pure-Python twin that defines its behaviour (``kvindex.keys`` for
-  ``_keys``, ``msgspec.json.decode`` for ``_jsontokens``, ``VllmDecoder.decode_python`` for
-  ``adapters._vllm``, ``precise._walk`` for ``_walk``); tests compare the two on the same inputs, so the C code can only be faster.
-- ``load(name)`` (a module path, e.g. ``kvindex._keys``) returns the compiled module, or None when it is not built (no C compiler or no
-  libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set. ``KVINDEX_REQUIRE_NATIVE=1``
-  turns a missing build into an ImportError (CI sets it: a silent fallback would hide a slow path).
+- Every accelerator has a pure-Python twin that defines its behaviour; tests compare the two on
+  the same inputs, so the C code can only be faster:
+  ``kvindex._keys``        the chained keys of ``kvindex.keys`` (``py_prompt_keys``, ...);
+  ``kvindex._jsontokens``  a body's token ids (``msgspec.json.decode`` / ``go_json_loads``);
+  ``kvindex._walk``        the prefix walk (``precise._walk``);
+  ``kvindex._apply``       the store, remove and rehash loops of ``kvindex.precise``;
+  ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``).
+- ``load(name)`` (a module path) returns the compiled module, or None when it is not built (no C
+  compiler or no libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set.
+  ``KVINDEX_REQUIRE_NATIVE=1`` turns a missing build into an ImportError (CI sets it: a silent
+  fallback would hide a slow path).
 - Chosen once, at import of the module that uses it; nothing here changes afterwards.
 """
 
@@ -16,7 +21,7 @@ import importlib
 import os
 from types import ModuleType
 
-ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "adapters._vllm")
+ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "kvindex._apply", "adapters._vllm")
 HINT = "install a C compiler and libxxhash-dev (Debian), then pip install -e . again"
 
 

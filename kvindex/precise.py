@@ -32,6 +32,11 @@ Memory layout (no Python object per (block, pod) entry):
   (``_masks``, a bounded cache): the same few holder sets recur across millions of keys. A lone
   holder's mask is its worker's ``bit`` object.
 - ``_members`` caches mask -> [(pod, rank)] for match; it is dropped whenever a slot changes owner.
+- The hot loops (``_store``'s common case, ``_remove``'s inline branch, ``_Table._resize``) run in
+  C when ``kvindex._apply`` is built (``native.load("_apply")``; a ``PreciseIndex(native=None)``,
+  or ``KVINDEX_PURE_PYTHON=1`` everywhere, runs the Python loops). The C loops work on these same
+  objects and hand back every element they cannot take the simple way, which the Python code
+  here then applies: the Python loops define the behaviour, tests hold the two states equal.
 - ``frozen_copy`` still returns plain dicts (its contract), so it now materialises two int objects
   per entry instead of copying dicts.
 """
@@ -44,10 +49,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, neg
+from types import ModuleType
 from typing import NamedTuple
 
 from kvindex import keys as K
-from kvindex import native
+from kvindex import native as _native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 TIERS = ("gpu", "cpu", "disk")
@@ -60,7 +66,8 @@ _MIN_BITS = 3
 _PAD = 16  # slots past a table's size (probes run on into them), added 16 at a time
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
-_WALK = native.load("kvindex._walk")  # the C twin of ``_walk`` for the device tier, when built
+_WALK = _native.load("kvindex._walk")  # the C twin of ``_walk`` for the device tier, when built
+_APPLY = _native.load("kvindex._apply")  # the C loops (kvindex/_apply.c), or None: the Python ones
 
 
 def _grown(bits: int) -> int:
@@ -85,12 +92,13 @@ class _Table:
     ``bits`` bits of ``h * _MIX`` (mod 2^64); linear probing that never wraps around but runs on
     into slots past ``size``; the last slot always stays empty, so every probe ends inside the
     array (it is extended when an entry takes that slot). The rest (hash 0, ORPHAN values) is in
-    ``side``. Behaves like the dict it replaces."""
+    ``side``. Behaves like the dict it replaces. ``native``: kvindex._apply (C rehash) or None."""
 
-    __slots__ = ("tab", "size", "bits", "sh", "m", "used", "limit", "side")
+    __slots__ = ("tab", "size", "bits", "sh", "m", "used", "limit", "side", "native")
 
-    def __init__(self, bits: int = _MIN_BITS) -> None:
+    def __init__(self, bits: int = _MIN_BITS, native: ModuleType | None = _APPLY) -> None:
         self.side: dict[int, int] = {}
+        self.native = native
         self._alloc(bits)
 
     def _alloc(self, bits: int) -> None:
@@ -111,6 +119,16 @@ class _Table:
     def _resize(self, bits: int) -> None:
         old, used = self.tab, self.used
         self._alloc(bits)
+        if self.native is not None:
+            i, rehash = 0, self.native.rehash
+            while (i := rehash(old, self.tab, self.sh, self.m, i)) < len(old):
+                self._extend()  # that entry takes the last slot, after more slots are added
+        else:
+            self._rehash(old)
+        self.used = used
+
+    def _rehash(self, old: array) -> None:
+        """The entries of ``old`` into the fresh slot array, in slot order (the C twin's reference)."""
         tab, sh, m = self.tab, self.sh, self.m
         last = len(tab) - 2
         hs = old[0::2]
@@ -124,7 +142,6 @@ class _Table:
                 self._extend()
                 tab = self.tab
                 last = len(tab) - 2
-        self.used = used
 
     def get(self, h: int) -> int | None:
         if h:
@@ -214,7 +231,7 @@ class _Table:
     def copy(self) -> _Table:
         """A point-in-time copy: C-level copies of the slot array and the side dict."""
         new = _Table.__new__(_Table)
-        new.tab, new.side = self.tab[:], self.side.copy()
+        new.tab, new.side, new.native = self.tab[:], self.side.copy(), self.native
         new.size, new.bits, new.sh, new.m, new.used, new.limit = self.size, self.bits, self.sh, self.m, self.used, self.limit
         return new
 
@@ -229,10 +246,10 @@ class _Table:
 class _Worker:
     __slots__ = ("pod", "rank", "ident", "slot", "bit", "media", "extra", "orphans")
 
-    def __init__(self, pod: str, rank: int, slot: int) -> None:
+    def __init__(self, pod: str, rank: int, slot: int, native: ModuleType | None = _APPLY) -> None:
         self.pod, self.rank, self.slot, self.bit = pod, rank, slot, 1 << slot
         self.ident = (pod, rank)  # shared by every cached member list it is in
-        self.media: dict[str, _Table] = {GPU: _Table()}
+        self.media: dict[str, _Table] = {GPU: _Table(native=native)}
         self.extra: dict[tuple[str, int], int] = {}
         self.orphans = 0
 
@@ -285,9 +302,13 @@ class PodMatch(NamedTuple):
 
 
 class PreciseIndex:
-    """In-memory precise index. Not thread-safe; one event loop owns it."""
+    """In-memory precise index. Not thread-safe; one event loop owns it.
 
-    def __init__(self) -> None:
+    ``native``: the C loops (``kvindex._apply``, the default when built) or None for the Python
+    ones; either gives the same state (tests/test_native_apply.py)."""
+
+    def __init__(self, native: ModuleType | None = _APPLY) -> None:
+        self._native = native
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._slots: list[_Worker | None] = []
         self._holders: dict[str, dict[int, int]] = {t: {} for t in TIERS}
@@ -335,7 +356,7 @@ class PreciseIndex:
         w = self._workers.get((pod, dp_rank))
         if w is None:
             slot = next((i for i, s in enumerate(self._slots) if s is None), len(self._slots))
-            w = _Worker(pod, dp_rank, slot)
+            w = _Worker(pod, dp_rank, slot, self._native)
             if slot == len(self._slots):
                 self._slots.append(w)
             else:
@@ -373,17 +394,35 @@ class PreciseIndex:
         medium = ev.medium
         t = w.media.get(medium)
         if t is None:
-            t = w.media[medium] = _Table()
+            t = w.media[medium] = _Table(native=self._native)
         tier = tier_of(medium)
-        holders, masks, bit, single = self._holders[tier], self._masks, w.bit, len(w.media) == 1
         hashes = ev.block_hashes
         nkeys = len(keys)
         if t.used + len(hashes) > t.limit:  # room for them all first: no resize mid-loop
             t._resize(max(_grown(t.bits), ((t.used + len(hashes)) * 3 // 2).bit_length()))
+        if len(w.media) == 1 and nkeys == len(hashes):  # every block has its key: the common case
+            if self._native is not None:
+                orphans = self._store_keyed_c(w, medium, tier, t, hashes, keys)
+            else:
+                orphans = self._store_keyed(w, medium, tier, t, hashes, keys)
+        else:
+            orphans = 0
+            for i, h in enumerate(hashes):
+                orphans += self._store_one(w, medium, tier, t, h, keys[i] if i < nkeys else w.key_of(h))
+        done.stored_events += 1
+        done.stored += len(hashes)
+        done.orphans += orphans
+        done.block_size_mismatch += mismatch
+
+    def _store_keyed(self, w: _Worker, medium: str, tier: str, t: _Table, hashes: Sequence[int],
+                     keys: list[int]) -> int:
+        """``_store_one`` of each (hash, key) with ``_Table.insert`` and ``_hold`` inlined for the
+        simple cases (the reference of kvindex._apply.store); returns the orphans added."""
+        holders, masks, bit = self._holders[tier], self._masks, w.bit
         tab, sh, m, side = t.tab, t.sh, t.m, t.side
         last = len(tab) - 2
         added = orphans = 0
-        if single and nkeys == len(hashes):  # every block has its key: the common case, inlined
+        try:  # used stays right if a bad hash raises mid-loop
             for h, key in zip(hashes, keys):
                 if h and (not side or h not in side):
                     j = h * _MIX >> sh & m  # _Table.insert
@@ -419,14 +458,19 @@ class PreciseIndex:
                 orphans += self._store_one(w, medium, tier, t, h, key)
                 tab, sh, m, side = t.tab, t.sh, t.m, t.side
                 last = len(tab) - 2
+        finally:
             t.used += added
-        else:
-            for i, h in enumerate(hashes):
-                orphans += self._store_one(w, medium, tier, t, h, keys[i] if i < nkeys else w.key_of(h))
-        done.stored_events += 1
-        done.stored += len(hashes)
-        done.orphans += orphans
-        done.block_size_mismatch += mismatch
+        return orphans
+
+    def _store_keyed_c(self, w: _Worker, medium: str, tier: str, t: _Table, hashes: Sequence[int],
+                       keys: list[int]) -> int:
+        """``_store_keyed`` in C: each element C leaves goes through ``_store_one``."""
+        store, holders, masks, bit, n = self._native.store, self._holders[tier], self._masks, w.bit, len(hashes)  # type: ignore[union-attr]
+        i = orphans = 0
+        while (i := store(t, holders, masks, bit, hashes, keys, i, _MASKS_CAP)) < n:
+            orphans += self._store_one(w, medium, tier, t, hashes[i], keys[i])
+            i += 1
+        return orphans
 
     def _store_one(self, w: _Worker, medium: str, tier: str, blocks: _Table, h: int, key: int | None) -> int:
         """One stored copy, any case (repeat copies, orphans, other media); returns 1 if keyless."""
@@ -460,18 +504,33 @@ class PreciseIndex:
                     self._hold(tier_of(medium), key, w)
 
     def _remove(self, w: _Worker, ev: BlockRemoved, done: Applied) -> None:
-        removed = unknown = 0
-        medium = ev.medium
+        medium, hashes = ev.medium, ev.block_hashes
         blocks = w.media.get(medium)
         if blocks is None:
-            unknown = len(ev.block_hashes)
+            removed, unknown = 0, len(hashes)
         else:
-            tier = tier_of(medium)
-            holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
-            pop, tab, sh, m = blocks.pop, blocks.tab, blocks.sh, blocks.m
             inline = not blocks.side  # no hash 0 nor keyless entries (and removals never add any)
-            gone = 0
-            for h in ev.block_hashes:
+            if inline and self._native is not None:
+                removed, unknown, gone = self._remove_c(w, medium, blocks, hashes)
+            else:
+                removed, unknown, gone = self._remove_run(w, medium, blocks, hashes, inline)
+            if gone and blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
+                blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))  # once, after the loop
+        done.removed_events += 1
+        done.removed += removed
+        done.unknown_removals += unknown
+
+    def _remove_run(self, w: _Worker, medium: str, blocks: _Table, hashes: Sequence[int],
+                    inline: bool) -> tuple[int, int, int]:
+        """Remove one copy of each hash: (removed, unknown, gone). With ``inline``, ``_Table.pop``
+        is inlined minus its shrinking (the caller's, once per event); ``gone`` counts its
+        deletions, subtracted from ``used`` here (the reference of kvindex._apply.remove)."""
+        removed = unknown = gone = 0
+        tier = tier_of(medium)
+        holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
+        pop, tab, sh, m = blocks.pop, blocks.tab, blocks.sh, blocks.m
+        try:  # used stays right if a bad hash raises mid-loop
+            for h in hashes:
                 if extra and (medium, h) in extra:  # a copy goes, the hash stays
                     key = blocks.get(h)
                     c = extra[(medium, h)]
@@ -479,7 +538,7 @@ class PreciseIndex:
                         del extra[(medium, h)]
                     else:
                         extra[(medium, h)] = c - 1
-                elif inline:  # _Table.pop, inlined (used and shrinking: once, after the loop)
+                elif inline:  # _Table.pop, inlined
                     j = h * _MIX >> sh & m
                     x = tab[j]
                     while x:
@@ -522,13 +581,24 @@ class PreciseIndex:
                         holders[key] = masks.get(mask) or self._intern(mask)
                     else:
                         holders.pop(key, None)
-            if gone:
-                blocks.used -= gone
-                if blocks.used < blocks.size >> 3 and blocks.bits > _MIN_BITS:
-                    blocks._resize(max(_MIN_BITS, (blocks.used * 3).bit_length()))
-        done.removed_events += 1
-        done.removed += removed
-        done.unknown_removals += unknown
+        finally:
+            blocks.used -= gone
+        return removed, unknown, gone
+
+    def _remove_c(self, w: _Worker, medium: str, blocks: _Table, hashes: Sequence[int]) -> tuple[int, int, int]:
+        """``_remove_run(..., inline=True)`` in C: each element C leaves goes through the Python loop."""
+        tier = tier_of(medium)
+        remove, n = self._native.remove, len(hashes)  # type: ignore[union-attr]
+        args = (blocks, self._holders[tier], self._masks, ~w.bit, self._dups, w.extra, medium, tier, w.slot)
+        removed = unknown = gone = i = 0
+        while True:
+            i, g, u = remove(*args, hashes, i, _MASKS_CAP)
+            removed, unknown, gone = removed + g, unknown + u, gone + g
+            if i >= n:
+                return removed, unknown, gone
+            r, u, g = self._remove_run(w, medium, blocks, hashes[i : i + 1], True)
+            removed, unknown, gone = removed + r, unknown + u, gone + g
+            i += 1
 
     def _hold(self, tier: str, key: int, w: _Worker) -> None:
         holders = self._holders[tier]
@@ -625,7 +695,7 @@ class PreciseIndex:
             w = self._worker(e.pod, e.dp_rank)
             blocks = w.media.get(e.medium)
             if blocks is None:
-                blocks = w.media[e.medium] = _Table()
+                blocks = w.media[e.medium] = _Table(native=self._native)
             blocks.put(e.hash, ORPHAN if e.key is None else e.key)
             if e.copies > 1:
                 w.extra[(e.medium, e.hash)] = e.copies - 1
@@ -715,7 +785,7 @@ class WorkerReplay:
             self._index.set_block_size(model, block_size)
         w = self._w = self._index._worker(pod, rank)
         if media:
-            w.media = {m: _Table() for m in media}
+            w.media = {m: _Table(native=self._index._native) for m in media}
         for (m, h), (key, extra) in entries.items():
             w.media[m].put(h, key)
             if extra:

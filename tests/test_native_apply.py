@@ -1,0 +1,283 @@
+"""kvindex._apply (the C store/remove/rehash loops) against the Python loops of kvindex.precise.
+
+The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``) and an
+accelerated one, and every piece of state is compared after every batch: holders per tier, _dups,
+the interned masks, each worker's slot arrays (byte for byte), side dicts, extra copies and
+orphans, the per-batch counts and match() answers. Like tests/test_native.py, these fail (never
+skip) when the extension is not built.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from array import array
+
+import pytest
+
+from kvindex import keys as K
+from kvindex import native, precise
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.precise import _MASKS_CAP, _MIX, PreciseIndex, _Table
+
+_apply = native.load("kvindex._apply")
+BS = 4
+M64 = (1 << 64) - 1
+INV = pow(_MIX, -1, 1 << 64)  # h = v * INV has h * _MIX = v: hashes whose home is chosen
+
+
+def require() -> None:
+    assert _apply is not None, f"kvindex._apply is not in use: {native.status()}"
+
+
+def end_hash(rnd: random.Random) -> int:
+    """A hash whose home is the last home slot of every table up to 2^20 slots: long runs past
+    ``size``, so entries take the last slot (``_extend``) and rehashes stop there."""
+    return (((1 << 20) - 1) << 44 | rnd.getrandbits(44)) * INV % (1 << 64)
+
+
+class Workload:
+    """vLLM-like events: tenants' prompts sharing prefixes, per-pod engine hashes (the same block
+    content gets the same hash within a pod), stores of the blocks a worker lacks (sometimes a
+    repeat copy), leaf-first removals. Special cases are rare, as in production, so most elements
+    take the C loops and each special one is handed back: unknown parents (orphans) and offloads
+    without tokens in every 4th pod, tokens that run out, a wrong block size, repeat copies, keys
+    held twice under different hashes, and
+    in the pods ending in 7 hash 0 and hashes that are not u64s. ``crowd`` of the hashes have the same (last) home slot."""
+
+    def __init__(self, seed: int, pods: int, crowd: float = 0.08) -> None:
+        self.rnd = rnd = random.Random(seed)
+        systems = [[rnd.randrange(1 << 32) for _ in range(BS * rnd.randint(1, 6))] for _ in range(6)]
+        self.prompts = [rnd.choice(systems) + [rnd.randrange(1 << 32) for _ in range(BS * rnd.randint(0, 12) + rnd.randint(0, BS - 1))]
+                        for _ in range(300)]
+        self.workers = [(f"pod-{p}", r) for p in range(pods) for r in range(1 + (p % 3 == 0))]
+        self.crowd = crowd
+        self.names: dict[tuple[str, int, tuple[int, ...]], int] = {}
+        self.held: dict[tuple[str, int, str], list[int]] = {}
+
+    def engine_hash(self, pod: str, rank: int, prefix: tuple[int, ...]) -> int:
+        got = self.names.get((pod, rank, prefix))
+        if got is None:
+            rnd, x = self.rnd, self.rnd.random()
+            if x < 0.03 and pod.endswith("7"):
+                got = rnd.choice([0, -rnd.randrange(1, 99), (1 << 64) + rnd.randrange(99), M64])
+            else:
+                got = end_hash(rnd) if x < self.crowd else rnd.getrandbits(64)
+            self.names[(pod, rank, prefix)] = got
+        return got
+
+    def store(self, pod: str, rank: int) -> BlockStored:
+        rnd, tokens = self.rnd, self.rnd.choice(self.prompts)
+        n = len(tokens) // BS
+        chain = [self.engine_hash(pod, rank, tuple(tokens[: BS * (i + 1)])) for i in range(max(1, n))]
+        held = self.held.setdefault((pod, rank, GPU), [])
+        start = next((i for i, h in enumerate(chain) if h not in held), n)  # vLLM stores what it lacks
+        if start >= len(chain) or rnd.random() < 0.05:
+            start = rnd.randrange(len(chain))  # a repeat copy
+        hashes = tuple(chain[start:])
+        if rnd.random() < 0.03:  # the same blocks under new engine hashes: the keys are held twice
+            hashes = tuple(rnd.getrandbits(64) for _ in hashes)
+        parent = None if start == 0 else chain[start - 1]
+        body, medium, x = tokens[BS * start :], GPU, rnd.random()
+        if int(pod[4:]) % 4 != 1:  # offloads and orphans in every 4th pod only: a second medium
+            x = 0.5 + x / 2      # or an orphan sends all of a worker's stores to the slow path
+        if x < 0.06:
+            medium, body = rnd.choice(("CPU", "CPU_pinned", "DISK")), []  # an offload: no tokens
+        elif x < 0.08:
+            parent = rnd.getrandbits(64)  # an unknown parent: orphans
+        elif x < 0.10:
+            body = body[: BS * rnd.randint(0, 2)]  # tokens run out: fewer keys than hashes
+        elif x < 0.12:
+            medium = "CPU"
+        self.held.setdefault((pod, rank, medium), []).extend(hashes)
+        size = BS if rnd.random() > 0.01 else BS * 2  # rarely the wrong block size
+        lora = "lora-a" if rnd.random() < 0.1 else None
+        return BlockStored(hashes, parent, array("I", body), size, medium, lora)
+
+    def remove(self, pod: str, rank: int) -> BlockRemoved:
+        rnd, medium = self.rnd, rnd_medium(self.rnd) if int(pod[4:]) % 4 == 1 else GPU
+        held = self.held.get((pod, rank, medium), [])
+        k = rnd.randint(1, 16)
+        gone = held[-k:] if rnd.random() < 0.7 else rnd.sample(held, min(k, len(held)))  # leaf first, or any
+        for h in gone:
+            held.remove(h)
+        if rnd.random() < 0.1:
+            gone = gone + [rnd.getrandbits(64), end_hash(rnd)]  # unknown removals
+        return BlockRemoved(tuple(reversed(gone)), medium)
+
+    def batch(self) -> tuple[str, int, list]:
+        pod, rank = self.rnd.choice(self.workers)
+        events: list = []
+        for _ in range(self.rnd.randint(1, 6)):
+            x = self.rnd.random()
+            if x < 0.55:
+                events.append(self.store(pod, rank))
+            elif x < 0.995:
+                events.append(self.remove(pod, rank))
+            else:
+                events.append(AllBlocksCleared())
+                for m in [m for m in self.held if m[:2] == (pod, rank)]:
+                    del self.held[m]
+        return pod, rank, events
+
+    def query(self) -> list[int]:
+        return K.prompt_keys(K.root_key("m", "lora-a" if self.rnd.random() < 0.1 else None), self.rnd.choice(self.prompts), BS)
+
+
+def rnd_medium(rnd: random.Random) -> str:
+    return GPU if rnd.random() < 0.8 else rnd.choice(("CPU", "CPU_pinned", "DISK"))
+
+
+def table_state(t: _Table) -> tuple:
+    return (t.tab.tobytes(), t.size, t.bits, t.sh, t.m, t.used, t.limit, dict(t.side), list(t.items()))
+
+
+def state(ix: PreciseIndex) -> dict:
+    workers = {wid: (w.slot, w.bit, list(w.media), {m: table_state(t) for m, t in w.media.items()},
+                     dict(w.extra), w.orphans) for wid, w in ix._workers.items()}
+    return {"holders": ix._holders, "dups": ix._dups, "masks": ix._masks, "workers": workers,
+            "slots": [None if w is None else w.ident for w in ix._slots], "block_size": ix._block_size}
+
+
+def pair() -> tuple[PreciseIndex, PreciseIndex]:
+    require()
+    ref, fast = PreciseIndex(native=None), PreciseIndex(native=_apply)
+    for ix in (ref, fast):
+        ix.set_block_size("m", BS)
+    return ref, fast
+
+
+@pytest.mark.parametrize("seed,pods,batches,crowd,masks_cap", [
+    (1, 6, 3000, 0.08, None),
+    (2, 90, 3000, 0.08, None),  # > 64 workers: masks wider than 64 bits
+    (3, 200, 1500, 0.08, None),
+    (4, 4, 2000, 0.5, None),  # runs past the end of the tables: _extend, rehash stops
+    (5, 40, 2000, 0.08, 6),  # a tiny interning cache: it starts over often
+])
+def test_the_c_loops_leave_the_state_the_python_loops_leave(monkeypatch: pytest.MonkeyPatch, seed: int, pods: int,
+                                                            batches: int, crowd: float, masks_cap: int | None) -> None:
+    if masks_cap is not None:
+        monkeypatch.setattr(precise, "_MASKS_CAP", masks_cap)
+    ref, fast = pair()
+    wl = Workload(seed, pods, crowd)
+    for b in range(batches):
+        pod, rank, events = wl.batch()
+        assert fast.apply_batch(pod, "m", rank, events) == ref.apply_batch(pod, "m", rank, events)
+        if b % 400 == 399:  # a pod goes away (restart, removal)
+            gone = wl.rnd.choice(wl.workers)[0]
+            ref.clear_pod(gone), fast.clear_pod(gone)
+            for m in [m for m in wl.held if m[0] == gone]:
+                del wl.held[m]
+        assert state(fast) == state(ref), f"batch {b}"
+        q = wl.query()
+        assert fast.match(q) == ref.match(q)
+        some = [f"pod-{i}" for i in wl.rnd.sample(range(pods), min(3, pods))]
+        assert fast.match(q, some) == ref.match(q, some)
+    assert len(fast._slots) > 64 or pods < 64
+    assert sorted(fast.export_entries()) == sorted(ref.export_entries())
+
+
+def test_tables_grow_shrink_and_extend_identically() -> None:
+    require()
+    rnd = random.Random(5)
+    pool = [rnd.getrandbits(64) for _ in range(3000)] + [end_hash(rnd) for _ in range(400)] + list(range(1, 300))
+    ref, fast = _Table(native=None), _Table(native=_apply)
+    for step in range(40_000):
+        h = rnd.choice(pool)
+        if rnd.random() < (0.65 if (step // 8000) % 2 == 0 else 0.3):
+            assert ref.insert(h, h ^ 5) == fast.insert(h, h ^ 5)
+        else:
+            assert ref.pop(h) == fast.pop(h)
+        if step % 97 == 0:
+            assert table_state(fast) == table_state(ref), step
+    assert table_state(fast) == table_state(ref)
+
+
+def test_bad_events_fail_or_pass_as_in_python() -> None:
+    ref, fast = pair()
+    keys = K.prompt_keys(K.root_key("m"), list(range(16)), BS)
+    odd = [(1, 2.5, 3, 4), (1, 2, "3", 4)]  # not ints: both paths raise the same error
+    for hashes in odd:
+        for ev in (BlockStored(hashes, None, array("I", range(16)), BS), BlockRemoved(hashes)):
+            errors = []
+            for ix in (ref, fast):
+                with pytest.raises((TypeError, OverflowError)) as e:
+                    ix.apply_batch("a", "m", 0, [BlockStored((7, 8), None, array("I", range(8)), BS), ev])
+                errors.append(e.type)
+            assert errors[0] is errors[1]
+            assert state(fast) == state(ref)
+    big = (M64, 1 << 64, -3, 0, True, 9)  # non-u64 ints and hash 0 go to the side dict, as in Python
+    for ix in (ref, fast):
+        assert ix.apply("b", "m", 0, BlockStored(big, None, array("I", range(24)), BS)).stored == 6
+        ix.apply("b", "m", 0, BlockRemoved(big[::-1]))
+    assert state(fast) == state(ref) and fast.match(keys) == ref.match(keys)
+
+
+def test_direct_calls_with_the_wrong_types_hand_everything_back() -> None:
+    require()
+    t, holders, masks = _Table(native=_apply), {}, {}
+    assert _apply.store(t, holders, masks, 1, (5, 6), [7, 8], 0, _MASKS_CAP) == 2 and t.used == 2
+    assert _apply.store(t, [], masks, 1, (9,), [1], 0, _MASKS_CAP) == 0  # holders not a dict
+    assert _apply.store(t, holders, masks, 1.0, (9,), [1], 0, _MASKS_CAP) == 0  # bit not an int
+    assert _apply.store(t, holders, masks, 1, iter((9,)), [1], 0, _MASKS_CAP) == 0  # not a sequence
+    assert _apply.store(t, holders, masks, 1, (9, 10), [1], 0, _MASKS_CAP) == 1  # keys run out
+    assert _apply.store(t, holders, masks, 1, (11,), [1 << 64], 0, _MASKS_CAP) == 0  # key not a u64
+    with pytest.raises(AttributeError):
+        _apply.store(object(), holders, masks, 1, (9,), [1], 0, _MASKS_CAP)
+    bad = _Table(native=_apply)
+    bad.tab = array("I", bytes(64))  # not array("Q"): nothing done
+    assert _apply.store(bad, holders, masks, 1, (9,), [1], 0, _MASKS_CAP) == 0
+    assert _apply.remove(bad, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
+    holders[7] = "not a mask"
+    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
+    holders[7] = 1
+    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5, 77), 0, _MASKS_CAP) == (2, 1, 1)
+    assert t.used == 2 and 7 not in holders and t.get(6) == 8 and t.get(5) is None  # 6 and 9 stay
+    with pytest.raises(TypeError):
+        _apply.rehash(array("I"), t.tab, t.sh, t.m, 0)
+    with pytest.raises(ValueError):
+        _apply.rehash(t.tab, array("Q", bytes(16 * 40)), 60, 14, 1)
+    with pytest.raises(TypeError):
+        _apply.store(t, holders)
+
+
+def test_no_reference_leaks() -> None:
+    ref, fast = pair()
+    tokens = array("I", range(64))
+    hashes = tuple(rnd_hash for rnd_hash in random.Random(9).sample(range(1 << 62, 1 << 63), 16))
+    fast.apply("x", "m", 0, BlockStored((1 << 63,), None, array("I", range(4)), BS))  # slot 0, held
+    stored = BlockStored(hashes, None, tokens, BS)
+    removed = BlockRemoved(hashes[::-1])
+    w = fast._workers[("x", 0)]
+    watched = [*hashes, w.bit, GPU, "gpu"]
+
+    def cycle(n: int) -> None:
+        for _ in range(n):
+            fast.apply_batch("x", "m", 0, [stored, stored, removed, removed])
+            fast.apply_batch("y", "m", 0, [stored, removed])
+            fast.apply_batch("x", "m", 0, [stored])
+            fast.apply_batch("x", "m", 0, [removed])
+
+    cycle(100)
+    before = [sys.getrefcount(o) for o in watched]
+    rss0 = rss()
+    cycle(25_000)
+    assert [sys.getrefcount(o) for o in watched] == before
+    assert rss() - rss0 < 4 << 20, "RSS grew: a leak"
+    assert fast._holders["gpu"] and len(fast._workers) == 1
+
+
+def rss() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_pure_python_everywhere_with_the_env_var() -> None:
+    require()
+    assert PreciseIndex()._native is _apply and _Table().native is _apply and "kvindex._apply" in native.ACCELERATORS
+    code = ("from kvindex import precise as p; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
+            "assert p._APPLY is None and ix._native is None and w.media['GPU'].native is None")
+    env = {**os.environ, "KVINDEX_PURE_PYTHON": "1"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
