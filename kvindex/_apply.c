@@ -202,7 +202,6 @@ typedef struct {
     Slots s;
     PyObject *side, *holders, *masks, *bit;
     Py_ssize_t cap;
-    PyObject *last_mask, *last_wider; /* owned: the last mask widened and its interned result */
 } Store;
 
 /* One stored copy the simple way: DONE, STOP (untouched: Python's _store_one takes it), FAIL. */
@@ -215,29 +214,8 @@ static int store_one(Store *c, PyObject *h_obj, PyObject *key_obj) {
     if (found || j == c->s.n - 2) return STOP;  /* a repeat copy; or _extend's turn */
     PyObject *mask;
     if ((rc = mask_of(c->holders, key_obj, &mask)) != DONE) return rc;
-    if (mask != NULL && mask == c->last_mask) {  /* a prefix's blocks share holders: same answer */
-        if (PyDict_SetItem(c->holders, key_obj, c->last_wider) < 0) return FAIL;
-    } else {
-        if (mask != NULL && (rc = overlaps(mask, c->bit)) != 0) return rc < 0 ? FAIL : STOP;  /* a dup */
-        int widened = mask != NULL && PyObject_IsTrue(mask);
-        Py_XINCREF(mask);  /* the dict lets go of it below */
-        if (add_holder(c->holders, c->masks, key_obj, mask, c->bit, c->cap) < 0) {
-            Py_XDECREF(mask);
-            return FAIL;
-        }
-        if (widened) {
-            PyObject *wider = PyDict_GetItemWithError(c->holders, key_obj);
-            if (wider == NULL) {
-                Py_DECREF(mask);
-                return FAIL;
-            }
-            Py_XSETREF(c->last_mask, mask);  /* takes the reference */
-            Py_INCREF(wider);
-            Py_XSETREF(c->last_wider, wider);
-        } else {
-            Py_XDECREF(mask);
-        }
-    }
+    if (mask != NULL && (rc = overlaps(mask, c->bit)) != 0) return rc < 0 ? FAIL : STOP;  /* a dup */
+    if (add_holder(c->holders, c->masks, key_obj, mask, c->bit, c->cap) < 0) return FAIL;
     c->s.slot[j] = h;
     c->s.slot[j + 1] = key;
     return DONE;
@@ -310,11 +288,8 @@ static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     PyObject **hs = PySequence_Fast_ITEMS(args[4]), **ks = PySequence_Fast_ITEMS(args[5]);
     Py_ssize_t start = i < 0 ? 0 : i;
     int rc = DONE;
-    c.last_mask = c.last_wider = NULL;
     for (i = start; i < n && (rc = store_one(&c, hs[i], ks[i])) == DONE; i++) {
     }
-    Py_XDECREF(c.last_mask);
-    Py_XDECREF(c.last_wider);
     PyBuffer_Release(&c.s.view);
     Py_DECREF(c.side);
     return settle(args[0], i - start, rc == FAIL, rc == FAIL ? NULL : PyLong_FromSsize_t(i));
