@@ -192,6 +192,7 @@ class Daemon:
         """Read the store-backed gauges (before a scrape); the store unreachable: keep the last.
         A shared store is read at most every ``SHARED_GAUGES_SECONDS`` (per-pod holdings are a
         scan of the pod's entries there; every replica's scrape would repeat it)."""
+        self.fleet.flush_metrics()
         now = time.monotonic()
         if not is_memory(self.config.store) and now - self._gauges_at < SHARED_GAUGES_SECONDS:
             return

@@ -71,28 +71,39 @@ LIFE_CHECK_EVERY = 64  # STALE batches in a row between two replay checks of the
 
 
 class StreamCounters:
-    """A stream's labelled metric children, resolved once: the hot path only adds numbers."""
+    """A stream's labelled metric children, resolved once. The hot path only adds plain ints
+    (``add``, ``lag_seconds``); ``flush`` hands them to the children, before every scrape (a
+    Prometheus child's ``inc`` takes a lock: four of them per batch cost ~15% of ingest)."""
 
     def __init__(self, m: Metrics, pod: str) -> None:
-        self.stored_events = m.events_applied.labels(pod, "BlockStored")
-        self.removed_events = m.events_applied.labels(pod, "BlockRemoved")
-        self.cleared_events = m.events_applied.labels(pod, "AllBlocksCleared")
-        self.stored = m.blocks_stored.labels(pod)
-        self.removed = m.blocks_removed.labels(pod)
-        self.orphans = m.orphan_blocks.labels(pod)
-        self.unknown = m.unknown_removals.labels(pod)
+        self._children = (m.events_applied.labels(pod, "BlockStored"), m.events_applied.labels(pod, "BlockRemoved"),
+                          m.events_applied.labels(pod, "AllBlocksCleared"), m.blocks_stored.labels(pod),
+                          m.blocks_removed.labels(pod), m.orphan_blocks.labels(pod), m.unknown_removals.labels(pod))
+        self._pending = [0] * len(self._children)
         self.lag = m.lag_seconds.labels(pod)
+        self.lag_seconds: float | None = None  # behind at the last batch applied, not yet in ``lag``
         self.duplicate = m.batches_skipped.labels(pod, "duplicate")
         self.stale = m.batches_skipped.labels(pod, "stale")
         self.dropped = m.batches_skipped.labels(pod, "dropped")
 
     def add(self, done: Applied) -> None:
-        for counter, n in ((self.stored_events, done.stored_events), (self.removed_events, done.removed_events),
-                           (self.cleared_events, done.cleared), (self.stored, done.stored),
-                           (self.removed, done.removed), (self.orphans, done.orphans),
-                           (self.unknown, done.unknown_removals)):
+        p = self._pending
+        p[0] += done.stored_events
+        p[1] += done.removed_events
+        p[2] += done.cleared
+        p[3] += done.stored
+        p[4] += done.removed
+        p[5] += done.orphans
+        p[6] += done.unknown_removals
+
+    def flush(self) -> None:
+        for child, n in zip(self._children, self._pending):
             if n:
-                counter.inc(n)
+                child.inc(n)
+        self._pending = [0] * len(self._children)
+        if self.lag_seconds is not None:
+            self.lag.set(self.lag_seconds)
+            self.lag_seconds = None
 
 
 @dataclass(slots=True)
@@ -679,7 +690,7 @@ class EngineLane:
         st.batches += 1
         now = time.time()
         st.last_applied = now
-        st.counters.lag.set(max(0.0, now - batch.ts))
+        st.counters.lag_seconds = max(0.0, now - batch.ts)
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
 
@@ -766,10 +777,18 @@ class Fleet:
         lane, task = entry
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        for st in lane.state.streams.values():  # what it applied still counts
+            st.counters.flush()
         return lane
 
     def lanes(self) -> dict[str, EngineLane]:
         return {k: lane for k, (lane, _) in self._lanes.items()}
+
+    def flush_metrics(self) -> None:
+        """Every stream's pending counts into its metric children (before a scrape)."""
+        for lane, _ in self._lanes.values():
+            for st in lane.state.streams.values():
+                st.counters.flush()
 
     def lane_task_failed(self, key: str) -> str | None:
         entry = self._lanes.get(key)

@@ -146,6 +146,7 @@ class Worker:
                 for key, lane in self.fleet.lanes().items()}
 
     async def _metrics(self) -> bytes:
+        self.fleet.flush_metrics()
         return generate_latest(self.registry)
 
     async def _stats(self) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
 
+import msgspec
+
 from kvindex.approx import ApproxConfig
 from kvindex.events import KVEvent
 from kvindex.precise import Applied, Entry, PodMatch
@@ -54,10 +56,10 @@ class StreamRef:
         return cls(f"{pod}|{topic}", pod, model)
 
 
-@dataclass(frozen=True, slots=True)
-class Position:
+class Position(msgspec.Struct, frozen=True):
     """Where a stream stands in the store: last applied seq (None: nothing since the start or the
-    last restart), its epoch (one more per engine restart), and whether its history is complete."""
+    last restart), its epoch (one more per engine restart), and whether its history is complete.
+    (A Struct, as the events are: one is made per batch applied; a frozen dataclass costs 5x.)"""
 
     last_seq: int | None = None
     epoch: int = 0
@@ -73,8 +75,7 @@ class Outcome(str, Enum):
     BEHIND = "behind"  # the store is at an older epoch than the caller: it lost writes; resync the stream
 
 
-@dataclass(frozen=True, slots=True)
-class ApplyResult:
+class ApplyResult(msgspec.Struct, frozen=True):
     outcome: Outcome
     position: Position  # the stream's position after the call
     applied: Applied | None = None  # what the batch did, when it applied
