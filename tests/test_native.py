@@ -1,7 +1,7 @@
 """The native accelerators against their Python twins, on the same inputs.
 
 CI builds them (libxxhash-dev) and sets KVINDEX_REQUIRE_NATIVE=1, so a failed build fails there;
-on a machine without a compiler these tests fail with the hint, never skip.
+on a machine without a compiler they are skipped with the hint (``tests.conftest.need_native``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from kvindex import keys as K
 from kvindex import native
 from kvindex.http_api import decode_json
 from kvindex.render import RenderError, go_json_loads
+from tests.conftest import need_native
 
 _keys = native.load("kvindex._keys")
 
 
 def require(mod: object, name: str) -> None:
-    assert mod is not None, f"kvindex.{name} is not in use: {native.status()}"
+    need_native(mod, f"kvindex.{name}")
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 64, 128, 1000])
@@ -63,6 +64,8 @@ def test_native_keys_refuse_bad_input_like_python() -> None:
 
 
 def test_status_names_what_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in native.ACCELERATORS:
+        need_native(native.load(name), name)
     assert native.status() == "native: " + ", ".join(native.ACCELERATORS)
     monkeypatch.setenv("KVINDEX_PURE_PYTHON", "1")
     assert native.load("kvindex._keys") is None and native.status().startswith("pure Python")

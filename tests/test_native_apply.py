@@ -3,8 +3,8 @@
 The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``) and an
 accelerated one, and every piece of state is compared after every batch: holders per tier, _dups,
 the interned masks, each worker's slot arrays (byte for byte), side dicts, extra copies and
-orphans, the per-batch counts and match() answers. Like tests/test_native.py, these fail (never
-skip) when the extension is not built.
+orphans, the per-batch counts and match() answers. Like tests/test_native.py, these need the
+extension built (``tests.conftest.need_native``: CI fails without it, elsewhere they skip).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvindex import keys as K
 from kvindex import native, precise
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.precise import _MASKS_CAP, _MIX, PreciseIndex, _Table
+from tests.conftest import need_native
 
 _apply = native.load("kvindex._apply")
 BS = 4
@@ -29,7 +30,7 @@ INV = pow(_MIX, -1, 1 << 64)  # h = v * INV has h * _MIX = v: hashes whose home 
 
 
 def require() -> None:
-    assert _apply is not None, f"kvindex._apply is not in use: {native.status()}"
+    need_native(_apply, "kvindex._apply")
 
 
 def end_hash(rnd: random.Random) -> int:

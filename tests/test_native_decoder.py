@@ -20,7 +20,7 @@ from kvindex import native
 from kvindex.engine_sim import SimulatedCache, encode_batch
 from kvindex.events import DecodeError, EventBatch
 from kvindex.workload import Workload
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, need_native
 from tests.test_decoder import A, B, C
 
 _fast = native.load("adapters._vllm")
@@ -36,7 +36,7 @@ def _reference(payload: bytes) -> object:
 
 def check(payload: bytes) -> bool:
     """The C result equals the reference or is None; True when C took it."""
-    assert _fast is not None, f"adapters._vllm is not in use: {native.status()}"
+    need_native(_fast, "adapters._vllm")
     got = _fast.decode(payload, _KINDS)
     if got is not None:
         ref = _reference(payload)
