@@ -253,17 +253,23 @@ async def query(request: web.Request) -> web.Response:
     return reply(request, _scores(answer))
 
 
-_NON_NEGATIVE = list[Annotated[int, msgspec.Meta(ge=0)]]
+_HASHES = list[Annotated[int, msgspec.Meta(ge=-(1 << 63))]]  # ints (no bools), none below i64
 
 
 def _u64s(value: Any) -> Sequence[int] | None:
-    """Dynamo's block hashes (u64, or i64 for the same bits) as u64s; None unless every one is."""
+    """Dynamo's block hashes (i64, its form, or u64 for the same bits) as u64s; None unless every
+    one is. The common cases are C-level conversions: no Python loop over 512 hashes."""
     try:
-        return array("Q", msgspec.convert(value, _NON_NEGATIVE))  # u64s already (the common case), in C
-    except (msgspec.ValidationError, OverflowError):
-        pass
-    if isinstance(value, list) and all(type(h) is int and -(1 << 63) <= h < 1 << 64 for h in value):
-        return [h & (1 << 64) - 1 for h in value]
+        ints = msgspec.convert(value, _HASHES)
+    except msgspec.ValidationError:
+        return None
+    for kind in ("q", "Q"):  # all i64: the same bits as u64s; all non-negative: u64s already
+        try:
+            return array("Q", array(kind, ints).tobytes())
+        except OverflowError:
+            pass
+    if all(h < 1 << 64 for h in ints):  # both forms in one request
+        return [h & (1 << 64) - 1 for h in ints]
     return None
 
 
