@@ -26,6 +26,7 @@
 #include <string.h>
 
 #define MAX_DEPTH 32
+#define MAX_BLOCK_SIZE (1u << 16) /* adapters/vllm.py MAX_BLOCK_SIZE */
 
 typedef struct {
     const uint8_t *p, *end;
@@ -238,14 +239,21 @@ static PyObject *tokens(Buf *b, PyObject *array_type) {
     return out;
 }
 
-/* nil -> Py_None (new ref), an int -> int; anything else NULL. ``positive``: > 0 required. */
-static PyObject *opt_int(Buf *b, int positive) {
+/* nil -> Py_None (new ref), an int -> int; anything else NULL. */
+static PyObject *opt_int(Buf *b) {
     Item it;
     if (next(b, &it) < 0) return NULL;
-    if (it.kind == K_NIL && !positive) return Py_NewRef(Py_None);
-    if (it.kind == K_UINT) return (positive && it.u == 0) ? NULL : PyLong_FromUnsignedLongLong(it.u);
-    if (it.kind == K_INT && !positive) return PyLong_FromLongLong((long long)(int64_t)it.u);
+    if (it.kind == K_NIL) return Py_NewRef(Py_None);
+    if (it.kind == K_UINT) return PyLong_FromUnsignedLongLong(it.u);
+    if (it.kind == K_INT) return PyLong_FromLongLong((long long)(int64_t)it.u);
     return NULL;
+}
+
+/* A block size: a positive int of at most MAX_BLOCK_SIZE tokens (adapters/vllm.py's bound). */
+static PyObject *block_size(Buf *b) {
+    Item it;
+    if (next(b, &it) < 0 || it.kind != K_UINT || it.u == 0 || it.u > MAX_BLOCK_SIZE) return NULL;
+    return PyLong_FromUnsignedLongLong(it.u);
 }
 
 static PyObject *opt_str(Buf *b) {
@@ -400,16 +408,16 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
         if (*tag == E_REMOVED) {
             if (str_is(&key, "block_hashes")) rc = set_field(&r->hashes, hashes(&fb));
             else if (str_is(&key, "medium")) rc = set_field(&r->medium, opt_medium(&fb, k->gpu));
-            else if (str_is(&key, "group_idx")) rc = set_field(&r->group, opt_int(&fb, 0));
+            else if (str_is(&key, "group_idx")) rc = set_field(&r->group, opt_int(&fb));
             else known = 0;
         } else {
             if (str_is(&key, "block_hashes")) rc = set_field(&s->hashes, hashes(&fb));
             else if (str_is(&key, "parent_block_hash")) rc = set_field(&s->parent, parent(&fb));
             else if (str_is(&key, "token_ids")) rc = set_field(&s->tokens, tokens(&fb, k->array_type));
-            else if (str_is(&key, "block_size")) rc = set_field(&s->block_size, opt_int(&fb, 1));
+            else if (str_is(&key, "block_size")) rc = set_field(&s->block_size, block_size(&fb));
             else if (str_is(&key, "medium")) rc = set_field(&s->medium, opt_medium(&fb, k->gpu));
             else if (str_is(&key, "lora_name")) rc = set_field(&s->lora_name, opt_str(&fb));
-            else if (str_is(&key, "group_idx")) rc = set_field(&s->group, opt_int(&fb, 0));
+            else if (str_is(&key, "group_idx")) rc = set_field(&s->group, opt_int(&fb));
             else if (str_is(&key, "extra_keys")) { extra = fb.p; known = 0; }
             else known = 0;
         }
@@ -437,20 +445,20 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
         int rc = 0, known = 1;
         if (*tag == E_REMOVED && i <= 3) {
             rc = i == 1 ? set_field(&r->hashes, hashes(b))
-               : i == 2 ? set_field(&r->medium, opt_medium(b, k->gpu)) : set_field(&r->group, opt_int(b, 0));
+               : i == 2 ? set_field(&r->medium, opt_medium(b, k->gpu)) : set_field(&r->group, opt_int(b));
         } else if (*tag == E_STORED && i <= 9 && i != 5) {
             switch (i) {
             case 1: rc = set_field(&s->hashes, hashes(b)); break;
             case 2: rc = set_field(&s->parent, parent(b)); break;
             case 3: rc = set_field(&s->tokens, tokens(b, k->array_type)); break;
-            case 4: rc = set_field(&s->block_size, opt_int(b, 1)); break;
+            case 4: rc = set_field(&s->block_size, block_size(b)); break;
             case 6: rc = set_field(&s->medium, opt_medium(b, k->gpu)); break;
             case 7: rc = set_field(&s->lora_name, opt_str(b)); break;
             case 8:
                 if (s->lora_name == NULL) s->lora_name = Py_NewRef(Py_None);
                 rc = cache_salt(b, s->lora_name, &s->salt);
                 break;
-            case 9: rc = set_field(&s->group, opt_int(b, 0)); break;
+            case 9: rc = set_field(&s->group, opt_int(b)); break;
             }
         } else {
             known = 0;
@@ -604,7 +612,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyObject *out = batch(&b, &k);
     PyBuffer_Release(&payload);
     if (out == NULL) {
-        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_MemoryError)) PyErr_Clear();
+        /* declined, or a value the constructors refused: the Python path decides. MemoryError
+           and what is not an Exception (KeyboardInterrupt, SystemExit) propagate. */
+        if (PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception) && !PyErr_ExceptionMatches(PyExc_MemoryError))
+            PyErr_Clear();
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }

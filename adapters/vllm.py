@@ -42,6 +42,7 @@ from kvindex.events import (
 )
 
 MASK64 = (1 << 64) - 1
+MAX_BLOCK_SIZE = 1 << 16  # tokens per block; more is garbage (engines use 16-256), skipped as bad_block_size
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                  "medium", "lora_name", "extra_keys", "group_idx")
@@ -228,7 +229,7 @@ class VllmDecoder:
         parent = f.get("parent_block_hash")
         parent_hash = None if parent is None or parent == 0 else self._hash(parent)
         block_size = f.get("block_size")
-        if type(block_size) is not int or block_size <= 0:
+        if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
             raise _Skip("bad_block_size")
         lora_name = f.get("lora_name")
         extra = f.get("extra_keys")
@@ -274,7 +275,7 @@ def _plain_hashes(values: list[Any]) -> tuple[int, ...] | None:
 def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
     hashes = _plain_hashes(w.block_hashes)
     parent = w.parent_block_hash
-    if not hashes or w.block_size <= 0 or not (parent is None or type(parent) is int and 0 <= parent <= MASK64):
+    if not hashes or not 0 < w.block_size <= MAX_BLOCK_SIZE or not (parent is None or type(parent) is int and 0 <= parent <= MASK64):
         return None
     try:
         tokens = array("I", w.token_ids)

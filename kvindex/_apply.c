@@ -23,6 +23,9 @@
  * slot is empty (the _Table invariant: every probe then ends inside the array without bounds
  * checks). ``rehash`` only sees arrays _Table made itself, so bad input there is a TypeError.
  * Errors (MemoryError) propagate; counts done before them are written back first where kept.
+ * Borrowed pointers (sequence items, holder masks) stay valid across a call: the only objects it
+ * allocates are exact ints and tuples, whose creation can run the cyclic GC but no user code that
+ * could touch the index's own containers.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -292,7 +295,8 @@ static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     PyBuffer_Release(&c.s.view);
     Py_DECREF(c.side);
-    return settle(args[0], i - start, rc == FAIL, rc == FAIL ? NULL : PyLong_FromSsize_t(i));
+    PyObject *result = rc == FAIL ? NULL : PyLong_FromSsize_t(i);
+    return settle(args[0], i - start, result == NULL, result);
 }
 
 /* -- remove -------------------------------------------------------------------------------- */
@@ -370,7 +374,8 @@ static PyObject *remove_(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         else break;
     }
     PyBuffer_Release(&c.s.view);
-    return settle(args[0], -gone, rc == FAIL, rc == FAIL ? NULL : Py_BuildValue("nnn", i, gone, unknown));
+    PyObject *result = rc == FAIL ? NULL : Py_BuildValue("nnn", i, gone, unknown);
+    return settle(args[0], -gone, result == NULL, result);
 }
 
 /* -- rehash -------------------------------------------------------------------------------- */

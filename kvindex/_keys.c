@@ -39,17 +39,34 @@ static int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
-/* Full blocks in a token buffer of ``nbytes``, at most ``limit`` (negative: no limit). */
+/* Full blocks in a token buffer of ``nbytes``, at most ``limit`` (negative: no limit). Divides
+   before it multiplies: any block size, however large (it comes off the wire), gives the floor
+   Python's ``len(data) // (4 * block_size)`` gives, and a block's width is then <= nbytes. */
 static Py_ssize_t full_blocks(Py_ssize_t nbytes, Py_ssize_t block_size, Py_ssize_t limit) {
-    Py_ssize_t n = nbytes / (4 * block_size);
+    Py_ssize_t n = (nbytes / 4) / block_size;
     return (limit >= 0 && limit < n) ? limit : n;
 }
 
-static int token_buffer(PyObject *tokens, Py_buffer *view, Py_ssize_t block_size) {
-    if (block_size <= 0) {
+/* The block size argument: 1 (in *out), 0 when it is beyond any buffer (no full block: Python's
+   answer is []), -1 with an exception (not an int, or not positive). */
+static int block_size_arg(PyObject *obj, Py_ssize_t *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_SetString(PyExc_TypeError, "block_size must be an int");
+        return -1;
+    }
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow > 0 || v > PY_SSIZE_T_MAX) return 0;
+    if (overflow < 0 || v <= 0) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return -1;
     }
+    *out = (Py_ssize_t)v;
+    return 1;
+}
+
+static int token_buffer(PyObject *tokens, Py_buffer *view) {
     if (PyObject_GetBuffer(tokens, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (view->itemsize != 4 && view->itemsize != 1) {
         PyBuffer_Release(view);
@@ -65,14 +82,16 @@ PyDoc_STRVAR(prompt_keys_doc,
 "``limit`` blocks when limit >= 0.");
 
 static PyObject *prompt_keys(PyObject *self, PyObject *args) {
-    PyObject *root_obj, *tokens;
-    Py_ssize_t block_size, limit = -1;
+    PyObject *root_obj, *tokens, *bs_obj;
+    Py_ssize_t block_size = 1, limit = -1;
     uint64_t key;
-    if (!PyArg_ParseTuple(args, "OOn|n", &root_obj, &tokens, &block_size, &limit)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOO|n", &root_obj, &tokens, &bs_obj, &limit)) return NULL;
     if (as_u64(root_obj, &key) < 0) return NULL;
+    int sized = block_size_arg(bs_obj, &block_size);
+    if (sized < 0) return NULL;
     Py_buffer view;
-    if (token_buffer(tokens, &view, block_size) < 0) return NULL;
-    Py_ssize_t n = full_blocks(view.len, block_size, limit);
+    if (token_buffer(tokens, &view) < 0) return NULL;
+    Py_ssize_t n = sized ? full_blocks(view.len, block_size, limit) : 0;
     PyObject *out = PyList_New(n);
     if (out == NULL) goto done;
     const unsigned char *data = view.buf;
@@ -96,12 +115,14 @@ PyDoc_STRVAR(local_hashes_doc,
 "Dynamo's per-block hashes (XXH3-64, seed 1337) of the full blocks of ``tokens``.");
 
 static PyObject *local_hashes(PyObject *self, PyObject *args) {
-    PyObject *tokens;
-    Py_ssize_t block_size, limit = -1;
-    if (!PyArg_ParseTuple(args, "On|n", &tokens, &block_size, &limit)) return NULL;
+    PyObject *tokens, *bs_obj;
+    Py_ssize_t block_size = 1, limit = -1;
+    if (!PyArg_ParseTuple(args, "OO|n", &tokens, &bs_obj, &limit)) return NULL;
+    int sized = block_size_arg(bs_obj, &block_size);
+    if (sized < 0) return NULL;
     Py_buffer view;
-    if (token_buffer(tokens, &view, block_size) < 0) return NULL;
-    Py_ssize_t n = full_blocks(view.len, block_size, limit);
+    if (token_buffer(tokens, &view) < 0) return NULL;
+    Py_ssize_t n = sized ? full_blocks(view.len, block_size, limit) : 0;
     PyObject *out = PyList_New(n);
     if (out != NULL) {
         const unsigned char *data = view.buf;

@@ -170,3 +170,22 @@ def test_native_walk_equals_python(slots: int) -> None:
     assert _walk_c.walk(deep, wide, 1 << 70 | 1) == [(512, 1 << 70), (7, 1)]
     with pytest.raises(TypeError):
         _walk_c.walk(deep, {0: 1}, "all")
+
+
+@pytest.mark.parametrize("block_size", [1 << 30, (1 << 62), (1 << 62) + 1, 1 << 63, (1 << 64) - 1, 1 << 70])
+def test_native_keys_take_any_block_size_like_python(block_size: int) -> None:
+    """A block size comes off the wire: 4 * 2**62 once wrapped to 0 in C (SIGFPE, the daemon
+    gone) and 4 * (2**62 + 1) to 4 (keys Python never makes)."""
+    require(_keys, "_keys")
+    tokens = array("I", range(64))
+    assert _keys.prompt_keys(7, tokens, block_size) == K.py_prompt_keys(7, tokens, block_size) == []
+    assert _keys.local_hashes(tokens, block_size) == K.py_local_hashes(tokens, block_size) == []
+
+
+def test_index_keeps_a_huge_block_size_keyless() -> None:
+    from kvindex.events import BlockStored
+    from kvindex.precise import PreciseIndex
+
+    idx = PreciseIndex()
+    done = idx.apply("a", "m", 0, BlockStored((1, 2), None, array("I", range(64)), 1 << 62))
+    assert done.orphans == 2 and idx.match(K.prompt_keys(K.root_key("m"), list(range(64)), 1 << 62)) == {}

@@ -12,6 +12,7 @@ import math
 import random
 
 import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -145,3 +146,38 @@ def test_random_bytes_never_crash_and_fixture_mutations_agree() -> None:
             p[rnd.randrange(len(p))] = rnd.randrange(256)
         check(bytes(p))
         check(bytes(rnd.randrange(256) for _ in range(rnd.randrange(0, 40))))
+
+
+_GOOD = {"type": "BlockStored", "block_hashes": [5, 6], "parent_block_hash": None, "token_ids": list(range(8)),
+         "block_size": 4, "medium": "GPU", "lora_name": None, "extra_keys": None, "group_idx": 0}
+
+
+def _batch(ts: object = 1.0, rank: object = 0, **fields: object) -> bytes:
+    return msgpack.packb([ts, [{**_GOOD, **fields}], rank])
+
+
+@pytest.mark.parametrize("payload,taken", [
+    (_batch(), True),
+    (_batch(rank=65535), True), (_batch(rank=65536), False), (_batch(rank=-1), False),
+    (_batch(ts=1 << 53), False), (_batch(ts=(1 << 53) + 1), False), (_batch(ts=True), False),
+    (_batch(block_hashes=[]), False), (_batch(block_size=0), False), (_batch(block_size=1 << 16), True),
+    (_batch(block_size=(1 << 16) + 1), False), (_batch(block_size=1 << 62), False),
+    # vLLM's cache_salt: the last string of the first extra keys that is not the LoRA name
+    (_batch(lora_name="sql", extra_keys=[["s1", "sql"]]), True), (_batch(extra_keys=[["s1", 7, None, "s2"]]), True),
+    (_batch(lora_name="sql", extra_keys=[["sql"]]), True), (_batch(extra_keys=[[], ["x"]]), True),
+    (_batch(extra_keys=[{"cache_salt": "t"}]), False),
+], ids=lambda v: v.hex()[:24] if isinstance(v, bytes) else str(v))
+def test_boundaries_are_taken_or_declined_and_equal(payload: bytes, taken: bool) -> None:
+    assert check(payload) is taken
+
+
+def test_invalid_utf8_in_extra_keys_is_declined() -> None:
+    good = _batch(extra_keys=[["s\u00e9"]])
+    assert check(good)
+    bad = good.replace("s\u00e9".encode(), b"s\xff")  # same length: the msgpack str header holds
+    assert bad != good and not check(bad)
+
+
+def test_block_sizes_past_the_bound_are_skipped_as_bad_block_size() -> None:
+    batch = VllmDecoder().decode(_batch(block_size=1 << 62))
+    assert batch.events == () and batch.skipped == ("bad_block_size",)
