@@ -33,8 +33,8 @@ Memory layout (no Python object per (block, pod) entry):
   holder's mask is its worker's ``bit`` object.
 - ``_members`` caches mask -> [(pod, rank)] for match; it is dropped whenever a slot changes owner.
 - The hot loops (``_store``'s common case, ``_remove``'s inline branch, ``_Table._resize``) run in
-  C when ``kvindex._apply`` is built (``native.load("_apply")``; a ``PreciseIndex(native=None)``,
-  or ``KVINDEX_PURE_PYTHON=1`` everywhere, runs the Python loops). The C loops work on these same
+  C when ``kvindex._apply`` is built (a ``PreciseIndex(native=None)``, or ``KVINDEX_PURE_PYTHON=1``
+  everywhere, runs the Python loops), and the device tier's walk in ``kvindex._walk``. The C loops work on these same
   objects and hand back every element they cannot take the simple way, which the Python code
   here then applies: the Python loops define the behaviour, tests hold the two states equal.
 - ``frozen_copy`` still returns plain dicts (its contract), so it now materialises two int objects
