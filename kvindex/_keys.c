@@ -76,6 +76,31 @@ static int token_buffer(PyObject *tokens, Py_buffer *view) {
     return 0;
 }
 
+/* One hash per full block of ``tokens`` (at most ``limit``): the block's local hash, or with
+   ``chained`` its key, chained from ``key`` (the root). A new list, or NULL with an exception. */
+static PyObject *per_block(PyObject *tokens, PyObject *bs_obj, Py_ssize_t limit, int chained, uint64_t key) {
+    Py_ssize_t block_size = 1;
+    int sized = block_size_arg(bs_obj, &block_size);
+    if (sized < 0) return NULL;
+    Py_buffer view;
+    if (token_buffer(tokens, &view) < 0) return NULL;
+    Py_ssize_t n = sized ? full_blocks(view.len, block_size, limit) : 0;
+    PyObject *out = PyList_New(n);
+    const unsigned char *data = view.buf;
+    size_t width = (size_t)(4 * block_size); /* n > 0 only when 4 * block_size <= view.len */
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        uint64_t local = XXH3_64bits_withSeed(data + i * width, width, LOCAL_SEED);
+        PyObject *h = PyLong_FromUnsignedLongLong(chained ? (key = chain(key, local)) : local);
+        if (h == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, h);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 PyDoc_STRVAR(prompt_keys_doc,
 "prompt_keys(root, tokens, block_size, limit=-1) -> list[int]\n\n"
 "Chained keys of the full blocks of ``tokens`` (a buffer of u32, e.g. array('I')), at most\n"
@@ -83,31 +108,11 @@ PyDoc_STRVAR(prompt_keys_doc,
 
 static PyObject *prompt_keys(PyObject *self, PyObject *args) {
     PyObject *root_obj, *tokens, *bs_obj;
-    Py_ssize_t block_size = 1, limit = -1;
-    uint64_t key;
+    Py_ssize_t limit = -1;
+    uint64_t root;
     if (!PyArg_ParseTuple(args, "OOO|n", &root_obj, &tokens, &bs_obj, &limit)) return NULL;
-    if (as_u64(root_obj, &key) < 0) return NULL;
-    int sized = block_size_arg(bs_obj, &block_size);
-    if (sized < 0) return NULL;
-    Py_buffer view;
-    if (token_buffer(tokens, &view) < 0) return NULL;
-    Py_ssize_t n = sized ? full_blocks(view.len, block_size, limit) : 0;
-    PyObject *out = PyList_New(n);
-    if (out == NULL) goto done;
-    const unsigned char *data = view.buf;
-    size_t width = (size_t)(4 * block_size);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        key = chain(key, XXH3_64bits_withSeed(data + i * width, width, LOCAL_SEED));
-        PyObject *k = PyLong_FromUnsignedLongLong(key);
-        if (k == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyList_SET_ITEM(out, i, k);
-    }
-done:
-    PyBuffer_Release(&view);
-    return out;
+    if (as_u64(root_obj, &root) < 0) return NULL;
+    return per_block(tokens, bs_obj, limit, 1, root);
 }
 
 PyDoc_STRVAR(local_hashes_doc,
@@ -116,28 +121,9 @@ PyDoc_STRVAR(local_hashes_doc,
 
 static PyObject *local_hashes(PyObject *self, PyObject *args) {
     PyObject *tokens, *bs_obj;
-    Py_ssize_t block_size = 1, limit = -1;
+    Py_ssize_t limit = -1;
     if (!PyArg_ParseTuple(args, "OO|n", &tokens, &bs_obj, &limit)) return NULL;
-    int sized = block_size_arg(bs_obj, &block_size);
-    if (sized < 0) return NULL;
-    Py_buffer view;
-    if (token_buffer(tokens, &view) < 0) return NULL;
-    Py_ssize_t n = sized ? full_blocks(view.len, block_size, limit) : 0;
-    PyObject *out = PyList_New(n);
-    if (out != NULL) {
-        const unsigned char *data = view.buf;
-        size_t width = (size_t)(4 * block_size);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *h = PyLong_FromUnsignedLongLong(XXH3_64bits_withSeed(data + i * width, width, LOCAL_SEED));
-            if (h == NULL) {
-                Py_CLEAR(out);
-                break;
-            }
-            PyList_SET_ITEM(out, i, h);
-        }
-    }
-    PyBuffer_Release(&view);
-    return out;
+    return per_block(tokens, bs_obj, limit, 0, 0);
 }
 
 PyDoc_STRVAR(chain_keys_doc,
