@@ -26,7 +26,8 @@ Memory layout (no Python object per (block, pod) entry):
   and every keyless (ORPHAN) entry live in the table's ``side`` dict instead; a hash is in
   exactly one of the two places. 16 bytes per slot ≈ 25-50 bytes per entry, against ~130 for a
   dict entry with two fresh 64-bit ints. The hot loops of ``_store`` and ``_remove`` inline the
-  table's insert and delete; ``_Table``'s own methods are the reference for them.
+  table's probes (deletion is one method, ``_Table._delete``); ``_Table``'s own methods are the
+  reference for them.
 - The only per-block Python objects are in the inverted view: one key int and one dict slot per
   distinct (tier, key), whatever the number of holders. Masks of several holders are interned
   (``_masks``, a bounded cache): the same few holder sets recur across millions of keys. A lone
@@ -185,6 +186,22 @@ class _Table:
         self.pop(h)
         self.insert(h, key)  # ORPHAN (-1) is not a u64: the side dict
 
+    def _delete(self, j: int) -> None:
+        """Empty slot pair ``j`` by backward shift: later entries of its run whose home is at or
+        before the hole move in (no tombstones; kvindex._apply's ``shift_out`` is its twin)."""
+        tab, sh, m = self.tab, self.sh, self.m
+        i = j
+        j += 2
+        x = tab[j]
+        while x:
+            if x * _MIX >> sh & m <= i:
+                tab[i] = x
+                tab[i + 1] = tab[j + 1]
+                i = j
+            j += 2
+            x = tab[j]
+        tab[i] = 0
+
     def pop(self, h: int) -> int | None:
         """Remove ``h``; its key (or ORPHAN), None if absent."""
         if h:
@@ -194,17 +211,7 @@ class _Table:
             while x:
                 if x == h:
                     key = tab[j + 1]
-                    i = j  # the hole: later entries of the run whose home is at or before it move in
-                    j += 2
-                    x = tab[j]
-                    while x:
-                        if x * _MIX >> sh & m <= i:
-                            tab[i] = x
-                            tab[i + 1] = tab[j + 1]
-                            i = j
-                        j += 2
-                        x = tab[j]
-                    tab[i] = 0
+                    self._delete(j)
                     self.used -= 1
                     if self.used < self.size >> 3 and self.bits > _MIN_BITS:
                         self._resize(max(_MIN_BITS, (self.used * 3).bit_length()))
@@ -523,8 +530,9 @@ class PreciseIndex:
     def _remove_run(self, w: _Worker, medium: str, blocks: _Table, hashes: Sequence[int],
                     inline: bool) -> tuple[int, int, int]:
         """Remove one copy of each hash: (removed, unknown, gone). With ``inline``, ``_Table.pop``
-        is inlined minus its shrinking (the caller's, once per event); ``gone`` counts its
-        deletions, subtracted from ``used`` here (the reference of kvindex._apply.remove)."""
+        inlined (its probe, then ``_delete``) minus its shrinking (the caller's, once per event);
+        ``gone`` counts its deletions, subtracted from ``used`` here (the reference of
+        kvindex._apply.remove)."""
         removed = unknown = gone = 0
         tier = tier_of(medium)
         holders, masks, dups, extra, keep = self._holders[tier], self._masks, self._dups, w.extra, ~w.bit
@@ -550,17 +558,7 @@ class PreciseIndex:
                         unknown += 1
                         continue
                     key = tab[j + 1]
-                    i = j  # the hole: later entries of the run whose home is at or before it move in
-                    j += 2
-                    x = tab[j]
-                    while x:
-                        if x * _MIX >> sh & m <= i:
-                            tab[i] = x
-                            tab[i + 1] = tab[j + 1]
-                            i = j
-                        j += 2
-                        x = tab[j]
-                    tab[i] = 0
+                    blocks._delete(j)
                     gone += 1
                 else:
                     key = pop(h)
