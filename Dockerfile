@@ -16,7 +16,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 WORKDIR /app
 COPY --from=build /wheels /wheels
 RUN pip install /wheels/*.whl && rm -rf /wheels \
-    && KVINDEX_REQUIRE_NATIVE=1 python -c "import kvindex.keys, kvindex.http_api; from kvindex import native; print(native.status())"
+    && KVINDEX_REQUIRE_NATIVE=1 python -c "import kvindex.keys, kvindex.http.app; from kvindex import native; print(native.status())"
 COPY deploy ./deploy
 EXPOSE 8080 5557
 USER nobody

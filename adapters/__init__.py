@@ -7,8 +7,8 @@ starts, and how a byte-string block hash maps to a u64.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from adapters.vllm import VllmDecoder, first8_signed, last8_be
 from kvindex.events import Decoder

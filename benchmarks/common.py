@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from kvindex import loops, native  # noqa: E402
-from kvindex.workload import read_messages  # noqa: E402
+from kvindex.tools.workload import read_messages
 
 T = TypeVar("T")
 

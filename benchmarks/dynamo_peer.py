@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import BLOCK_SIZE, MODEL  # noqa: E402
 from e2e import Publisher, http_client_async  # noqa: E402
 
-from kvindex.workload import read_messages  # noqa: E402
+from kvindex.tools.workload import read_messages
 
 APPLIED = re.compile(r'^dynamo_kvrouter_kv_cache_events_applied\{([^}]*)\}\s+([0-9.e+]+)', re.M)
 

@@ -34,7 +34,7 @@ from common import BLOCK_SIZE, MODEL, Workload, latency_summary, rss_bytes  # no
 
 from kvindex import keys as K  # noqa: E402
 from kvindex.config import Config  # noqa: E402
-from kvindex.workload import read_messages, seq_frame  # noqa: E402
+from kvindex.tools.workload import read_messages, seq_frame
 
 HWM = 10_000_000
 HERE = Path(__file__).resolve().parent

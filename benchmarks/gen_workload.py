@@ -1,10 +1,10 @@
 """Generate a deterministic multi-replica KV-event workload in vLLM's wire format.
 
-Every request of a ``kvindex.workload.Workload`` is routed to one of ``--replicas`` simulated
-engines (``kvindex.engine_sim.SimulatedCache``); each admission that produces events becomes one
+Every request of a ``kvindex.tools.workload.Workload`` is routed to one of ``--replicas`` simulated
+engines (``kvindex.tools.engine_sim.SimulatedCache``); each admission that produces events becomes one
 batch ``[ts, events, 0]`` published by that replica as ``[topic "kv@pod-{i}@{model}", seq, payload]``
 with seq counting from 0 per replica. Messages are written, in global publish order, to OUT in the
-framing of ``kvindex.workload.write_messages``; a JSON sidecar (OUT + ".json" by default) records
+framing of ``kvindex.tools.workload.write_messages``; a JSON sidecar (OUT + ".json" by default) records
 the parameters, totals, each replica's final state and router queries with the expected answer.
 
 Invariants: same arguments => byte-identical outputs; a query's ``cached_tokens[i]`` is what
@@ -27,8 +27,8 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvindex.engine_sim import SimulatedCache, encode_batch  # noqa: E402
-from kvindex.workload import Request, Workload, write_messages  # noqa: E402
+from kvindex.tools.engine_sim import SimulatedCache, encode_batch
+from kvindex.tools.workload import Request, Workload, write_messages
 
 TS_START = 1_760_000_000.0
 TS_STEP = 0.001
@@ -154,7 +154,7 @@ def _sidecar(args: argparse.Namespace, totals: Totals, state: list[dict],
     return {
         "format": "kvindex-workload/1",
         "messages_file": args.out.name,
-        "framing": "kvindex.workload.write_messages",
+        "framing": "kvindex.tools.workload.write_messages",
         "params": params,
         "topics": [s["topic"] for s in state],
         "stats": stats,

@@ -70,12 +70,11 @@ def prof_match(wl: common.Workload) -> None:
 
 def prof_http(wl: common.Workload) -> None:
     """What /query and /query_by_hash do per request, minus aiohttp: parse, validate, key, match, answer."""
-    from kvindex import compat_api
-    from kvindex.approx import ApproxConfig, ApproxIndex
+    from kvindex.approx.render import go_json_loads
+    from kvindex.http import dynamo as compat_api
+    from kvindex.index.approx import ApproxConfig, ApproxIndex
+    from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
     from kvindex.query import QueryService
-    from kvindex.render import go_json_loads
-
-    from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
 
     index, _ = inproc.kvindex_ingest(wl)
     qs = QueryService(MemoryPreciseStore(index), MemoryApproxStore(ApproxIndex(ApproxConfig())), lambda m: None, 1 << 20)

@@ -12,13 +12,12 @@ subprocess the RSS figure comes from (prints one JSON line).
 
 from __future__ import annotations
 
-from array import array
-
 import argparse
 import gc
 import json
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,11 +30,11 @@ from common import BLOCK_SIZE, MODEL, QUERY_BLOCKS, Workload, latency_summary, r
 
 from adapters import DIALECTS  # noqa: E402
 from kvindex import keys as K  # noqa: E402
-from kvindex.approx import ApproxConfig, ApproxIndex  # noqa: E402
-from kvindex.engine_sim import block_hashes  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
-from kvindex.ingest import split_topic  # noqa: E402
-from kvindex.precise import PreciseIndex  # noqa: E402
+from kvindex.index.approx import ApproxConfig, ApproxIndex
+from kvindex.index.precise import PreciseIndex
+from kvindex.ingest.lane import split_topic
+from kvindex.tools.engine_sim import block_hashes
 
 
 # -- ingest -------------------------------------------------------------------------------------

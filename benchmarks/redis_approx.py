@@ -43,10 +43,10 @@ if str(ROOT) not in sys.path:
 import redis.asyncio as aioredis  # noqa: E402
 from common import RESULTS, latency_summary, machine  # noqa: E402
 
+from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.memory import MemoryApproxStore
+from kvindex.index.redis_approx import RedisApproxStore
 from tests.redis_server import RedisServer  # noqa: E402
-from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings  # noqa: E402
-from kvindex.stores.memory import MemoryApproxStore  # noqa: E402
-from kvindex.stores.redis_approx import RedisApproxStore  # noqa: E402
 
 MODEL = "bench-model"
 OPS = ("record_refresh", "record_new", "score", "depth", "score_shared")

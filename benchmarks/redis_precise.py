@@ -35,17 +35,25 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import redis.asyncio as aioredis  # noqa: E402
-from common import BLOCK_SIZE, MODEL, QUERY_BLOCKS, RESULTS, latency_summary, machine, pct  # noqa: E402
+from common import (  # noqa: E402
+    BLOCK_SIZE,
+    MODEL,
+    QUERY_BLOCKS,
+    RESULTS,
+    latency_summary,
+    machine,
+    pct,
+)
 
 from adapters import DIALECTS  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 from kvindex import keys as K  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
-from kvindex.ingest import split_topic  # noqa: E402
-from kvindex.stores.base import Outcome, StreamRef  # noqa: E402
-from kvindex.stores.memory import MemoryPreciseStore  # noqa: E402
-from kvindex.stores.redis_precise import RedisPreciseStore  # noqa: E402
-from kvindex.workload import read_messages  # noqa: E402
+from kvindex.index.memory import MemoryPreciseStore
+from kvindex.index.redis_precise import RedisPreciseStore
+from kvindex.ingest.lane import split_topic
+from kvindex.sequence import Outcome, StreamRef
+from kvindex.tools.workload import read_messages
+from tests.redis_server import RedisServer  # noqa: E402
 
 Batch = tuple[StreamRef, int, int, tuple]
 

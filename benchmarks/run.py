@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import shards  # noqa: E402
 import e2e  # noqa: E402
 import inproc  # noqa: E402
+import shards  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -36,8 +36,8 @@ import zmq.asyncio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvindex.engine_sim import SimulatedCache, encode_batch  # noqa: E402
-from kvindex.record import FakeEngine  # noqa: E402
+from kvindex.tools.engine_sim import SimulatedCache, encode_batch
+from kvindex.tools.record import FakeEngine
 
 BLOCK = 16
 MODEL = "soak"

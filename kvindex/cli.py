@@ -15,11 +15,17 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from kvindex import loops
-from kvindex.config import Config, ConfigError, config_from_toml, load_toml, with_overrides
-from kvindex.demo import add_demo_parser, demo_main
-from kvindex.stores.base import StoreUnavailable
+from kvindex.config import (
+    Config,
+    ConfigError,
+    config_from_toml,
+    load_toml,
+    with_overrides,
+)
+from kvindex.index.protocol import StoreUnavailable
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -115,6 +121,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEMO_CACHE_BLOCKS = 256  # the demo's default cache (kvindex.tools.demo.DemoOptions.cache_blocks)
+DEMO_DESCRIPTION = """Run a whole fleet in one process, nothing else to install: N simulated vLLM engine
+replicas (a block cache with vLLM's prefix-caching semantics and LRU eviction, publishing real
+vLLM KV events over ZeroMQ on loopback, with a replay endpoint), a traffic generator (tenants with
+long shared system prompts, multi-turn chats, one-off prompts), an approximate prefix-cache router
+(Kthena-style score from its own decisions, minus a load penalty) that sends each request and
+reports the decision and the engine's cached_tokens, and kvindex itself.
+
+Open the dashboard URL it prints. Every 2 s the terminal shows, per pod: blocks the engine holds
+(kvindex's precise index), entries the router believes (approximate index), stale beliefs (the
+engine evicted what the router thinks is there), unseen prefixes, and the hit rate the router
+predicted (approx), kvindex predicted (precise) and the engine actually reported. The caches are
+small on purpose so that engines evict and the router's beliefs drift. Ctrl-C stops cleanly."""
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+    return parse
+
+
+def add_demo_parser(sub: Any) -> None:
+    """Register ``kvindex demo`` on the CLI's subparsers."""
+    d = sub.add_parser("demo", help="everything simulated in one process: engines, traffic, router, kvindex, dashboard",
+                       description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--replicas", type=_positive(int), default=3, help="simulated engine replicas (default 3)")
+    d.add_argument("--tenants", type=_positive(int), default=8, help="tenants, each with its own long system prompt (default 8)")
+    d.add_argument("--cache-blocks", type=_positive(int), default=DEMO_CACHE_BLOCKS,
+                   help=f"KV-cache blocks per engine, 16 tokens each (default {DEMO_CACHE_BLOCKS}: small, so engines evict)")
+    d.add_argument("--rate", type=_positive(float), default=10.0, help="requests per second (default 10)")
+    d.add_argument("--duration", type=_positive(float), help="stop after this many seconds and print a final summary "
+                   "(default: run until Ctrl-C)")
+    d.add_argument("--host", default="127.0.0.1", help="kvindex HTTP bind address (default 127.0.0.1)")
+    d.add_argument("--port", type=int, default=8080, help="kvindex HTTP port (default 8080; 0 picks a free one)")
+    d.add_argument("--seed", type=int, default=0, help="traffic seed (default 0): the same seed sends the same requests")
+    d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
+    d.add_argument("--store", default="memory://", metavar="URL", help="where kvindex keeps its indexes: memory:// "
+                   "(default) or a Redis URL (redis://host:port/db), as for kvindex serve")
+
+
 def load_config(args: argparse.Namespace) -> Config:
     base = config_from_toml(load_toml(args.config)) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
@@ -136,8 +188,8 @@ def read_token(path: Path | None) -> str | None:
 
 async def serve(config: Config, token: str | None) -> int:
     from kvindex.daemon import Daemon
-    from kvindex.shards import ShardFailed
-    from kvindex.stores import describe
+    from kvindex.index.factory import describe
+    from kvindex.shard.supervisor import ShardFailed
 
     daemon = Daemon(config, token=token)
     try:
@@ -166,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        os.environ[loops.ENV] = args.event_loop  # ingest workers (kvindex.worker) run on the same loop
+        os.environ[loops.ENV] = args.event_loop  # ingest workers (kvindex.shard.worker) run on the same loop
         return loops.run(dispatch(args), args.event_loop)
     except ConfigError as exc:
         print(f"kvindex: {exc}", file=sys.stderr)
@@ -182,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def dispatch(args: argparse.Namespace) -> int:
-    from kvindex import record
+    from kvindex.tools import record
 
     if args.command == "serve":
         return await serve(load_config(args), read_token(args.token_file))
@@ -194,6 +246,8 @@ async def dispatch(args: argparse.Namespace) -> int:
                                         replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
                                         linger_seconds=args.linger)
     if args.command == "demo":
+        from kvindex.tools.demo import demo_main
+
         return await demo_main(args)
     raise AssertionError(args.command)
 

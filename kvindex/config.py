@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvindex.approx import ApproxConfig, ApproxSettings
 from kvindex.drift import DriftSettings
-from kvindex.stores import MEMORY, check_store_url, describe, is_memory
-from kvindex.wal import FSYNC_POLICIES
+from kvindex.index.approx import ApproxConfig, ApproxSettings
+from kvindex.index.factory import MEMORY, check_store_url, describe, is_memory
+from kvindex.persist.wal import FSYNC_POLICIES
 
 MAX_WORKERS = 64
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
@@ -95,7 +95,7 @@ class Config:
     peer: str | None = None  # base URL of a running kvindex whose state is loaded before serving
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
-    workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shards)
+    workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
 
     def __post_init__(self) -> None:
         try:

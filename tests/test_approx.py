@@ -1,4 +1,4 @@
-"""Tests for kvindex.render and kvindex.approx: every case of the approximate-index vectors
+"""Tests for kvindex.approx.render and kvindex.index.approx: every case of the approximate-index vectors
 (fixtures/vectors/approx-vectors.json, computed independently of kvindex), plus the rendering,
 defaulting, LRU, scoring and pod-removal rules of reference/approx-index.md."""
 
@@ -15,21 +15,21 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.approx import (
-    GIE_V1_5,
-    ApproxConfig,
-    ApproxIndex,
-    ApproxSettings,
-    gie_hashes,
-    kthena_hashes,
-)
-from kvindex.render import (
+from kvindex.approx.render import (
     RenderError,
     go_float,
     go_json_loads,
     go_marshal,
     render_gie,
     render_kthena,
+)
+from kvindex.index.approx import (
+    GIE_V1_5,
+    ApproxConfig,
+    ApproxIndex,
+    ApproxSettings,
+    gie_hashes,
+    kthena_hashes,
 )
 
 VECTORS_PATH = Path(__file__).parent.parent / "fixtures" / "vectors" / "approx-vectors.json"

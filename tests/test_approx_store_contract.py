@@ -23,12 +23,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from tests.redis_server import RedisServer
 
-from kvindex.approx import GIE_V1_5, ApproxConfig, ApproxIndex, ApproxSettings
-from kvindex.stores.base import StoreLost, StoreUnavailable
-from kvindex.stores.memory import MemoryApproxStore
-from kvindex.stores.redis_approx import RedisApproxStore
+from kvindex.index.approx import GIE_V1_5, ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.memory import MemoryApproxStore
+from kvindex.index.protocol import StoreLost, StoreUnavailable
+from kvindex.index.redis_approx import RedisApproxStore
+from tests.redis_server import RedisServer
 
 VECTORS = json.loads((Path(__file__).parent.parent / "fixtures" / "vectors" / "approx-vectors.json")
                      .read_text(encoding="utf-8"))

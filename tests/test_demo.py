@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from kvindex.demo import DemoOptions, Router, run_demo
+from kvindex.tools.demo import DemoOptions, Router, run_demo
 from tests.conftest import ROOT
 
 

@@ -10,8 +10,13 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvindex.engine_sim import SimulatedCache, block_hashes, encode_batch, to_array_event
-from kvindex.workload import (
+from kvindex.tools.engine_sim import (
+    SimulatedCache,
+    block_hashes,
+    encode_batch,
+    to_array_event,
+)
+from kvindex.tools.workload import (
     Request,
     Workload,
     read_messages,

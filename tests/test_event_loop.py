@@ -10,12 +10,13 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from kvindex import state as snapshots
-from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings
 from kvindex.config import Config
 from kvindex.drift import Decision, DriftAudit, DriftSettings
-from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
-from kvindex.precise import Entry, PreciseIndex
+from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
+from kvindex.index.precise import PreciseIndex
+from kvindex.index.protocol import Entry
+from kvindex.persist import snapshot as snapshots
 
 
 class Ticker:

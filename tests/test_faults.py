@@ -17,12 +17,25 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvindex import state as snapshots
 from kvindex.config import Config, EngineConfig
-from kvindex.record import FakeEngine
+from kvindex.persist import snapshot as snapshots
+from kvindex.tools.record import FakeEngine
 from tests.conftest import engine_config, ipc_endpoint
-from tests.faultkit import (cpu_seconds, dump, free_port, http, open_fds, pods, replay, rss_kib, serve, stop,
-                            stream, wait_until, write_capture)
+from tests.faultkit import (
+    cpu_seconds,
+    dump,
+    free_port,
+    http,
+    open_fds,
+    pods,
+    replay,
+    rss_kib,
+    serve,
+    stop,
+    stream,
+    wait_until,
+    write_capture,
+)
 
 MSGS = [{"role": "system", "content": "you are a fault injector " * 4}]
 

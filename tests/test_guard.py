@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvindex.approx import ApproxConfig
-from kvindex.guard import Guarded, StoreGuard
+from kvindex.index.approx import ApproxConfig
+from kvindex.index.factory import build_stores
+from kvindex.index.guarded import Guarded, StoreGuard
+from kvindex.index.protocol import StoreUnavailable
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
-from kvindex.stores import build_stores
-from kvindex.stores.base import StoreUnavailable
 from tests.redis_server import RedisServer
 
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from kvindex import keys as K
 from kvindex import native
-from kvindex.http_api import decode_json
-from kvindex.render import RenderError, go_json_loads
+from kvindex.approx.render import RenderError, go_json_loads
+from kvindex.http.app import decode_json
 from tests.conftest import need_native
 
 _keys = native.load("kvindex._keys")
@@ -154,7 +154,7 @@ _walk_c = native.load("kvindex._walk")
 @pytest.mark.parametrize("slots", [1, 8, 64, 65, 200])
 def test_native_walk_equals_python(slots: int) -> None:
     require(_walk_c, "_walk")
-    from kvindex.precise import _walk
+    from kvindex.index.precise import _walk
 
     rnd = random.Random(slots)
     for _ in range(300):
@@ -184,7 +184,7 @@ def test_native_keys_take_any_block_size_like_python(block_size: int) -> None:
 
 def test_index_keeps_a_huge_block_size_keyless() -> None:
     from kvindex.events import BlockStored
-    from kvindex.precise import PreciseIndex
+    from kvindex.index.precise import PreciseIndex
 
     idx = PreciseIndex()
     done = idx.apply("a", "m", 0, BlockStored((1, 2), None, array("I", range(64)), 1 << 62))

@@ -1,4 +1,4 @@
-"""kvindex._apply (the C store/remove/rehash loops) against the Python loops of kvindex.precise.
+"""kvindex._apply (the C store/remove/rehash loops) against the Python loops of kvindex.index.precise.
 
 The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``) and an
 accelerated one, and every piece of state is compared after every batch: holders per tier, _dups,
@@ -18,9 +18,10 @@ from array import array
 import pytest
 
 from kvindex import keys as K
-from kvindex import native, precise
+from kvindex import native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.precise import _MASKS_CAP, _MIX, PreciseIndex, _Table
+from kvindex.index import precise
+from kvindex.index.precise import _MASKS_CAP, _MIX, PreciseIndex, _Table
 from tests.conftest import need_native
 
 _apply = native.load("kvindex._apply")

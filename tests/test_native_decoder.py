@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from adapters.vllm import _KINDS, VllmDecoder
 from kvindex import native
-from kvindex.engine_sim import SimulatedCache, encode_batch
 from kvindex.events import DecodeError, EventBatch
-from kvindex.workload import Workload
+from kvindex.tools.engine_sim import SimulatedCache, encode_batch
+from kvindex.tools.workload import Workload
 from tests.conftest import FIXTURES, need_native
 from tests.test_decoder import A, B, C
 

@@ -12,9 +12,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvindex.record import Captured, load_capture
-from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
 from kvindex.config import Config
+from kvindex.tools.record import Captured, load_capture
+from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
 
 CAPTURES = ["small", "small_bytes_hashes", "reset_restart", "two_engines"]
 

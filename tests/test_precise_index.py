@@ -8,7 +8,8 @@ import pytest
 
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.precise import Entry, PreciseIndex, entries_of
+from kvindex.index.precise import PreciseIndex, entries_of
+from kvindex.index.protocol import Entry
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks of 4
@@ -165,11 +166,11 @@ def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: PreciseIndex
     assert idx.pods() == [] and idx._slots == [None, None]
 
 
-# -- the packed layout (kvindex.precise._Table, interned masks, the members cache) --------------
+# -- the packed layout (kvindex.index.precise._Table, interned masks, the members cache) --------------
 def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_array() -> None:
     import random
 
-    from kvindex.precise import ORPHAN, _Table
+    from kvindex.index.precise import ORPHAN, _Table
 
     rng = random.Random(7)
     # random, strided (i << 40, i * 256) and sequential hashes, hash 0 and the largest u64
@@ -203,7 +204,7 @@ def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_a
 
 
 def test_table_last_slot_taken_extends_the_array() -> None:
-    from kvindex.precise import _MIX, _PAD, _Table
+    from kvindex.index.precise import _MIX, _PAD, _Table
 
     t = _Table(7)
     n, slots = t.size, len(t.tab) // 2
@@ -290,7 +291,7 @@ def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: PreciseIn
 
 
 def test_interned_masks_cache_overflow_changes_nothing(idx: PreciseIndex, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvindex.precise as P
+    import kvindex.index.precise as P
 
     monkeypatch.setattr(P, "_MASKS_CAP", 3)
     monkeypatch.setattr(P, "_MEMBERS_CAP", 2)
@@ -321,7 +322,7 @@ def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index
 def test_table_spreads_sequential_and_strided_hashes() -> None:
     """Structured engine hashes (numbered blocks, runs per prompt) must not pile into long probe
     runs: a deterministic bound on displacement, not a timing."""
-    from kvindex.precise import _MIX, _Table
+    from kvindex.index.precise import _MIX, _Table
 
     patterns = {
         "sequential": [(1 << 63) + i for i in range(20_000)],
@@ -353,7 +354,7 @@ def test_prompt_keys_equal_the_chain_of_local_hashes() -> None:
 
 def test_hashes_and_keys_outside_u64_are_held_like_before() -> None:
     """Events should carry u64 hashes, but any int was accepted (and a snapshot may hold any)."""
-    from kvindex.precise import Entry
+    from kvindex.index.protocol import Entry
 
     idx = PreciseIndex()
     idx.set_block_size("m", BS)

@@ -1,4 +1,4 @@
-"""Tests for kvindex.record: capture format, FakeEngine (real pyzmq), Recorder, CLI bodies."""
+"""Tests for kvindex.tools.record: capture format, FakeEngine (real pyzmq), Recorder, CLI bodies."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import zmq
 import zmq.asyncio
 
 from kvindex.events import Frame
-from kvindex.record import (
+from kvindex.tools.record import (
     END_SEQ,
-    CaptureWriter,
     Captured,
+    CaptureWriter,
     FakeEngine,
     Recorder,
     captured_frame,

@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry
 from adapters import DIALECTS
 from kvindex.config import EngineConfig
 from kvindex.events import Frame
-from kvindex.ingest import EngineLane, LaneSettings
+from kvindex.index.memory import MemoryPreciseStore
+from kvindex.ingest.lane import EngineLane, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
-from kvindex.record import load_capture
-from kvindex.stores.base import Position
-from kvindex.stores.memory import MemoryPreciseStore
+from kvindex.sequence import Position
+from kvindex.tools.record import load_capture
 from tests.conftest import FIXTURES, independent_holdings, ipc_endpoint
 
 POD, TOPIC, BS = "p0", "kv@p0@m", 4

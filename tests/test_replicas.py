@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvindex.record import Captured, FakeEngine, load_capture
+from kvindex.tools.record import Captured, FakeEngine, load_capture
 from tests.conftest import FIXTURES, ROOT, ipc_endpoint
 from tests.faultkit import free_port, http, pods, serve, stop, wait_until
 from tests.redis_server import RedisServer, available

@@ -10,12 +10,19 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvindex import state as snapshots
-from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings
 from kvindex.config import Config
-from kvindex.precise import Entry
-from kvindex.state import State, StateError
-from kvindex.wal import WriteAheadLog, encode_record, read_from, read_segment, segment_path, segments
+from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.protocol import Entry
+from kvindex.persist import snapshot as snapshots
+from kvindex.persist.snapshot import State, StateError
+from kvindex.persist.wal import (
+    WriteAheadLog,
+    encode_record,
+    read_from,
+    read_segment,
+    segment_path,
+    segments,
+)
 from tests.conftest import engine_config, ipc_endpoint, wait_for
 from tests.faultkit import stream
 
@@ -108,7 +115,7 @@ def test_wal_torn_tail_is_ignored(tmp_path: Path, caplog: Any) -> None:
     wal2.append(["x", "p"])
     wal2.close()
     assert segments(tmp_path) == [1, 2]
-    with caplog.at_level(logging.WARNING, "kvindex.wal"):
+    with caplog.at_level(logging.WARNING, "kvindex.persist.wal"):
         assert [r[0] for r in read_from(tmp_path, 0)] == ["d"] * 5 + ["x"]
     assert "CRC" in caplog.text and "skipped" in caplog.text
 

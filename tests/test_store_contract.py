@@ -20,11 +20,12 @@ import redis.asyncio as aioredis
 from adapters import DIALECTS
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.memory import MemoryPreciseStore
+from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
+from kvindex.index.redis_precise import RedisPreciseStore
 from kvindex.query import cacheable_tokens
-from kvindex.record import load_capture
-from kvindex.stores.base import Outcome, Position, PreciseStore, StoreLost, StoreUnavailable, StreamRef
-from kvindex.stores.memory import MemoryPreciseStore
-from kvindex.stores.redis_precise import RedisPreciseStore
+from kvindex.sequence import Outcome, Position, StreamRef
+from kvindex.tools.record import load_capture
 from tests.conftest import FIXTURES
 from tests.redis_server import RedisServer
 from tests.test_precise_fixtures import meta, predictable, requests_in_order
@@ -612,8 +613,8 @@ class ChainFleet:
 
 def view_from(mem: MemoryPreciseStore, pod: str, rank: int, model: str, hashes: list[int]) -> Any:
     """What the read script returns for a batch, taken from the memory backend's worker."""
-    from kvindex.precise import ORPHAN, entries_of
-    from kvindex.stores.redis_precise import _WorkerView
+    from kvindex.index.precise import ORPHAN, entries_of
+    from kvindex.index.redis_precise import _WorkerView
     copy = [c for c in mem.index.frozen_copy() if c[:2] == (pod, rank)]
     held = [e for e in entries_of(copy)]
     wanted = set(hashes)
@@ -631,7 +632,7 @@ def plan_summary(plan: Any) -> tuple[Any, ...]:
 async def test_the_fast_plan_equals_the_overlay_replay(seed: int) -> None:
     """Every batch the fast path plans (common vLLM traffic, and the random fleet's odd cases) gets
     the very plan the PreciseIndex overlay replay computes; the others fall back to it."""
-    from kvindex.stores.redis_precise import _hashes_of, plan_fast, plan_replayed
+    from kvindex.index.redis_precise import _hashes_of, plan_fast, plan_replayed
     workers, odd_workers = [("a", 0), ("a", 1), ("b", 0)], [("c", 0), ("c", 1)]
     chains, odd = ChainFleet(seed, workers), RandomFleet(seed)
     mem = MemoryPreciseStore()

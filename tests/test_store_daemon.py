@@ -14,9 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.config import Config
-from kvindex.record import Captured, load_capture
+from kvindex.tools.record import Captured, load_capture
+from tests.conftest import (
+    FIXTURES,
+    ROOT,
+    engine_config,
+    independent_holdings,
+    ipc_endpoint,
+    wait_for,
+)
 from tests.redis_server import RedisServer
-from tests.conftest import FIXTURES, ROOT, engine_config, independent_holdings, ipc_endpoint, wait_for
 from tests.test_precise_fixtures import predictable, requests_in_order
 
 POD = "127.0.0.1:8000"

@@ -14,9 +14,14 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvindex.config import Config, ConfigError
-from kvindex.engine_sim import SimulatedCache, encode_batch
 from kvindex.events import Frame
-from kvindex.transport import MAX_MESSAGE_BYTES, ReplayError, Subscriber, fetch_replay
+from kvindex.ingest.transport import (
+    MAX_MESSAGE_BYTES,
+    ReplayError,
+    Subscriber,
+    fetch_replay,
+)
+from kvindex.tools.engine_sim import SimulatedCache, encode_batch
 from tests.conftest import engine_config, ipc_endpoint, wait_for
 
 TOPIC = b"kv@sim-0@m"

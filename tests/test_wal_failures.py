@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 
 from kvindex.config import Config
-from kvindex.wal import WriteAheadLog, encode_record, read_from, read_segment, segment_path, segments
+from kvindex.persist.wal import (
+    WriteAheadLog,
+    encode_record,
+    read_from,
+    read_segment,
+    segment_path,
+    segments,
+)
 from tests.conftest import engine_config, ipc_endpoint
 from tests.faultkit import KVINDEX, free_port, http, stop, stream, wait_http
 
@@ -123,7 +130,7 @@ async def test_full_device_abandons_segment_and_snapshot_clears_degraded(
 
 
 def test_oversized_record_is_refused_not_written(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("kvindex.wal.MAX_RECORD", 1024)
+    monkeypatch.setattr("kvindex.persist.wal.MAX_RECORD", 1024)
     wal = WriteAheadLog(tmp_path, fsync="never")
     assert wal.append(["d", "p", "m", [1]])
     assert not wal.append(["b", "k", "t", 1, b"x" * 4096])
@@ -165,7 +172,7 @@ def test_damage_mid_segment_skips_only_the_damage(tmp_path: Path, where: str, ca
         _flip(path, bad + 5)
     else:  # a sector's worth of bytes gone from the middle of record 4
         path.write_bytes(data[:bad + 6] + data[bad + 11:])
-    with caplog.at_level(logging.WARNING, "kvindex.wal"):
+    with caplog.at_level(logging.WARNING, "kvindex.persist.wal"):
         records = list(read_from(tmp_path, 0))
     assert [r[3][0] for r in records] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert "skipped" in caplog.text and "resynchronised at byte" in caplog.text

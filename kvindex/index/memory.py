@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvindex.approx import ApproxConfig, ApproxIndex
 from kvindex.events import KVEvent
-from kvindex.precise import Entry, PodMatch, PreciseIndex
-from kvindex.stores.base import ApplyResult, Outcome, Position, StreamRef, judge, next_position
+from kvindex.index.approx import ApproxConfig, ApproxIndex
+from kvindex.index.precise import PreciseIndex
+from kvindex.index.protocol import ApplyResult, Entry, PodMatch
+from kvindex.sequence import Outcome, Position, StreamRef, judge, next_position
 
 
 class MemoryPreciseStore:

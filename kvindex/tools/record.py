@@ -47,7 +47,7 @@ import zmq.asyncio
 
 from kvindex.events import Frame
 
-log = logging.getLogger("kvindex.record")
+log = logging.getLogger("kvindex.tools.record")
 
 END_SEQ = b"\xff" * 8
 """The seq frame of a replay end marker: (-1) as 8 signed big-endian bytes."""

@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvindex.index.factory import Stores, describe
+from kvindex.index.protocol import StoreLost, StoreUnavailable
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
-from kvindex.stores import Stores, describe
-from kvindex.stores.base import StoreLost, StoreUnavailable
 
 log = logging.getLogger("kvindex.store")
 

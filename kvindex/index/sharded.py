@@ -1,6 +1,6 @@
 """The precise store of a sharded daemon (``--workers N``): the read side, fanned out to workers.
 
-Each worker process (``kvindex.worker``) owns some engines' lanes and a memory precise index of
+Each worker process (``kvindex.shard.worker``) owns some engines' lanes and a memory precise index of
 the pods they feed. The parent talks to each over one ZeroMQ DEALER socket (``ShardChannel``,
 ipc://, request ids, msgpack frames) and ``ShardedPreciseStore`` implements the ``PreciseStore``
 read side over them.
@@ -34,9 +34,9 @@ import zmq
 import zmq.asyncio
 
 from kvindex.events import KVEvent
-from kvindex.precise import Entry, PodMatch
-from kvindex.stores.base import ApplyResult, Position, StoreUnavailable, StreamRef
-from kvindex.worker import pack_keys
+from kvindex.index.protocol import ApplyResult, Entry, PodMatch, StoreUnavailable
+from kvindex.sequence import Position, StreamRef
+from kvindex.shard.worker import pack_keys
 
 REQUEST_TIMEOUT = 5.0  # seconds a worker may take to answer one request
 

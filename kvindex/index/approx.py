@@ -41,7 +41,7 @@ from typing import Any, Generic, TypeVar
 
 import xxhash
 
-from kvindex.render import go_utf8, render_gie, render_kthena
+from kvindex.approx.render import go_utf8, render_gie, render_kthena
 
 KTHENA = "kthena"
 GIE_V1_5 = "gie-v1.5"

@@ -27,7 +27,15 @@ import msgspec
 from aiohttp import web
 
 from kvindex.config import ConfigError, EngineConfig
-from kvindex.http_api import ApiError, get_str, json_response, read_body, reply, require_token, services
+from kvindex.http.app import (
+    ApiError,
+    get_str,
+    json_response,
+    read_body,
+    reply,
+    require_token,
+    services,
+)
 from kvindex.query import PreciseAnswer
 
 DEFAULT_GROUP = "default"

@@ -51,11 +51,11 @@ import zmq.asyncio
 from kvindex.config import Config, EngineConfig
 from kvindex.daemon import Daemon
 from kvindex.drift import DriftSettings
-from kvindex.engine_sim import Admission, SimulatedCache, encode_batch
-from kvindex.record import FakeEngine
-from kvindex.workload import Request, Workload
+from kvindex.tools.engine_sim import Admission, SimulatedCache, encode_batch
+from kvindex.tools.record import FakeEngine
+from kvindex.tools.workload import Request, Workload
 
-log = logging.getLogger("kvindex.demo")
+log = logging.getLogger("kvindex.tools.demo")
 
 BLOCK_SIZE = 16
 LOAD_WEIGHT = 0.5
@@ -383,51 +383,6 @@ async def run_demo(opts: DemoOptions, stop: asyncio.Event | None = None,
 
 
 # -- command line ----------------------------------------------------------------------------
-DESCRIPTION = """Run a whole fleet in one process, nothing else to install: N simulated vLLM engine
-replicas (a block cache with vLLM's prefix-caching semantics and LRU eviction, publishing real
-vLLM KV events over ZeroMQ on loopback, with a replay endpoint), a traffic generator (tenants with
-long shared system prompts, multi-turn chats, one-off prompts), an approximate prefix-cache router
-(Kthena-style score from its own decisions, minus a load penalty) that sends each request and
-reports the decision and the engine's cached_tokens, and kvindex itself.
-
-Open the dashboard URL it prints. Every 2 s the terminal shows, per pod: blocks the engine holds
-(kvindex's precise index), entries the router believes (approximate index), stale beliefs (the
-engine evicted what the router thinks is there), unseen prefixes, and the hit rate the router
-predicted (approx), kvindex predicted (precise) and the engine actually reported. The caches are
-small on purpose so that engines evict and the router's beliefs drift. Ctrl-C stops cleanly."""
-
-
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
-        return value
-    return parse
-
-
-def add_demo_parser(sub: Any) -> None:
-    """Register ``kvindex demo`` on the CLI's subparsers."""
-    d = sub.add_parser("demo", help="everything simulated in one process: engines, traffic, router, kvindex, dashboard",
-                       description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d.add_argument("--replicas", type=_positive(int), default=3, help="simulated engine replicas (default 3)")
-    d.add_argument("--tenants", type=_positive(int), default=8, help="tenants, each with its own long system prompt (default 8)")
-    d.add_argument("--cache-blocks", type=_positive(int), default=DEFAULT_CACHE_BLOCKS,
-                   help=f"KV-cache blocks per engine, 16 tokens each (default {DEFAULT_CACHE_BLOCKS}: small, so engines evict)")
-    d.add_argument("--rate", type=_positive(float), default=10.0, help="requests per second (default 10)")
-    d.add_argument("--duration", type=_positive(float), help="stop after this many seconds and print a final summary "
-                   "(default: run until Ctrl-C)")
-    d.add_argument("--host", default="127.0.0.1", help="kvindex HTTP bind address (default 127.0.0.1)")
-    d.add_argument("--port", type=int, default=8080, help="kvindex HTTP port (default 8080; 0 picks a free one)")
-    d.add_argument("--seed", type=int, default=0, help="traffic seed (default 0): the same seed sends the same requests")
-    d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
-    d.add_argument("--store", default="memory://", metavar="URL", help="where kvindex keeps its indexes: memory:// "
-                   "(default) or a Redis URL (redis://host:port/db), as for kvindex serve")
-
-
 async def demo_main(args: argparse.Namespace) -> int:
     """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
     opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks, rate=args.rate,

@@ -47,7 +47,7 @@ import msgpack
 
 from kvindex.logs import BurstLog
 
-log = logging.getLogger("kvindex.wal")
+log = logging.getLogger("kvindex.persist.wal")
 
 FSYNC_POLICIES = ("always", "interval", "never")
 MAX_RECORD = 256 << 20

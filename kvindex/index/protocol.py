@@ -17,22 +17,21 @@ Invariants, for every backend:
   the epoch already moved and change nothing.
 - ``StoreLost`` (a ``StoreUnavailable``) means the store lost what it held since this client
   opened it (a Redis restarted without its data): every stream must be resynchronised.
-- Semantics of the index operations are those of ``kvindex.precise.PreciseIndex`` and
-  ``kvindex.approx.ApproxIndex``; the memory backends are thin async views of those classes.
+- Semantics of the index operations are those of ``kvindex.index.precise.PreciseIndex`` and
+  ``kvindex.index.approx.ApproxIndex``; the memory backends are thin async views of those classes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from kvindex.approx import ApproxConfig
 from kvindex.events import KVEvent
-from kvindex.precise import Applied, Entry, PodMatch
+from kvindex.index.approx import ApproxConfig
+from kvindex.sequence import Outcome, Position, StreamRef
 
 
 class StoreUnavailable(RuntimeError):
@@ -43,72 +42,44 @@ class StoreLost(StoreUnavailable):
     """The store's state was lost since it was opened (e.g. Redis restarted empty)."""
 
 
-@dataclass(frozen=True, slots=True)
-class StreamRef:
-    """One engine event stream (a topic of a publisher). ``id`` is the same on every replica."""
+@dataclass(slots=True)
+class Applied:
+    """What a batch of events did (counts), filled in as it is applied."""
 
-    id: str
+    stored: int = 0  # block copies
+    removed: int = 0
+    orphans: int = 0  # stores kept without a key
+    unknown_removals: int = 0
+    block_size_mismatch: int = 0  # BlockStored events whose block size differs from the model's
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared: int = 0  # AllBlocksCleared events
+
+
+class Entry(NamedTuple):
+    """One held engine hash, as exported and loaded (snapshots, peer recovery)."""
+
     pod: str
-    model: str
-
-    @classmethod
-    def of(cls, pod: str, topic: str, model: str) -> StreamRef:
-        return cls(f"{pod}|{topic}", pod, model)
-
-
-class Position(msgspec.Struct, frozen=True):
-    """Where a stream stands in the store: last applied seq (None: nothing since the start or the
-    last restart), its epoch (one more per engine restart), and whether its history is complete.
-    (A Struct, as the events are: one is made per batch applied; a frozen dataclass costs 5x.)"""
-
-    last_seq: int | None = None
-    epoch: int = 0
-    synced: bool = True
-    reason: str | None = None  # why unsynced
+    dp_rank: int
+    medium: str
+    hash: int
+    key: int | None
+    copies: int
 
 
-class Outcome(str, Enum):
-    APPLIED = "applied"
-    DUPLICATE = "duplicate"  # seq <= last_seq in this epoch: applied already (another replica, a replay)
-    STALE = "stale"  # an older epoch: the engine restarted since; skip it
-    GAP = "gap"  # seq > last_seq + 1: not applied; recover [last_seq + 1, seq) or apply with force
-    BEHIND = "behind"  # the store is at an older epoch than the caller: it lost writes; resync the stream
+class PodMatch(NamedTuple):
+    """Longest matched prefix of one pod, in blocks. ``dp`` per rank; tiers cumulative."""
+
+    gpu: int
+    cpu: int
+    disk: int
+    dp: dict[int, int]
 
 
 class ApplyResult(msgspec.Struct, frozen=True):
     outcome: Outcome
     position: Position  # the stream's position after the call
     applied: Applied | None = None  # what the batch did, when it applied
-
-
-def judge(pos: Position | None, seq: int, epoch: int, force: str | None) -> Outcome:
-    """Whether a batch ``seq`` offered at ``epoch`` applies on top of ``pos``.
-
-    ``force`` (a reason) applies across a gap the caller could not fill; it never overrides
-    DUPLICATE, STALE or BEHIND."""
-    if pos is None:
-        return Outcome.APPLIED
-    if epoch < pos.epoch:
-        return Outcome.STALE
-    if epoch > pos.epoch:
-        return Outcome.BEHIND
-    if pos.last_seq is None:
-        return Outcome.APPLIED
-    if seq <= pos.last_seq:
-        return Outcome.DUPLICATE
-    if seq > pos.last_seq + 1 and force is None:
-        return Outcome.GAP
-    return Outcome.APPLIED
-
-
-def next_position(pos: Position | None, seq: int, epoch: int, force: str | None, cleared: bool) -> Position:
-    """The position after applying batch ``seq``: a forced gap makes the stream unsynced; a batch
-    holding AllBlocksCleared makes it synced again (its history restarts there)."""
-    if force is not None:
-        return Position(seq, epoch, False, force)
-    if cleared or pos is None:
-        return Position(seq, epoch, True, None)
-    return Position(seq, epoch, pos.synced, pos.reason)
 
 
 class PreciseStore(Protocol):

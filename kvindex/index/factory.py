@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from kvindex.approx import ApproxConfig, ApproxIndex
-from kvindex.stores.base import ApproxStore, PreciseStore
-from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
+from kvindex.index.approx import ApproxConfig, ApproxIndex
+from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
+from kvindex.index.protocol import ApproxStore, PreciseStore
 
 MEMORY = "memory://"
 SCHEMES = ("memory", "redis", "rediss", "unix")
@@ -99,8 +99,8 @@ def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str]
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from kvindex.stores.redis_approx import RedisApproxStore
-    from kvindex.stores.redis_precise import RedisPreciseStore
+    from kvindex.index.redis_approx import RedisApproxStore
+    from kvindex.index.redis_precise import RedisPreciseStore
 
     client = Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
                             retry=Retry(NoBackoff(), 0))  # the stores retry what is safe to retry

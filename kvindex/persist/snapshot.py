@@ -30,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from kvindex.precise import Entry
+from kvindex.index.protocol import Entry
 
 FORMAT = "kvindex-state"
 VERSION = 1

@@ -26,15 +26,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex import native
+from kvindex.approx.render import RenderError, go_json_loads
 from kvindex.config import Config
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
-from kvindex.ingest import Fleet
+from kvindex.index.protocol import StoreUnavailable
+from kvindex.ingest.lane import Fleet
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
 from kvindex.query import PodAnswer, QueryError, QueryService
-from kvindex.render import RenderError, go_json_loads
-from kvindex.stores.base import StoreUnavailable
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -195,7 +195,7 @@ DASHBOARD = web.AppKey("dashboard", bytes)
 
 def load_dashboard() -> bytes:
     """The dashboard page, self-contained (inline CSS, JS and SVG; no network at all)."""
-    return resources.files("kvindex").joinpath("static/dashboard.html").read_bytes()
+    return resources.files("kvindex.http").joinpath("static/dashboard.html").read_bytes()
 
 
 async def dashboard(request: web.Request) -> web.Response:

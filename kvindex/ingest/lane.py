@@ -57,13 +57,19 @@ import zmq.asyncio
 
 from kvindex.config import EngineConfig
 from kvindex.events import DecodeError, Decoder, EventBatch, Frame
+from kvindex.index.protocol import Applied, ApplyResult, PreciseStore, StoreUnavailable
+from kvindex.ingest.transport import (
+    Malformed,
+    ReplayError,
+    ReplayResult,
+    Subscriber,
+    fetch_replay,
+)
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
-from kvindex.precise import Applied
-from kvindex.stores.base import ApplyResult, Outcome, Position, PreciseStore, StoreUnavailable, StreamRef
-from kvindex.transport import Malformed, ReplayError, ReplayResult, Subscriber, fetch_replay
+from kvindex.sequence import Outcome, Position, StreamRef
 
-log = logging.getLogger("kvindex.ingest")
+log = logging.getLogger("kvindex.ingest.lane")
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
 RETRY_FIRST, RETRY_CAP = 0.05, 2.0  # seconds between attempts to reach the store (doubling)
 NOT_THIS_LIFE = "not_this_life"  # a recovery's verdict: the engine's history ends before the batch

@@ -1,6 +1,6 @@
 """The approximate index on Redis: one set of beliefs shared by every kvindex replica and router.
 
-Semantics are exactly ``kvindex.approx.ApproxIndex`` (and so ``MemoryApproxStore``): both
+Semantics are exactly ``kvindex.index.approx.ApproxIndex`` (and so ``MemoryApproxStore``): both
 personalities, Kthena's per-pod LRU of ``(hash, model)`` (deepest block first, refresh-only
 re-adds, synchronous eviction, capacity fixed at the pod's first record) and GIE v1.5.0's per-pod
 LRU of hashes (first block first, stale beliefs capped at the pod's capacity). Rendering and
@@ -61,8 +61,15 @@ import msgpack
 import redis.asyncio as aioredis
 from redis import exceptions as rx
 
-from kvindex.approx import GIE_V1_5, ApproxConfig, ApproxIndex, hash_body, render_request, score_matches
-from kvindex.stores.base import StoreLost, StoreUnavailable
+from kvindex.index.approx import (
+    GIE_V1_5,
+    ApproxConfig,
+    ApproxIndex,
+    hash_body,
+    render_request,
+    score_matches,
+)
+from kvindex.index.protocol import StoreLost, StoreUnavailable
 
 LOST_MARK = "KVI_LOST"
 

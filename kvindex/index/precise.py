@@ -47,15 +47,14 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import accumulate, compress, repeat, takewhile
 from operator import and_, neg
 from types import ModuleType
-from typing import NamedTuple
 
 from kvindex import keys as K
 from kvindex import native as _native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.protocol import Applied, Entry, PodMatch
 
 TIERS = ("gpu", "cpu", "disk")
 ORPHAN = -1
@@ -272,40 +271,6 @@ class _Worker:
                 if key is not None:
                     break
         return None if key is None or key == ORPHAN else key
-
-
-@dataclass(slots=True)
-class Applied:
-    """What a batch of events did (counts), filled in as it is applied."""
-
-    stored: int = 0  # block copies
-    removed: int = 0
-    orphans: int = 0  # stores kept without a key
-    unknown_removals: int = 0
-    block_size_mismatch: int = 0  # BlockStored events whose block size differs from the model's
-    stored_events: int = 0
-    removed_events: int = 0
-    cleared: int = 0  # AllBlocksCleared events
-
-
-class Entry(NamedTuple):
-    """One held engine hash, as exported and loaded (snapshots, peer recovery)."""
-
-    pod: str
-    dp_rank: int
-    medium: str
-    hash: int
-    key: int | None
-    copies: int
-
-
-class PodMatch(NamedTuple):
-    """Longest matched prefix of one pod, in blocks. ``dp`` per rank; tiers cumulative."""
-
-    gpu: int
-    cpu: int
-    disk: int
-    dp: dict[int, int]
 
 
 class PreciseIndex:

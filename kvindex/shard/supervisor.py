@@ -1,7 +1,7 @@
 """Sharded ingest, the parent's side (``kvindex serve --workers N``, N >= 2).
 
 The parent keeps HTTP, the approximate index, drift and decisions; N worker processes
-(``kvindex.worker``) each own a partition of the engines and run their lanes, so decoding and
+(``kvindex.shard.worker``) each own a partition of the engines and run their lanes, so decoding and
 applying — the dominant ingest cost — run in parallel. This module starts and watches the
 workers (``Shards``), stands in for the fleet (``ShardedFleet``) and the pod directory
 (``ShardedPods``) over the channels, and merges the workers' metrics (``MergedRegistry``).
@@ -46,12 +46,12 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvindex
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit
+from kvindex.index.protocol import ApproxStore, StoreUnavailable
+from kvindex.index.sharded import ShardChannel, ShardedPreciseStore
 from kvindex.pods import remove_pod
-from kvindex.stores.base import ApproxStore, StoreUnavailable
-from kvindex.stores.sharded import ShardChannel, ShardedPreciseStore
-from kvindex.worker import WorkerSettings, owner_of
+from kvindex.shard.worker import WorkerSettings, owner_of
 
-log = logging.getLogger("kvindex.shards")
+log = logging.getLogger("kvindex.shard.supervisor")
 START_SECONDS = 20.0  # a worker must answer its first ping within this (imports, socket bind)
 STOP_SECONDS = 5.0  # SIGTERM, then SIGKILL after this
 WATCH_SECONDS = 0.5
@@ -88,7 +88,7 @@ class Shards:
     async def start(self) -> None:
         for ch in self.channels:
             self.procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvindex.worker", "--channel", ch.endpoint, "--index", str(ch.index),
+                sys.executable, "-m", "kvindex.shard.worker", "--channel", ch.endpoint, "--index", str(ch.index),
                 "--settings", self.settings.to_json(), "--log-level", self._log_level, env=_same_code_env()))
             ch.start()
         pids = await asyncio.gather(*(self._first_answer(ch, proc) for ch, proc in zip(self.channels, self.procs)))

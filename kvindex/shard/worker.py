@@ -1,7 +1,7 @@
 """A shard worker process (``kvindex serve --workers N``, N >= 2): owns some engines' lanes.
 
-``python -m kvindex.worker --channel ipc://PATH --settings JSON`` runs one worker. It binds a
-ROUTER socket at ``--channel`` and answers the parent's requests (``kvindex.stores.sharded``):
+``python -m kvindex.shard.worker --channel ipc://PATH --settings JSON`` runs one worker. It binds a
+ROUTER socket at ``--channel`` and answers the parent's requests (``kvindex.index.sharded``):
 add or remove an engine lane, the precise index's read side (``match``, ``pods``, ...), writes
 that come from HTTP (``clear_pod``, ``resync``), the pods' views and readiness problems, and its
 own metrics as Prometheus text.
@@ -42,17 +42,17 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from adapters import DIALECTS
 from kvindex import loops
-from kvindex.approx import ApproxConfig, ApproxIndex, ApproxSettings
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit, DriftSettings
-from kvindex.ingest import EngineLane, Fleet, LaneSettings
+from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
+from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
-from kvindex.stores.base import StreamRef
-from kvindex.stores.memory import MemoryApproxStore, MemoryPreciseStore
+from kvindex.sequence import StreamRef
 
-log = logging.getLogger("kvindex.worker")
+log = logging.getLogger("kvindex.shard.worker")
 PARENT_CHECK_SECONDS = 1.0
 
 
@@ -99,7 +99,7 @@ class Worker:
         self.store = MemoryPreciseStore()
         self.ctx = zmq.asyncio.Context()
         self.ctx.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
-        self._burst = BurstLog(logging.getLogger("kvindex.ingest"))
+        self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet = Fleet(self._make_lane)
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
         self.pods = PodDirectory(self.fleet, self.store, approx, DriftAudit(self.store, approx, DriftSettings()))
@@ -237,7 +237,7 @@ async def run(channel: str, settings: WorkerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvindex.worker", description="a kvindex shard worker (internal: "
+    p = argparse.ArgumentParser(prog="python -m kvindex.shard.worker", description="a kvindex shard worker (internal: "
                                 "started by kvindex serve --workers N)")
     p.add_argument("--channel", required=True, help="ipc:// endpoint to bind the ROUTER socket at")
     p.add_argument("--settings", default="{}", help="WorkerSettings as JSON")

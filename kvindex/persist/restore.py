@@ -33,18 +33,18 @@ from typing import Any
 
 import aiohttp
 
-from kvindex import compat_api
-from kvindex import state as snapshots
-from kvindex.approx import ApproxIndex
 from kvindex.config import Config, EngineConfig
-from kvindex.ingest import EngineLane, Fleet
+from kvindex.http import dynamo as compat_api
+from kvindex.index.approx import ApproxIndex
+from kvindex.index.precise import PreciseIndex, entries_of
+from kvindex.ingest.lane import EngineLane, Fleet
 from kvindex.logs import BurstLog
+from kvindex.persist import snapshot as snapshots
+from kvindex.persist.snapshot import State, StateError
+from kvindex.persist.wal import WriteAheadLog, fsync_and_close, read_from
 from kvindex.pods import PodDirectory
-from kvindex.precise import PreciseIndex, entries_of
-from kvindex.state import State, StateError
-from kvindex.wal import WriteAheadLog, fsync_and_close, read_from
 
-log = logging.getLogger("kvindex.recovery")
+log = logging.getLogger("kvindex.persist.restore")
 _NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
 _REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be used
 
@@ -62,7 +62,7 @@ class Recovery:
         self._make_lane = make_lane
         self._token = token
         self._on_wal_error = on_wal_error  # called per write-ahead log failure (the daemon counts them)
-        self._wal_burst = BurstLog(logging.getLogger("kvindex.wal"))
+        self._wal_burst = BurstLog(logging.getLogger("kvindex.persist.wal"))
         self._snapshot_lock = asyncio.Lock()
         self.wal: WriteAheadLog | None = None
         self._restored_streams: dict[str, list[dict[str, Any]]] = {}

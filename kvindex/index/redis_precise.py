@@ -1,6 +1,6 @@
 """The precise index on Redis: one store shared by every kvindex replica.
 
-Semantics are ``kvindex.precise.PreciseIndex``'s, reproduced exactly: a batch is replayed
+Semantics are ``kvindex.index.precise.PreciseIndex``'s, reproduced exactly: a batch is replayed
 client-side on a small *overlay* (a ``PreciseIndex`` holding only the worker's entries the batch
 can see), so keys, orphans, copies and media follow the very same code; the store receives the
 resulting differences and applies them in one server-side script. The common batch (GPU stores
@@ -67,8 +67,16 @@ import redis.exceptions as rex
 
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.precise import ORPHAN, Applied, Entry, PodMatch, WorkerReplay, tier_of
-from kvindex.stores.base import ApplyResult, Outcome, Position, StoreLost, StoreUnavailable, StreamRef, judge
+from kvindex.index.precise import ORPHAN, WorkerReplay, tier_of
+from kvindex.index.protocol import (
+    Applied,
+    ApplyResult,
+    Entry,
+    PodMatch,
+    StoreLost,
+    StoreUnavailable,
+)
+from kvindex.sequence import Outcome, Position, StreamRef, judge
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
