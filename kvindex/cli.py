@@ -26,6 +26,7 @@ from kvindex.config import (
     with_overrides,
 )
 from kvindex.index.protocol import StoreUnavailable
+from kvindex.storeurl import describe
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -188,7 +189,6 @@ def read_token(path: Path | None) -> str | None:
 
 async def serve(config: Config, token: str | None) -> int:
     from kvindex.daemon import Daemon
-    from kvindex.index.factory import describe
     from kvindex.shard.supervisor import ShardFailed
 
     daemon = Daemon(config, token=token)

@@ -16,10 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvindex.drift import DriftSettings
-from kvindex.index.approx import ApproxConfig, ApproxSettings
-from kvindex.index.factory import MEMORY, check_store_url, describe, is_memory
-from kvindex.persist.wal import FSYNC_POLICIES
+from kvindex.settings import FSYNC_POLICIES, ApproxConfig, ApproxSettings, DriftSettings
+from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
 
 MAX_WORKERS = 64
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
