@@ -275,7 +275,8 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
             raise ConfigError(f"[approx]: {exc}") from None
         state = f.state.given()
         if "dir" in state:
-            state["state_dir"] = Path(state["dir"]) if state.pop("dir") else None
+            state_dir = state.pop("dir")
+            state["state_dir"] = Path(state_dir) if state_dir else None
         return Config(**f.server.given(), **state, engines=unique_endpoints(tuple(f.engines)), models=f.models,
                       approx=approx, drift=_checked_drift(f.drift))
     except (ConfigError, strict.Refused) as exc:

@@ -81,9 +81,16 @@ def check(value: Any, t: mi.Type, path: Path = (), label: str | None = None) -> 
 
 
 def closest(name: str, known: Iterable[str]) -> str | None:
-    """The known name closest to ``name`` (case, ``_`` and ``-`` ignored), if any is close."""
+    """The known name closest to ``name`` (case, ``_`` and ``-`` ignored), if any is close: the one
+    known name that starts it or that it starts (``directory``: ``dir``; ``replay_endpoint``:
+    ``replay``), else the best difflib match."""
     by_norm = {_norm(k): k for k in known}
-    hit = difflib.get_close_matches(_norm(name), list(by_norm), n=1, cutoff=0.6)
+    norm = _norm(name)
+    prefixes = [k for n, k in by_norm.items()
+                if min(len(n), len(norm)) >= 3 and (n.startswith(norm) or norm.startswith(n))]
+    if len(prefixes) == 1:
+        return prefixes[0]
+    hit = difflib.get_close_matches(norm, list(by_norm), n=1, cutoff=0.6)
     return by_norm[hit[0]] if hit else None
 
 
@@ -108,7 +115,8 @@ def _unknown(path: Path, label: str | None, key: str, item: Any, known: dict[str
     if _is_table(item) and not in_array and label is None:
         what = f"unknown table {_table_name((*path, key), item)}"
     else:
-        what = f"unknown key {key} " + ("at the top level" if not path and label is None else f"in {where(path, label)}")
+        place = "at the top level" if not path and label is None else f"in {where(path, label)}"
+        what = f"unknown key {key} {place}"
     hit = closest(key, known)
     if hit is not None:
         as_table = (_table_type(known[hit]) is not None or _is_list_of_tables(known[hit])) and not in_array
