@@ -242,6 +242,8 @@ def parse_engine_spec(spec: str) -> EngineConfig:
         key, sep, value = part.partition("=")
         if not sep:
             raise ConfigError(f"--engine {spec}: part {part!r} is not key=value")
+        if key.strip() in table:
+            raise ConfigError(f"--engine {spec}: {key.strip()} is given twice")
         table[key.strip()] = value.strip()
     if str(table.get("bind")).lower() in ("yes", "no"):  # accepted as ever, besides true/false and 1/0
         table["bind"] = str(table["bind"]).lower() == "yes"

@@ -157,6 +157,8 @@ def test_engine_spec_keys_are_checked_like_the_file() -> None:
         parse_engine_spec("endpoint=tcp://h:1,blocksize=16")
     with pytest.raises(ConfigError, match="block_size must be an integer, got 'x'"):
         parse_engine_spec("endpoint=tcp://h:1,block_size=x")
+    with pytest.raises(ConfigError, match="pod is given twice"):
+        parse_engine_spec("endpoint=tcp://h:1,pod=a,pod=b")
     for word, value in (("true", True), ("yes", True), ("1", True), ("false", False), ("no", False), ("0", False)):
         assert parse_engine_spec(f"endpoint=tcp://h:1,bind={word}").bind is value
 
