@@ -72,9 +72,10 @@ def prof_http(wl: common.Workload) -> None:
     """What /query and /query_by_hash do per request, minus aiohttp: parse, validate, key, match, answer."""
     from kvindex.approx.render import go_json_loads
     from kvindex.http import dynamo as compat_api
-    from kvindex.index.approx import ApproxConfig, ApproxIndex
+    from kvindex.index.approx import ApproxIndex
     from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
     from kvindex.query import QueryService
+    from kvindex.settings import ApproxConfig
 
     index, _ = inproc.kvindex_ingest(wl)
     qs = QueryService(MemoryPreciseStore(index), MemoryApproxStore(ApproxIndex(ApproxConfig())), lambda m: None, 1 << 20)

@@ -43,9 +43,10 @@ if str(ROOT) not in sys.path:
 import redis.asyncio as aioredis  # noqa: E402
 from common import RESULTS, latency_summary, machine  # noqa: E402
 
-from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore
 from kvindex.index.redis_approx import RedisApproxStore
+from kvindex.settings import ApproxConfig, ApproxSettings
 from tests.redis_server import RedisServer  # noqa: E402
 
 MODEL = "bench-model"

@@ -1,8 +1,9 @@
 """Command line: ``kvindex serve | record | replay | demo``.
 
-Invariants: arguments become frozen config objects here, and bad ones end the program with exit
-code 2 and a one-line message (so does a store that cannot be reached at start); SIGINT and SIGTERM stop the daemon cleanly (tasks cancelled and
-awaited, sockets closed) and exit 0.
+Invariants: arguments become frozen config objects here, before the event loop starts, and bad
+ones (an unknown TOML key or table, an engine address ZeroMQ cannot use) end the program with exit
+code 2 and a one-line message (so does a store that cannot be reached at start); SIGINT and SIGTERM
+stop the daemon cleanly (tasks cancelled and awaited, sockets closed) and exit 0.
 """
 
 from __future__ import annotations
@@ -18,14 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from kvindex import loops
-from kvindex.config import (
-    Config,
-    ConfigError,
-    config_from_toml,
-    load_toml,
-    with_overrides,
-)
+from kvindex.config import Config, ConfigError, load_file, with_overrides
 from kvindex.index.protocol import StoreUnavailable
+from kvindex.storeurl import describe
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -73,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "/query, /register, ...).")
     s.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1: a sidecar)")
     s.add_argument("--port", type=int, default=None, help="HTTP port (default 8080; 0 picks a free one)")
-    s.add_argument("--config", type=Path, help="TOML file: [server], [[engines]], [models.\"<name>\"], [approx], [drift]")
+    s.add_argument("--config", type=Path, help="TOML file: [server], [[engines]], [models.\"<name>\"], [approx], [drift], "
+                   "[state]; an unknown key or table is an error (exit 2)")
     s.add_argument("--engine", action="append", default=[], metavar="SPEC", help=ENGINE_HELP)
     s.add_argument("--token-file", type=Path, help="bearer token required by mutating endpoints and GET /v1/state "
                    "(also $KVINDEX_TOKEN)")
@@ -168,7 +165,7 @@ def add_demo_parser(sub: Any) -> None:
 
 
 def load_config(args: argparse.Namespace) -> Config:
-    base = config_from_toml(load_toml(args.config)) if args.config else Config()
+    base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers)
@@ -188,7 +185,6 @@ def read_token(path: Path | None) -> str | None:
 
 async def serve(config: Config, token: str | None) -> int:
     from kvindex.daemon import Daemon
-    from kvindex.index.factory import describe
     from kvindex.shard.supervisor import ShardFailed
 
     daemon = Daemon(config, token=token)
@@ -218,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "serve":  # refused before anything starts (event loop, sockets, workers)
+            args.config_values, args.token = load_config(args), read_token(args.token_file)
         os.environ[loops.ENV] = args.event_loop  # ingest workers (kvindex.shard.worker) run on the same loop
         return loops.run(dispatch(args), args.event_loop)
     except ConfigError as exc:
@@ -237,7 +235,7 @@ async def dispatch(args: argparse.Namespace) -> int:
     from kvindex.tools import record
 
     if args.command == "serve":
-        return await serve(load_config(args), read_token(args.token_file))
+        return await serve(args.config_values, args.token)
     if args.command == "record":
         return await record.record_main(args.endpoint, args.output, bind=args.bind, duration=args.duration,
                                         max_messages=args.max_messages)

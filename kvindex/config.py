@@ -1,12 +1,19 @@
-"""Configuration: frozen dataclasses built from the command line and a TOML file.
+"""Configuration: frozen values built from the command line and a TOML file, and nothing else.
 
 Invariants:
-- Everything is validated here, once; a bad value raises ``ConfigError`` naming the key.
+- Everything is validated here, once; a bad value raises ``ConfigError`` naming the key and
+  where it is (``kvindex.toml: [[engines]] #2 block_size must be an integer, got 'x'``).
+- Nothing is silently ignored: the TOML document is decoded through ``ConfigFile`` (msgspec
+  Structs and the dataclasses below, every table's keys checked by ``kvindex.strict``), so an
+  unknown or misspelled key or table is an error naming it and the closest known name.
 - Nothing downstream reads the environment or a dict of options: it gets these objects.
+- An engine endpoint (and replay endpoint) is a ZeroMQ address kvindex can use
+  (``check_zmq_endpoint``): ``http://...`` and the like are refused with the reason.
 - Engine spec syntax on the command line: ``--engine ENDPOINT`` or
   ``--engine key=value,key=value`` with the keys of an ``[[engines]]`` TOML table
   (``endpoint`` required; ``pod``, ``model``, ``replay``, ``bind``, ``dialect``, ``block_size``,
   ``dp_rank``).
+- Vocabulary: imports only the standard library, msgspec and other vocabulary modules.
 """
 
 from __future__ import annotations
@@ -16,18 +23,52 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvindex.drift import DriftSettings
-from kvindex.index.approx import ApproxConfig, ApproxSettings
-from kvindex.index.factory import MEMORY, check_store_url, describe, is_memory
-from kvindex.persist.wal import FSYNC_POLICIES
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from kvindex import strict
+from kvindex.settings import (
+    FSYNC_POLICIES,
+    ApproxConfig,
+    ApproxSettings,
+    DriftSettings,
+)
+from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
 
 MAX_WORKERS = 64
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
 TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
+# ZeroMQ transports a SUB (and the replay DEALER) socket can use; each needs libzmq built with it
+ZMQ_TRANSPORTS = {"tcp": None, "ipc": "ipc", "inproc": None, "pgm": "pgm", "epgm": "pgm", "tipc": "tipc",
+                  "norm": "norm", "vmci": "vmci", "ws": "draft", "wss": "draft"}
 
 
 class ConfigError(ValueError):
     pass
+
+
+def check_zmq_endpoint(endpoint: str, what: str) -> None:
+    """Refuse (``ConfigError``, one line) an address a ZeroMQ socket of kvindex cannot use."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or not scheme:
+        raise ConfigError(f"{what} {endpoint!r} is not a ZeroMQ address like tcp://host:5557")
+    if scheme not in ZMQ_TRANSPORTS:
+        hint = ("; kvindex subscribes to the engine's ZeroMQ KV-event publisher (vLLM: --kv-events-config "
+                "endpoint), not to its HTTP API" if scheme in ("http", "https") else "")
+        raise ConfigError(f"{what} {endpoint!r}: {scheme}:// is not a ZeroMQ transport (use tcp://host:port, "
+                          f"ipc:///path or inproc://name){hint}")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        if not colon or not host or not (port.isdigit() or port == "*"):
+            raise ConfigError(f"{what} {endpoint!r}: tcp:// needs host:port, e.g. tcp://10.0.0.5:5557")
+    elif not rest:
+        raise ConfigError(f"{what} {endpoint!r}: {scheme}:// needs an address after it")
+    capability = ZMQ_TRANSPORTS[scheme]
+    if capability is not None:
+        import zmq
+
+        if not zmq.has(capability):
+            raise ConfigError(f"{what} {endpoint!r}: this libzmq {zmq.zmq_version()} was built without {scheme}://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +85,9 @@ class EngineConfig:
     dp_rank: int | None = None  # overrides the batch's rank (one publisher per rank)
 
     def __post_init__(self) -> None:
-        if not self.endpoint or "://" not in self.endpoint:
-            raise ConfigError(f"engine endpoint {self.endpoint!r} is not a ZeroMQ address like tcp://host:5557")
+        check_zmq_endpoint(self.endpoint, "engine endpoint")
+        if self.replay:
+            check_zmq_endpoint(self.replay, "engine replay endpoint")
         if self.dialect not in DIALECT_NAMES:
             raise ConfigError(f"engine dialect {self.dialect!r}: expected one of {', '.join(DIALECT_NAMES)}")
         if self.block_size is not None and self.block_size <= 0:
@@ -133,7 +175,53 @@ class Config:
         return self.models.get(name) or self.models.get("*") or ModelConfig()
 
 
-_ENGINE_KEYS = {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank"}
+class _Table(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A TOML table whose keys are all optional: an omitted key stays UNSET and ``Config`` defaults it."""
+
+    def given(self) -> dict[str, Any]:
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not UNSET}
+
+
+class ServerTable(_Table, frozen=True):
+    host: str | UnsetType = UNSET
+    port: int | UnsetType = UNSET
+    max_message_bytes: int | UnsetType = UNSET
+    store: str | UnsetType = UNSET
+    store_buffer: int | UnsetType = UNSET
+    workers: int | UnsetType = UNSET
+
+
+class StateTable(_Table, frozen=True):
+    dir: str | UnsetType = UNSET  # "" as omitted: state in memory only
+    snapshot_seconds: float | UnsetType = UNSET
+    fsync: str | UnsetType = UNSET
+    peer: str | UnsetType = UNSET
+
+
+class ApproxModelTable(_Table, frozen=True):
+    """[approx] and [approx.models."<model>"]: Kthena's argument names (``KTHENA_KEYS``); the values
+    are taken as written and checked by ``ApproxSettings.from_toml`` (Kthena's defaulting)."""
+
+    personality: Any = UNSET
+    block_size_to_hash: Any = msgspec.field(default=UNSET, name="blockSizeToHash")
+    max_blocks_to_match: Any = msgspec.field(default=UNSET, name="maxBlocksToMatch")
+    max_hash_cache_size: Any = msgspec.field(default=UNSET, name="maxHashCacheSize")
+    top_k_matches: Any = msgspec.field(default=UNSET, name="topKMatches")
+
+
+class ApproxTable(ApproxModelTable, frozen=True):
+    models: dict[str, ApproxModelTable] = {}
+
+
+class ConfigFile(_Table, frozen=True):
+    """The whole TOML file: every table kvindex reads, and nothing else."""
+
+    server: ServerTable = ServerTable()
+    engines: list[EngineConfig] = []
+    models: dict[str, ModelConfig] = {}
+    approx: ApproxTable = ApproxTable()
+    drift: DriftSettings = msgspec.field(default_factory=DriftSettings)
+    state: StateTable = StateTable()
 
 
 def unique_endpoints(engines: tuple[EngineConfig, ...]) -> tuple[EngineConfig, ...]:
@@ -145,38 +233,24 @@ def unique_endpoints(engines: tuple[EngineConfig, ...]) -> tuple[EngineConfig, .
     return engines
 
 
-def engine_from_table(table: dict[str, Any]) -> EngineConfig:
-    unknown = set(table) - _ENGINE_KEYS
-    if unknown:
-        raise ConfigError(f"unknown engine key(s): {', '.join(sorted(unknown))}")
-    if "endpoint" not in table:
-        raise ConfigError("an engine needs an endpoint")
-    try:
-        return EngineConfig(
-            endpoint=str(table["endpoint"]),
-            pod=_opt_str(table.get("pod")),
-            model=_opt_str(table.get("model")),
-            replay=_opt_str(table.get("replay")),
-            bind=_bool(table.get("bind", False), "bind"),
-            dialect=str(table.get("dialect", "vllm")),
-            block_size=_opt_int(table.get("block_size"), "block_size"),
-            dp_rank=_opt_int(table.get("dp_rank"), "dp_rank"),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
 def parse_engine_spec(spec: str) -> EngineConfig:
     """``tcp://host:5557`` or ``endpoint=tcp://host:5557,pod=vllm-0,replay=tcp://host:5558``."""
     if "=" not in spec.split("://", 1)[0]:
-        return engine_from_table({"endpoint": spec})
+        return EngineConfig(endpoint=spec)
     table: dict[str, Any] = {}
     for part in spec.split(","):
         key, sep, value = part.partition("=")
         if not sep:
-            raise ConfigError(f"engine spec part {part!r} is not key=value")
+            raise ConfigError(f"--engine {spec}: part {part!r} is not key=value")
+        if key.strip() in table:
+            raise ConfigError(f"--engine {spec}: {key.strip()} is given twice")
         table[key.strip()] = value.strip()
-    return engine_from_table(table)
+    if str(table.get("bind")).lower() in ("yes", "no"):  # accepted as ever, besides true/false and 1/0
+        table["bind"] = str(table["bind"]).lower() == "yes"
+    try:
+        return strict.decode(table, EngineConfig, label=f"--engine {spec}")
+    except strict.Refused as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_toml(path: Path) -> dict[str, Any]:
@@ -189,40 +263,26 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
 
 
-def config_from_toml(doc: dict[str, Any]) -> Config:
-    server = doc.get("server", {})
-    engines = unique_endpoints(tuple(engine_from_table(t) for t in doc.get("engines", [])))
-    models = {name: _model(name, t) for name, t in doc.get("models", {}).items()}
+def load_file(path: Path) -> Config:
+    """The ``--config`` file as a ``Config``; errors start with the file's name."""
+    return config_from_toml(load_toml(path), source=str(path))
+
+
+def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
     try:
-        approx = ApproxConfig.from_toml(doc.get("approx", {}))
-    except ValueError as exc:
-        raise ConfigError(f"[approx]: {exc}") from None
-    drift = _drift(doc.get("drift", {}))
-    state = doc.get("state", {})
-    unknown = set(state) - {"dir", "snapshot_seconds", "fsync", "peer"}
-    if unknown:
-        raise ConfigError(f"[state]: unknown key(s): {', '.join(sorted(unknown))}")
-    try:
-        return Config(
-            host=str(server.get("host", "127.0.0.1")),
-            port=int(server.get("port", 8080)),
-            max_message_bytes=int(server.get("max_message_bytes", 64 << 20)),
-            store=str(server.get("store", MEMORY)),
-            store_buffer=int(server.get("store_buffer", 10_000)),
-            workers=int(server.get("workers", 1)),
-            engines=engines,
-            models=models,
-            approx=approx,
-            drift=drift,
-            state_dir=Path(state["dir"]) if state.get("dir") else None,
-            snapshot_seconds=float(state.get("snapshot_seconds", 60.0)),
-            fsync=str(state.get("fsync", "interval")),
-            peer=_opt_str(state.get("peer")),
-        )
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"[state]/[server]: {exc}") from None
+        f = strict.decode(doc, ConfigFile)
+        try:
+            approx = ApproxConfig.from_toml(msgspec.to_builtins(f.approx))
+        except ValueError as exc:
+            raise ConfigError(f"[approx]: {exc}") from None
+        state = f.state.given()
+        if "dir" in state:
+            state_dir = state.pop("dir")
+            state["state_dir"] = Path(state_dir) if state_dir else None
+        return Config(**f.server.given(), **state, engines=unique_endpoints(tuple(f.engines)), models=f.models,
+                      approx=approx, drift=_checked_drift(f.drift))
+    except (ConfigError, strict.Refused) as exc:
+        raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
 
 
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
@@ -245,52 +305,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
     )
 
 
-def _drift(table: dict[str, Any]) -> DriftSettings:
-    d = DriftSettings()
-    try:
-        out = DriftSettings(
-            sample_size=int(table.get("sample_size", d.sample_size)),
-            recheck_seconds=float(table.get("recheck_seconds", d.recheck_seconds)),
-            window_seconds=float(table.get("window_seconds", d.window_seconds)),
-            threshold=float(table.get("threshold", d.threshold)),
-            history=int(table.get("history", d.history)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"[drift]: {exc}") from None
-    if out.sample_size < 1 or out.recheck_seconds <= 0 or not 0 < out.threshold <= 1 or out.history < 1:
+def _checked_drift(d: DriftSettings) -> DriftSettings:
+    if d.sample_size < 1 or d.recheck_seconds <= 0 or not 0 < d.threshold <= 1 or d.history < 1:
         raise ConfigError("[drift]: sample_size and history must be >= 1, recheck_seconds > 0, 0 < threshold <= 1")
-    return out
-
-
-def _model(name: str, table: dict[str, Any]) -> ModelConfig:
-    try:
-        return ModelConfig(
-            tokenizer=str(table.get("tokenizer", "none")),
-            tokenize_url=_opt_str(table.get("tokenize_url")),
-            block_size=_opt_int(table.get("block_size"), "block_size"),
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"[models.{name!r}]: {exc}") from None
-
-
-def _opt_str(v: Any) -> str | None:
-    return None if v is None else str(v)
-
-
-def _opt_int(v: Any, name: str) -> int | None:
-    if v is None:
-        return None
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be an integer, got {v!r}") from None
-
-
-def _bool(v: Any, name: str) -> bool:
-    if isinstance(v, bool):
-        return v
-    if str(v).lower() in ("1", "true", "yes"):
-        return True
-    if str(v).lower() in ("0", "false", "no"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {v!r}")
+    return d

@@ -54,7 +54,7 @@ from kvindex.drift import DriftAudit
 from kvindex.http import dynamo as compat_api
 from kvindex.http.app import Services, make_app
 from kvindex.index.approx import ApproxIndex
-from kvindex.index.factory import build_stores, describe, is_memory
+from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
 from kvindex.index.precise import TIERS, PreciseIndex
 from kvindex.index.protocol import StoreUnavailable
@@ -73,6 +73,7 @@ from kvindex.shard.supervisor import (
     Shards,
 )
 from kvindex.shard.worker import WorkerSettings
+from kvindex.storeurl import describe, is_memory
 from kvindex.tokenize import CachingTokenizer, Tokenizer
 
 log = logging.getLogger("kvindex.daemon")

@@ -34,15 +34,7 @@ from typing import Any
 
 from kvindex import keys as K
 from kvindex.index.protocol import ApproxStore, PreciseStore, StoreUnavailable
-
-
-@dataclass(frozen=True, slots=True)
-class DriftSettings:
-    sample_size: int = 2048
-    recheck_seconds: float = 5.0
-    window_seconds: float = 300.0
-    threshold: float = 0.5
-    history: int = 720
+from kvindex.settings import DriftSettings
 
 
 @dataclass(slots=True)

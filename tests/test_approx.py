@@ -24,13 +24,11 @@ from kvindex.approx.render import (
     render_kthena,
 )
 from kvindex.index.approx import (
-    GIE_V1_5,
-    ApproxConfig,
     ApproxIndex,
-    ApproxSettings,
     gie_hashes,
     kthena_hashes,
 )
+from kvindex.settings import GIE_V1_5, ApproxConfig, ApproxSettings
 
 VECTORS_PATH = Path(__file__).parent.parent / "fixtures" / "vectors" / "approx-vectors.json"
 VECTORS: dict[str, Any] = json.loads(VECTORS_PATH.read_text(encoding="utf-8"))

@@ -24,10 +24,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvindex.index.approx import GIE_V1_5, ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore
 from kvindex.index.protocol import StoreLost, StoreUnavailable
 from kvindex.index.redis_approx import RedisApproxStore
+from kvindex.settings import GIE_V1_5, ApproxConfig, ApproxSettings
 from tests.redis_server import RedisServer
 
 VECTORS = json.loads((Path(__file__).parent.parent / "fixtures" / "vectors" / "approx-vectors.json")

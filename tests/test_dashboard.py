@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvindex.config import Config
-from kvindex.drift import DriftSettings
+from kvindex.settings import DriftSettings
 from kvindex.tools.record import load_capture
 from tests.conftest import FIXTURES, ROOT, engine_config, ipc_endpoint
 

@@ -13,7 +13,7 @@ import msgpack
 import xxhash
 
 from kvindex.config import Config
-from kvindex.drift import DriftSettings
+from kvindex.settings import DriftSettings
 from kvindex.tools.record import load_capture
 from tests.conftest import FIXTURES, engine_config, ipc_endpoint
 

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.config import Config
-from kvindex.drift import Decision, DriftAudit, DriftSettings
-from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.drift import Decision, DriftAudit
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import Entry
 from kvindex.persist import snapshot as snapshots
+from kvindex.settings import ApproxConfig, ApproxSettings, DriftSettings
 
 
 class Ticker:

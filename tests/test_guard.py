@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvindex.index.approx import ApproxConfig
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
+from kvindex.settings import ApproxConfig
 from tests.redis_server import RedisServer
 
 

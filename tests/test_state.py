@@ -11,7 +11,7 @@ import msgpack
 import pytest
 
 from kvindex.config import Config
-from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.protocol import Entry
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
@@ -23,6 +23,7 @@ from kvindex.persist.wal import (
     segment_path,
     segments,
 )
+from kvindex.settings import ApproxConfig, ApproxSettings
 from tests.conftest import engine_config, ipc_endpoint, wait_for
 from tests.faultkit import stream
 

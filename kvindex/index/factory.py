@@ -4,9 +4,9 @@
 shared by every kvindex replica: ``redis://host:port/db``, ``rediss://host:port/db`` (TLS) or
 ``unix:///path/to/redis.sock?db=N``.
 
-Invariants: the URL is validated by ``check_store_url`` (config time, one-line errors); the Redis
-client library and backends are imported only when a Redis URL is used; one Redis client is
-shared by both stores and closed by ``Stores.close``.
+Invariants: the URL is validated by ``kvindex.storeurl.check_store_url`` (config time, one-line
+errors); the Redis client library and backends are imported only when a Redis URL is used; one
+Redis client is shared by both stores and closed by ``Stores.close``.
 """
 
 from __future__ import annotations
@@ -14,56 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
-from kvindex.index.approx import ApproxConfig, ApproxIndex
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.index.protocol import ApproxStore, PreciseStore
+from kvindex.settings import ApproxConfig
+from kvindex.storeurl import check_store_url, is_memory
 
-MEMORY = "memory://"
-SCHEMES = ("memory", "redis", "rediss", "unix")
 SOCKET_TIMEOUT = 2.0  # seconds a Redis call may take before the store counts as unavailable
 CONNECT_TIMEOUT = 1.0
-
-
-def check_store_url(url: str) -> str:
-    """``url`` if kvindex can use it as a store; ``ValueError`` (one line) otherwise."""
-    parts = urlsplit(url)
-    if parts.scheme not in SCHEMES or "://" not in url:
-        raise ValueError(f"store {url!r}: expected memory:// or redis://host:port/db, rediss://host:port/db, "
-                         "unix:///path?db=N")
-    if parts.scheme == "memory":
-        if url.rstrip("/") != "memory:":
-            raise ValueError(f"store {url!r}: memory:// takes no host, path or options")
-        return url
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ValueError(f"store {url!r}: unix:// needs the socket path, e.g. unix:///run/redis.sock?db=0")
-        db = parse_qs(parts.query).get("db", ["0"])[0]
-    else:
-        if not parts.hostname:
-            raise ValueError(f"store {url!r}: {parts.scheme}:// needs a host, e.g. {parts.scheme}://127.0.0.1:6379/0")
-        try:
-            parts.port
-        except ValueError:
-            raise ValueError(f"store {url!r}: the port is not a number") from None
-        db = parts.path.strip("/") or "0"
-    if not db.isdigit():
-        raise ValueError(f"store {url!r}: the database must be a number, got {db!r}")
-    return url
-
-
-def is_memory(url: str) -> bool:
-    return urlsplit(url).scheme == "memory"
-
-
-def describe(url: str) -> str:
-    """The URL without a password (for logs and errors)."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        return parts._replace(netloc=netloc).geturl()
-    return url
 
 
 @dataclass(slots=True)

@@ -12,10 +12,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvindex.events import KVEvent
-from kvindex.index.approx import ApproxConfig, ApproxIndex
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import ApplyResult, Entry, PodMatch
 from kvindex.sequence import Outcome, Position, StreamRef, judge, next_position
+from kvindex.settings import ApproxConfig
 
 
 class MemoryPreciseStore:

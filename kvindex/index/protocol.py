@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 
 from kvindex.events import KVEvent
-from kvindex.index.approx import ApproxConfig
 from kvindex.sequence import Outcome, Position, StreamRef
+from kvindex.settings import ApproxConfig
 
 
 class StoreUnavailable(RuntimeError):

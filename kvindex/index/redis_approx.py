@@ -62,14 +62,13 @@ import redis.asyncio as aioredis
 from redis import exceptions as rx
 
 from kvindex.index.approx import (
-    GIE_V1_5,
-    ApproxConfig,
     ApproxIndex,
     hash_body,
     render_request,
     score_matches,
 )
 from kvindex.index.protocol import StoreLost, StoreUnavailable
+from kvindex.settings import GIE_V1_5, ApproxConfig
 
 LOST_MARK = "KVI_LOST"
 

@@ -46,10 +46,10 @@ from typing import Any
 import msgpack
 
 from kvindex.logs import BurstLog
+from kvindex.settings import FSYNC_POLICIES
 
 log = logging.getLogger("kvindex.persist.wal")
 
-FSYNC_POLICIES = ("always", "interval", "never")
 MAX_RECORD = 256 << 20
 _SEGMENT = re.compile(r"^wal-(\d{8})\.log$")
 _HEAD = 8

@@ -43,14 +43,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from adapters import DIALECTS
 from kvindex import loops
 from kvindex.config import EngineConfig
-from kvindex.drift import DriftAudit, DriftSettings
-from kvindex.index.approx import ApproxConfig, ApproxIndex, ApproxSettings
+from kvindex.drift import DriftAudit
+from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
 from kvindex.sequence import StreamRef
+from kvindex.settings import ApproxConfig, ApproxSettings, DriftSettings
 
 log = logging.getLogger("kvindex.shard.worker")
 PARENT_CHECK_SECONDS = 1.0

@@ -50,7 +50,7 @@ import zmq.asyncio
 
 from kvindex.config import Config, EngineConfig
 from kvindex.daemon import Daemon
-from kvindex.drift import DriftSettings
+from kvindex.settings import DriftSettings
 from kvindex.tools.engine_sim import Admission, SimulatedCache, encode_batch
 from kvindex.tools.record import FakeEngine
 from kvindex.tools.workload import Request, Workload

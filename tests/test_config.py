@@ -1,0 +1,223 @@
+"""Configuration that refuses what it does not understand: unknown keys and tables, engine addresses
+ZeroMQ cannot use; and every key the README documents still loads."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import msgspec.inspect as mi
+import pytest
+
+from kvindex.config import (
+    ApproxModelTable,
+    ApproxTable,
+    ConfigError,
+    ConfigFile,
+    EngineConfig,
+    ModelConfig,
+    ServerTable,
+    StateTable,
+    check_zmq_endpoint,
+    config_from_toml,
+    load_file,
+    parse_engine_spec,
+)
+from kvindex.settings import KTHENA_KEYS, ApproxSettings, DriftSettings
+
+ROOT = Path(__file__).parent.parent
+KVINDEX = [sys.executable, "-m", "kvindex"]
+
+
+def refusal(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        config_from_toml(tomllib.loads(text), source="kvindex.toml")
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("text,message", [
+    ("[servr]\nport = 1", "unknown table [servr] (did you mean [server]?)"),
+    ("[Server]\nport = 1", "unknown table [Server] (did you mean [server]?)"),
+    ('[[engine]]\nendpoint = "tcp://h:5557"', "unknown table [[engine]] (did you mean [[engines]]?)"),
+    ('[engines]\nendpoint = "tcp://h:5557"', "[engines] must be an array of tables: write [[engines]] for each entry"),
+    ("[modles.m]\ntokenizer = 'none'", "unknown table [modles] (did you mean [models]?)"),
+    ("[drfit]\nthreshold = 0.3", "unknown table [drfit] (did you mean [drift]?)"),
+    ("[stat]\ndir = '/tmp'", "unknown table [stat] (did you mean [state]?)"),
+    ("port = 8080", "unknown key port at the top level (did you mean port in [server]?)"),
+    ("[server]\nprot = 8080", "unknown key prot in [server] (did you mean port?)"),
+    ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
+    ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, store, "
+                             "store_buffer, workers)"),
+    ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, store, "
+                                 "store_buffer, workers)"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
+     "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\nreplay_endpoint = "tcp://h:2"',
+     "unknown key replay_endpoint in [[engines]] #1 (did you mean replay?)"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\nblocksize = 16',
+     "unknown key blocksize in [[engines]] #1 (did you mean block_size?)"),
+    ('[models."Qwen/Qwen3-8B"]\ntokeniser = "engine"',
+     'unknown key tokeniser in [models."Qwen/Qwen3-8B"] (did you mean tokenizer?)'),
+    ("[models.tiny]\nblocksize = 32", "unknown key blocksize in [models.tiny] (did you mean block_size?)"),
+    ("[approx]\ntopKMatch = 3", "unknown key topKMatch in [approx] (did you mean topKMatches?)"),
+    ("[approx]\nblock_size_to_hash = 64",
+     "unknown key block_size_to_hash in [approx] (did you mean blockSizeToHash?)"),
+    ('[approx.models."m"]\npersonalty = "gie-v1.5"',
+     "unknown key personalty in [approx.models.m] (did you mean personality?)"),
+    ('[approx.model."m"]\ntopKMatches = 1', "unknown table [approx.model] (did you mean [approx.models]?)"),
+    ("[drift]\nsampel_size = 10", "unknown key sampel_size in [drift] (did you mean sample_size?)"),
+    ("[drift]\nrecheck = 10", "unknown key recheck in [drift] (did you mean recheck_seconds?)"),
+    ("[state]\ndirectory = '/tmp'", "unknown key directory in [state] (did you mean dir?)"),
+    ("[state]\nsnapshot_secs = 5", "unknown key snapshot_secs in [state] (did you mean snapshot_seconds?)"),
+])
+def test_unknown_keys_and_tables_name_where_and_the_closest_name(text: str, message: str) -> None:
+    assert refusal(text) == f"kvindex.toml: {message}"
+
+
+@pytest.mark.parametrize("text,message", [
+    ('[server]\nport = "x"', "[server] port must be an integer, got 'x'"),
+    ("server = 5", "[server] must be a table, got an integer"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpoint = "tcp://h:2"\nblock_size = "x"',
+     "[[engines]] #2 block_size must be an integer, got 'x'"),
+    ("[[engines]]\npod = 'p'", "[[engines]] #1 needs endpoint"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\ndialect = "trt"',
+     "[[engines]] #1: engine dialect 'trt': expected one of vllm, sglang, llmd-sim"),
+    ('[models.a]\n[models.b]\nblock_size = "q"', "[models.b] block_size must be an integer, got 'q'"),
+    ('[models]\ntokenizer = "engine"', "[models.tokenizer] must be a table, got a string"),
+    ('[models.m]\ntokenizer = "engine"',
+     "[models.m]: tokenizer = \"engine\" needs tokenize_url (the engine's base URL)"),
+    ("[approx]\ntopKMatches = 1.5", "[approx]: approx.topKMatches must be an integer, got 1.5"),
+])
+def test_bad_values_say_where(text: str, message: str) -> None:
+    assert refusal(text) == f"kvindex.toml: {message}"
+
+
+def test_serve_with_a_misspelled_table_exits_2_with_one_line_before_starting(tmp_path: Path) -> None:
+    bad = tmp_path / "kvindex.toml"
+    bad.write_text("[servr]\nport = 0\n")
+    r = subprocess.run(KVINDEX + ["serve", "--config", str(bad)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2
+    assert r.stderr == f"kvindex: {bad}: unknown table [servr] (did you mean [server]?)\n"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[[engine]]\nendpoint = "tcp://127.0.0.1:5557"\n', "unknown table [[engine]] (did you mean [[engines]]?)"),
+    ("[server]\nport = 0\nhots = '0.0.0.0'\n", "unknown key hots in [server] (did you mean host?)"),
+    ('[[engines]]\nendpoint = "http://127.0.0.1:8000"\n', "http:// is not a ZeroMQ transport"),
+])
+def test_serve_refuses_each_bad_file_in_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    r = subprocess.run(KVINDEX + ["serve", "--config", str(bad)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"kvindex: {bad}: ") and needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec", ["http://127.0.0.1:8000", "https://vllm-0:8000",
+                                  "endpoint=http://127.0.0.1:8000,pod=vllm-0",
+                                  "endpoint=tcp://127.0.0.1:5557,replay=http://127.0.0.1:8000"])
+def test_engine_with_an_http_scheme_is_refused_at_parse_time(spec: str) -> None:
+    r = subprocess.run(KVINDEX + ["serve", "--engine", spec], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert r.stderr.startswith("kvindex: ") and "is not a ZeroMQ transport" in r.stderr
+    assert "not to its HTTP API" in r.stderr
+
+
+@pytest.mark.parametrize("endpoint,needle", [
+    ("http://h:8000", "http:// is not a ZeroMQ transport"),
+    ("udp://h:5557", "udp:// is not a ZeroMQ transport"),
+    ("tcp://h", "tcp:// needs host:port"),
+    ("tcp://h:port", "tcp:// needs host:port"),
+    ("ipc://", "ipc:// needs an address"),
+    ("h:5557", "is not a ZeroMQ address like tcp://host:5557"),
+])
+def test_zmq_endpoint_check(endpoint: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        check_zmq_endpoint(endpoint, "engine endpoint")
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        parse_engine_spec(f"endpoint={endpoint}")
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://10.0.0.5:5557", "tcp://*:5557", "tcp://[::1]:5557", "tcp://eth0;h:1",
+                                      "ipc:///run/kv.sock", "inproc://engine"])
+def test_zmq_endpoints_accepted(endpoint: str) -> None:
+    check_zmq_endpoint(endpoint, "engine endpoint")
+    assert parse_engine_spec(endpoint).endpoint == endpoint
+
+
+def test_engine_spec_keys_are_checked_like_the_file() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key blocksize in --engine .* \(did you mean block_size\?\)"):
+        parse_engine_spec("endpoint=tcp://h:1,blocksize=16")
+    with pytest.raises(ConfigError, match="block_size must be an integer, got 'x'"):
+        parse_engine_spec("endpoint=tcp://h:1,block_size=x")
+    with pytest.raises(ConfigError, match="pod is given twice"):
+        parse_engine_spec("endpoint=tcp://h:1,pod=a,pod=b")
+    for word, value in (("true", True), ("yes", True), ("1", True), ("false", False), ("no", False), ("0", False)):
+        assert parse_engine_spec(f"endpoint=tcp://h:1,bind={word}").bind is value
+
+
+def readme_toml() -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"`kvindex serve --config kvindex.toml` reads:\n\n```toml\n(.*?)```", text, re.S)
+    assert m, "the README's configuration example moved"
+    return m.group(1)
+
+
+def test_every_key_the_readme_documents_loads(tmp_path: Path) -> None:
+    path = tmp_path / "kvindex.toml"
+    path.write_text(readme_toml() + '\n[approx.models."gie-model"]\npersonality = "gie-v1.5"\n'
+                    '\n[state]\ndir = "/var/lib/kvindex"\nsnapshot_seconds = 30\nfsync = "always"\n')
+    cfg = load_file(path)
+    assert (cfg.host, cfg.port, cfg.store, cfg.store_buffer, cfg.workers) == ("127.0.0.1", 8080, "memory://", 10000, 1)
+    (e,) = cfg.engines
+    assert (e.endpoint, e.replay, e.pod, e.model, e.dialect, e.block_size, e.bind) == (
+        "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "default/vllm-0", "Qwen/Qwen3-8B", "vllm", 16, False)
+    m = cfg.model("Qwen/Qwen3-8B")
+    assert (m.tokenizer, m.tokenize_url) == ("engine", "http://10.0.0.5:8000")
+    assert cfg.approx.default == ApproxSettings("kthena", 64, 128, 50000, 5)
+    assert cfg.approx.for_model("gie-model") == ApproxSettings("gie-v1.5", 64, 128, 50000, 5)
+    assert cfg.drift == DriftSettings(2048, 5.0, 300.0, 0.5)
+    assert (cfg.state_dir, cfg.snapshot_seconds, cfg.fsync) == (Path("/var/lib/kvindex"), 30.0, "always")
+    assert config_from_toml({"state": {"peer": "http://kvindex-0:8080"}}).peer == "http://kvindex-0:8080"
+
+
+def test_every_key_accepted_before_is_still_known() -> None:
+    """The schema is the list of keys kvindex reads; none was lost (and none is ignored)."""
+    def keys(kind: type) -> set[str]:
+        return {f.encode_name for f in mi.type_info(kind).fields}  # type: ignore[attr-defined]
+
+    assert keys(ConfigFile) == {"server", "engines", "models", "approx", "drift", "state"}
+    assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
+                                    ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig))} == {
+        "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers"},
+        "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
+        "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
+        "state": {"dir", "snapshot_seconds", "fsync", "peer"},
+        "engines": {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank"},
+        "models": {"tokenizer", "tokenize_url", "block_size"},
+    }
+    assert keys(ApproxModelTable) == {"personality", *(k for k, _ in KTHENA_KEYS)}
+    cfg = config_from_toml({
+        "server": {"max_message_bytes": 1 << 20, "workers": 2, "store_buffer": 5, "host": "0.0.0.0", "port": 1},
+        "engines": [{"endpoint": "tcp://h:1", "pod": "p", "model": "m", "replay": "tcp://h:2", "bind": True,
+                     "dialect": "sglang", "block_size": 32, "dp_rank": 1}],
+        "models": {"*": {"tokenizer": "llmd-sim", "block_size": 16}},
+        "approx": {"maxHashCacheSize": 10, "models": {"m": {"topKMatches": 2}}},
+        "drift": {"history": 10, "window_seconds": 60, "recheck_seconds": 1, "sample_size": 5, "threshold": 0.2},
+        "state": {"dir": ""},
+    })
+    assert (cfg.max_message_bytes, cfg.workers, cfg.store_buffer, cfg.state_dir) == (1 << 20, 2, 5, None)
+    assert cfg.engines[0].dp_rank == 1 and cfg.model("anything").block_size == 16
+    assert cfg.approx.for_model("m").top_k_matches == 2 and cfg.drift.history == 10
+
+
+@pytest.mark.parametrize("name", ["kvindex-redis.toml", "kvindex-sim.toml", "kvindex-vllm.toml"])
+def test_deploy_files_load(name: str) -> None:
+    load_file(ROOT / "deploy" / name)
