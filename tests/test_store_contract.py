@@ -25,7 +25,7 @@ from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
 from kvindex.index.redis_precise import RedisPreciseStore
 from kvindex.query import cacheable_tokens
 from kvindex.sequence import Outcome, Position, StreamRef
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES
 from tests.redis_server import RedisServer
 from tests.test_precise_fixtures import meta, predictable, requests_in_order
