@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from kvindex.config import Config, ConfigError, config_from_toml
-from kvindex.shard.worker import owner_of
+from kvindex.shard.channel import owner_of
 from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, ROOT, engine_config, ipc_endpoint
 from tests.test_precise_fixtures import requests_in_order
