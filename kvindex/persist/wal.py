@@ -30,10 +30,10 @@ Invariants:
   exactly that record, engine payload included); if no valid record starts there (the length
   itself is damaged) it scans forward for the next position whose body starts like a record
   (a msgpack array of 2-5 whose first element is a one-letter kind, ``[\x92-\x95]\xa1[bdgrx]``),
-  whose announced length fits, whose CRC holds and whose body decodes as a ``Record``. A false resync needs a
-  CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one residual risk is a
-  damaged length field in front of an engine payload that itself contains a well-formed record,
-  which needs both disk corruption and a crafted payload. Records after a skipped stretch are
+  whose announced length fits, whose CRC holds and whose body decodes as a ``Record``. A false
+  resync needs a CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one
+  residual risk is a damaged length field in front of an engine payload that itself contains a
+  well-formed record, which needs both disk corruption and a crafted payload. Records after a skipped stretch are
   safe to apply: a batch after a missing one is a seq gap and marks its stream unsynced.
 - Segments only grow; ``rotate()`` starts the next one; a snapshot that covers segments < n lets
   ``drop_before(n)`` delete them.
@@ -78,8 +78,6 @@ def segments(directory: Path) -> list[int]:
 
 
 class Batch(msgspec.Struct, frozen=True, tag="b", array_like=True):
-    """An engine batch as a lane applied it."""
-
     lane_key: str
     topic: str
     seq: int
@@ -87,15 +85,11 @@ class Batch(msgspec.Struct, frozen=True, tag="b", array_like=True):
 
 
 class Resync(msgspec.Struct, frozen=True, tag="r", array_like=True):
-    """An operator's resync of a pod's streams on one lane."""
-
     lane_key: str
     pod: str
 
 
 class Decision(msgspec.Struct, frozen=True, tag="d", array_like=True):
-    """A routing decision recorded into the approximate index."""
-
     pod: str
     model: str
     hashes: tuple[int, ...]
@@ -115,9 +109,7 @@ Record = Batch | Resync | Decision | PodRemoved | RegistrationChange
 
 
 class Unknown(msgspec.Struct, frozen=True):
-    """What the reader yields for an intact record that is not a ``Record`` (never written)."""
-
-    why: str
+    why: str  # what the reader yields for an intact record that is not a ``Record`` (never written)
 
 
 _encoder = msgspec.msgpack.Encoder()
