@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -169,7 +168,7 @@ class Worker:
                 req = ch.request_decoder.decode(frames[2])
                 if isinstance(req, ch.Match) and len(frames) != 4:
                     raise ValueError("Match without its keys frame")
-            except (IndexError, ValueError, msgspec.DecodeError) as exc:
+            except Exception as exc:  # not a request (a decoder's own failure included): never the loop's end
                 log.warning("worker: a malformed request (%d frames) ignored: %s", len(frames), exc)
                 continue
             if isinstance(req, ch.Resync):  # awaits the engine's replay: the channel keeps answering meanwhile
