@@ -82,7 +82,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
 class WireStored(msgspec.Struct, frozen=True, tag="s", array_like=True):
     block_hashes: tuple[int, ...]
     parent_hash: int | None
-    token_ids: bytes  # array("I").tobytes()
+    token_ids: bytes  # array("I").tobytes(): native byte order (both ends on one host, ipc://)
     block_size: int
     medium: str
     lora_name: str | None
@@ -110,6 +110,10 @@ def to_wire(ev: KVEvent) -> WireEvent:
     if isinstance(ev, BlockRemoved):
         return WireRemoved(ev.block_hashes, ev.medium, ev.group_idx)
     return WireCleared()
+
+
+def events_to_wire(events: Sequence[KVEvent]) -> tuple[WireEvent, ...]:
+    return tuple(map(to_wire, events))
 
 
 def from_wire(ev: WireEvent) -> KVEvent:
@@ -368,6 +372,3 @@ def _expire(fut: asyncio.Future[Any], reason: str) -> None:
     if not fut.done():
         fut.set_exception(StoreUnavailable(reason))
 
-
-def events_to_wire(events: Sequence[KVEvent]) -> tuple[WireEvent, ...]:
-    return tuple(map(to_wire, events))
