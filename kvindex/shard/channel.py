@@ -371,4 +371,3 @@ def _send_done(sent: asyncio.Future[Any], fut: asyncio.Future[Any], index: int) 
 def _expire(fut: asyncio.Future[Any], reason: str) -> None:
     if not fut.done():
         fut.set_exception(StoreUnavailable(reason))
-
