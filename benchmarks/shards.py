@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import e2e  # noqa: E402
 
+from kvindex.shard.channel import Stats  # noqa: E402
+
 DESIGN_LOAD = 5000  # block-ops/s per replica
 STATS_TIMEOUT = 120.0
 POLL_SECONDS = 0.05  # the workers stamp each batch; polling only decides when to stop
@@ -69,7 +71,7 @@ async def applied(daemon) -> dict:
                 "last_applied": max((st.last_applied or 0.0 for st in sts), default=0.0)}
     # a worker drains a backlog lane by lane (DRAIN_BURST messages each per round of its event
     # loop): under a burst of the whole workload, a round takes seconds and so does this answer
-    parts = await asyncio.gather(*(ch.request("stats", timeout=STATS_TIMEOUT) for ch in daemon.shards.channels))
+    parts = await asyncio.gather(*(ch.request(Stats(), timeout=STATS_TIMEOUT) for ch in daemon.shards.channels))
     return {"batches": sum(p["batches"] for p in parts), "gaps": sum(p["gaps"] for p in parts),
             "last_applied": max(p["last_applied"] for p in parts)}
 

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
-from kvindex.tools.record import FakeEngine
+from kvindex.tools.fake_engine import FakeEngine
 
 BLOCK = 16
 MODEL = "soak"

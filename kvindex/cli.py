@@ -232,17 +232,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def dispatch(args: argparse.Namespace) -> int:
-    from kvindex.tools import record
-
     if args.command == "serve":
         return await serve(args.config_values, args.token)
     if args.command == "record":
-        return await record.record_main(args.endpoint, args.output, bind=args.bind, duration=args.duration,
-                                        max_messages=args.max_messages)
+        from kvindex.tools.recorder import record_main
+
+        return await record_main(args.endpoint, args.output, bind=args.bind, duration=args.duration,
+                                 max_messages=args.max_messages)
     if args.command == "replay":
-        return await record.replay_main(args.file, args.publish, bind=not args.connect,
-                                        replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
-                                        linger_seconds=args.linger)
+        from kvindex.tools.fake_engine import replay_main
+
+        return await replay_main(args.file, args.publish, bind=not args.connect,
+                                 replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
+                                 linger_seconds=args.linger)
     if args.command == "demo":
         from kvindex.tools.demo import demo_main
 

@@ -58,13 +58,15 @@ from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
 from kvindex.index.precise import TIERS, PreciseIndex
 from kvindex.index.protocol import StoreUnavailable
-from kvindex.index.sharded import ShardedPreciseStore
 from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
 from kvindex.pods import PodDirectory
 from kvindex.query import QueryService
+from kvindex.shard.channel import Metrics as WorkerMetrics
+from kvindex.shard.channel import WorkerSettings
+from kvindex.shard.store import ShardedPreciseStore
 from kvindex.shard.supervisor import (
     MergedRegistry,
     ShardedFleet,
@@ -72,7 +74,6 @@ from kvindex.shard.supervisor import (
     ShardFailed,
     Shards,
 )
-from kvindex.shard.worker import WorkerSettings
 from kvindex.storeurl import describe, is_memory
 from kvindex.tokenize import CachingTokenizer, Tokenizer
 
@@ -205,7 +206,7 @@ class Daemon:
         if not is_memory(self.config.store) and now - self._gauges_at < SHARED_GAUGES_SECONDS:
             return
         if self.shards is not None and isinstance(self.registry, MergedRegistry):
-            texts = await self.shards.ask_all("metrics")
+            texts = await self.shards.ask_all(WorkerMetrics())
             self.registry.remote = [t.decode() for t in texts if isinstance(t, bytes)]
         try:
             self._gauges = (await self.pods.views(), await self.approx_store.entries())

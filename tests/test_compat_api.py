@@ -15,7 +15,7 @@ import msgpack
 
 from kvindex.config import Config
 from kvindex.keys import local_hashes
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, independent_holdings, ipc_endpoint, wait_for
 
 BS = 32

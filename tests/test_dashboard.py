@@ -19,7 +19,7 @@ import pytest
 
 from kvindex.config import Config
 from kvindex.settings import DriftSettings
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, ROOT, engine_config, ipc_endpoint
 
 CAPTURE = FIXTURES / "two_engines"

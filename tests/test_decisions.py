@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.config import Config
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, engine_config, ipc_endpoint
 
 POD = "127.0.0.1:8000"

@@ -14,7 +14,7 @@ import xxhash
 
 from kvindex.config import Config
 from kvindex.settings import DriftSettings
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, engine_config, ipc_endpoint
 
 CAPTURE = FIXTURES / "two_engines"

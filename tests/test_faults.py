@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from kvindex.config import Config, EngineConfig
 from kvindex.persist import snapshot as snapshots
-from kvindex.tools.record import FakeEngine
+from kvindex.tools.fake_engine import FakeEngine
 from tests.conftest import engine_config, ipc_endpoint
 from tests.faultkit import (
     cpu_seconds,

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adapters.vllm import STORED_FIELDS, VllmDecoder
 from kvindex.config import Config
 from kvindex.events import BlockStored, DecodeError
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, engine_config, ipc_endpoint, wait_for
 
 POD = "127.0.0.1:8000"  # from the capture's topic kv@127.0.0.1:8000@tiny

@@ -18,7 +18,7 @@ from yarl import URL
 
 from adapters.llmd_sim import SimTokenizer
 from kvindex.config import Config, EngineConfig, ModelConfig
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
 
 POD = "127.0.0.1:8000"

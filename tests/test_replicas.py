@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 
-from kvindex.tools.record import Captured, FakeEngine, load_capture
+from kvindex.tools.capture import Captured, load_capture
+from kvindex.tools.fake_engine import FakeEngine
 from tests.conftest import FIXTURES, ROOT, ipc_endpoint
 from tests.faultkit import free_port, http, pods, serve, stop, wait_until
 from tests.redis_server import RedisServer, available

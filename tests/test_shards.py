@@ -15,11 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvindex.config import Config, ConfigError, config_from_toml
-from kvindex.shard.worker import owner_of
-from kvindex.tools.record import load_capture
+from kvindex.index.protocol import StoreUnavailable
+from kvindex.shard import channel as ch
+from kvindex.shard.channel import WorkerSettings, owner_of
+from kvindex.shard.supervisor import Shards
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, ROOT, engine_config, ipc_endpoint
 from tests.test_precise_fixtures import requests_in_order
 
@@ -275,3 +281,29 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
     http = next(iter(doc["replicas"].values()))["runs"]
     assert http["2"]["matched_mismatches_vs_first"] == 0
     assert "replicas carried at 5k/s" in proc.stdout
+
+
+async def test_the_channel_drops_garbage_and_answers_a_failure_in_one_line() -> None:
+    """A request that is no ``REQUESTS`` member is dropped (the worker keeps answering); a request
+    that fails comes back as ``StoreUnavailable`` naming the worker, in one line."""
+    ctx = zmq.asyncio.Context()
+    shards = Shards(2, WorkerSettings(), ctx)
+    await shards.start()
+    try:
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(shards.channels[0].endpoint)
+        for frames in ([b"1", b"\xc1"], [b"2", msgpack.packb(["no_such_op"])], [b"3", msgpack.packb(["match", None])],
+                       [b"5", msgpack.packb(["add", "k", {"endpoint": "ipc:///x", "dialect": "no-such-dialect"}])],
+                       [b"4"]):
+            await raw.send_multipart(frames)
+        await raw.send_multipart([b"9", ch.encode(ch.Ping())])  # answered in order: after the garbage
+        rid, reply = await asyncio.wait_for(raw.recv_multipart(), 10)
+        raw.close(linger=0)
+        assert rid == b"9" and ch.decode_reply(ch.Ping, reply) == shards.procs[0].pid
+        first = shards.channels[0]
+        with pytest.raises(StoreUnavailable, match=r"^worker 0: ValueError: [^\n]+$"):
+            await first.request(ch.Match(None, None), extra=b"not eight bytes per key")
+        assert await first.request(ch.Lanes()) == {}
+    finally:
+        await shards.stop()
+        ctx.term()

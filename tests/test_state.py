@@ -16,6 +16,8 @@ from kvindex.index.protocol import Entry
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
+    Decision,
+    PodRemoved,
     WriteAheadLog,
     encode_record,
     read_from,
@@ -102,22 +104,22 @@ def _with_header(data: bytes, header: dict[str, Any]) -> bytes:
 def test_wal_torn_tail_is_ignored(tmp_path: Path, caplog: Any) -> None:
     wal = WriteAheadLog(tmp_path, fsync="always")
     for i in range(5):
-        wal.append(["d", "p", "m", [i]])
+        wal.append(Decision("p", "m", (i,)))
     wal.close()
     path = segment_path(tmp_path, wal.segment)
     whole = path.read_bytes()
-    path.write_bytes(whole + encode_record(["d", "p", "m", [99]])[:-2])  # a crash mid-write
+    path.write_bytes(whole + encode_record(Decision("p", "m", (99,)))[:-2])  # a crash mid-write
     records, problem = read_segment(path)
-    assert [r[3] for r in records] == [[i] for i in range(5)] and "torn" in problem
-    path.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]) + encode_record(["d", "p", "m", [7]]))  # bit flip
+    assert [r.hashes for r in records] == [(i,) for i in range(5)] and "torn" in problem
+    path.write_bytes(whole[:-1] + bytes([whole[-1] ^ 1]) + encode_record(Decision("p", "m", (7,))))  # bit flip
     records, problem = read_segment(path)  # the damaged record is skipped, the one after it is kept
-    assert [r[3] for r in records] == [[0], [1], [2], [3], [7]] and "CRC" in problem and "resynchronised" in problem
+    assert [r.hashes for r in records] == [(0,), (1,), (2,), (3,), (7,)] and "CRC" in problem and "resynchronised" in problem
     wal2 = WriteAheadLog(tmp_path)  # a restart starts a new segment: the torn one is never appended to
-    wal2.append(["x", "p"])
+    wal2.append(PodRemoved("p"))
     wal2.close()
     assert segments(tmp_path) == [1, 2]
     with caplog.at_level(logging.WARNING, "kvindex.persist.wal"):
-        assert [r[0] for r in read_from(tmp_path, 0)] == ["d"] * 5 + ["x"]
+        assert [type(r) for r in read_from(tmp_path, 0)] == [Decision] * 5 + [PodRemoved]
     assert "CRC" in caplog.text and "skipped" in caplog.text
 
 

@@ -1,4 +1,5 @@
-"""The PreciseStore contract, one suite run against both backends (memory and a real redis-server).
+"""The PreciseStore contract, one suite run against every backend: memory, a real redis-server, and
+sharded (two real worker processes over the real channel).
 
 Every case of test_precise_index.py, through the async store interface; the stream watermark rules
 of base.py (``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import zmq.asyncio
 
 from adapters import DIALECTS
 from kvindex import keys as K
@@ -25,7 +27,10 @@ from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
 from kvindex.index.redis_precise import RedisPreciseStore
 from kvindex.query import cacheable_tokens
 from kvindex.sequence import Outcome, Position, StreamRef
-from kvindex.tools.record import load_capture
+from kvindex.shard.channel import ShardChannel, WorkerSettings, owner_of
+from kvindex.shard.store import ShardedPreciseStore
+from kvindex.shard.supervisor import Shards
+from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES
 from tests.redis_server import RedisServer
 from tests.test_precise_fixtures import meta, predictable, requests_in_order
@@ -51,15 +56,41 @@ async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseSt
     return s
 
 
-@pytest.fixture(params=["memory", "redis"])
+async def sharded_workers(cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
+    """Two worker processes; each call a new client of them (its own channels)."""
+    ctx = zmq.asyncio.Context()
+    shards = Shards(2, WorkerSettings(), ctx)
+    await shards.start()
+    clients: list[ShardedPreciseStore] = []
+
+    async def make() -> PreciseStore:
+        channels = [ShardChannel(ctx, c.index, c.endpoint) for c in shards.channels]
+        for c in channels:
+            c.start()
+        clients.append(ShardedPreciseStore(channels))
+        return clients[-1]
+
+    async def close() -> None:
+        for client in clients:
+            await client.close()
+        await shards.stop()
+        ctx.term()
+    cleanup.append(close)
+    return make
+
+
+@pytest.fixture(params=["memory", "redis", "sharded"])
 async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
-    """Clients of one store: for memory the same object; for Redis a new client each call."""
+    """Clients of one store: for memory the same object; for Redis and sharded a new client each call."""
     clients: list[aioredis.Redis] = []
+    cleanup: list[Callable[[], Awaitable[None]]] = []
     if request.param == "memory":
         shared = MemoryPreciseStore()
 
         async def make() -> PreciseStore:
             return shared
+    elif request.param == "sharded":
+        make = await sharded_workers(cleanup)
     else:
         url = request.getfixturevalue("redis_url")
 
@@ -68,6 +99,8 @@ async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     yield make
     for c in clients:
         await c.aclose()
+    for close in cleanup:
+        await close()
 
 
 @pytest.fixture
@@ -103,7 +136,10 @@ async def depth(store: PreciseStore, pod: str, keys: list[int]) -> int:
 
 
 async def residue(store: PreciseStore) -> int:
-    """Inverted entries (holders, duplicate counts) and worker records left in the store."""
+    """Inverted entries (holders, duplicate counts) and worker records left in the store. (A sharded
+    store's workers are memory stores, checked as such: here, what it still exports.)"""
+    if isinstance(store, ShardedPreciseStore):
+        return len(await store.export_entries())
     if isinstance(store, MemoryPreciseStore):
         i = store.index
         return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
@@ -355,13 +391,24 @@ async def test_two_streams_of_one_worker_racing_lose_nothing(store: PreciseStore
     assert len((await other.engine_hashes("a"))[0]) == 60
 
 
+def racing_pods(store: PreciseStore, model: str) -> list[str]:
+    """Two pods whose batches race for an unconfigured model's block size. The capability
+    ``SHARED_FIRST_BLOCK_SIZE`` (True unless a backend says otherwise) is "one first block size for
+    the whole store"; the sharded store documents it False: each worker learns its own, so its
+    race is run between two pods of one worker, where the first one wins as everywhere."""
+    if getattr(store, "SHARED_FIRST_BLOCK_SIZE", True):
+        return [f"{model}-0", f"{model}-1"]
+    same = [p for p in (f"{model}-{i}" for i in range(20)) if owner_of(p, 2) == owner_of(f"{model}-0", 2)]
+    return same[:2]
+
+
 async def test_the_first_block_size_wins_a_race(peers: Factory) -> None:
     one, two = await peers(), await peers()
     for round_ in range(5):
         model = f"race{round_}"
         evs = [BlockStored((1,), None, array("I", TOKENS[:bs]), bs) for bs in (BS, 2 * BS)]
-        results = await asyncio.gather(*(s.apply(StreamRef.of(f"{model}-{i}", "t", model), 0, 0, 0, (ev,))
-                                         for i, (s, ev) in enumerate(zip((one, two), evs))))
+        results = await asyncio.gather(*(s.apply(StreamRef.of(pod, "t", model), 0, 0, 0, (ev,))
+                                         for s, ev, pod in zip((one, two), evs, racing_pods(one, model))))
         assert sorted(r.applied.block_size_mismatch for r in results) == [0, 1]
         assert await one.block_size(model) in (BS, 2 * BS)
 

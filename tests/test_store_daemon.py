@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.config import Config
-from kvindex.tools.record import Captured, load_capture
+from kvindex.tools.capture import Captured, load_capture
 from tests.conftest import (
     FIXTURES,
     ROOT,

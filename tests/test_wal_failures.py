@@ -8,13 +8,22 @@ import os
 import resource
 import signal
 import subprocess
+import zlib
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from kvindex.config import Config
 from kvindex.persist.wal import (
+    Batch,
+    Decision,
+    PodRemoved,
+    Record,
+    RegistrationChange,
+    Resync,
+    Unknown,
     WriteAheadLog,
     encode_record,
     read_from,
@@ -120,7 +129,7 @@ async def test_full_device_abandons_segment_and_snapshot_clears_degraded(
     assert _metric(text, 'kvindex_wal_errors_total{op="append"}') >= 1
     assert _metric(text, 'kvindex_wal_errors_total{op="truncate"}') >= 1
     assert _metric(text, "kvindex_wal_degraded ") == 1.0
-    assert [r[3] for r in read_from(state_dir, broken + 1) if r[0] == "b"] == list(range(11, 30))
+    assert [r.seq for r in read_from(state_dir, broken + 1) if isinstance(r, Batch)] == list(range(11, 30))
     await h.daemon.snapshot()
     assert not h.daemon.wal_degraded
     entries, approx = set(h.daemon.index.export_entries()), h.daemon.approx.export_state()
@@ -132,17 +141,17 @@ async def test_full_device_abandons_segment_and_snapshot_clears_degraded(
 def test_oversized_record_is_refused_not_written(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr("kvindex.persist.wal.MAX_RECORD", 1024)
     wal = WriteAheadLog(tmp_path, fsync="never")
-    assert wal.append(["d", "p", "m", [1]])
-    assert not wal.append(["b", "k", "t", 1, b"x" * 4096])
-    assert wal.append(["d", "p", "m", [2]])
+    assert wal.append(Decision("p", "m", (1,)))
+    assert not wal.append(Batch("k", "t", 1, b"x" * 4096))
+    assert wal.append(Decision("p", "m", (2,)))
     wal.close()
     assert wal.degraded and wal.errors == 1
     records, problem = read_segment(segment_path(tmp_path, wal.segment))
-    assert problem is None and [r[3] for r in records] == [[1], [2]]
+    assert problem is None and [r.hashes for r in records] == [(1,), (2,)]
 
 
 # -- damage in the middle of a segment ---------------------------------------------------------
-def _segment(tmp_path: Path, bodies: list[list[Any]]) -> tuple[Path, list[int]]:
+def _segment(tmp_path: Path, bodies: list[Record]) -> tuple[Path, list[int]]:
     starts, data = [], b""
     for body in bodies:
         starts.append(len(data))
@@ -160,7 +169,7 @@ def _flip(path: Path, at: int) -> None:
 
 @pytest.mark.parametrize("where", ["body", "length", "crc", "lost_bytes"])
 def test_damage_mid_segment_skips_only_the_damage(tmp_path: Path, where: str, caplog: Any) -> None:
-    bodies = [["d", "p", "m", [i, i + 1]] for i in range(10)]
+    bodies: list[Record] = [Decision("p", "m", (i, i + 1)) for i in range(10)]
     path, starts = _segment(tmp_path, bodies)
     data = path.read_bytes()
     bad = starts[4]
@@ -174,26 +183,52 @@ def test_damage_mid_segment_skips_only_the_damage(tmp_path: Path, where: str, ca
         path.write_bytes(data[:bad + 6] + data[bad + 11:])
     with caplog.at_level(logging.WARNING, "kvindex.persist.wal"):
         records = list(read_from(tmp_path, 0))
-    assert [r[3][0] for r in records] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert [r.hashes[0] for r in records] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     assert "skipped" in caplog.text and "resynchronised at byte" in caplog.text
 
 
 def test_resync_skips_a_damaged_record_whole_even_if_its_payload_looks_like_records(tmp_path: Path) -> None:
     """An engine payload is raw bytes inside a record; when that record fails its CRC, the reader
     trusts its length and skips it whole instead of finding the records a payload may contain."""
-    crafted = encode_record(["x", "victim"]) + encode_record(["x", "victim2"])
-    bodies = [["d", "p", "m", [1]], ["b", "config:e", "kv@e@m", 7, crafted], ["d", "p", "m", [2]]]
+    crafted = encode_record(PodRemoved("victim")) + encode_record(PodRemoved("victim2"))
+    bodies = [Decision("p", "m", (1,)), Batch("config:e", "kv@e@m", 7, crafted), Decision("p", "m", (2,))]
     path, starts = _segment(tmp_path, bodies)
     _flip(path, starts[1] + 6)  # the batch record's CRC
     records, problem = read_segment(path)
-    assert [r[0] for r in records] == ["d", "d"] and "fails its CRC" in problem
+    assert [type(r) for r in records] == [Decision, Decision] and "fails its CRC" in problem
 
 
 def test_damaged_tail_and_garbage_only(tmp_path: Path) -> None:
-    path, starts = _segment(tmp_path, [["d", "p", "m", [i]] for i in range(3)])
+    path, starts = _segment(tmp_path, [Decision("p", "m", (i,)) for i in range(3)])
     path.write_bytes(path.read_bytes() + os.urandom(3000))
     records, problem = read_segment(path)
     assert len(records) == 3 and "skipped the last 3000 bytes" in problem
     path.write_bytes(b"\x00" * 100)
     records, problem = read_segment(path)
     assert records == [] and "skipped the last 100 bytes" in problem
+
+
+# -- the record types ----------------------------------------------------------------------------
+def _framed(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + zlib.crc32(body).to_bytes(4, "big") + body
+
+
+def test_segments_of_the_untyped_format_read_as_typed_records(tmp_path: Path) -> None:
+    """Earlier releases wrote plain msgpack lists: the same bytes as the tagged array structs."""
+    old = [["b", "config:e", "kv@e@m", 7, b"\x93raw"], ["r", "config:e", "e"], ["d", "p", "m", [1, 2**64 - 1]],
+           ["x", "p"], ["g", "add", {"instance_id": "i", "dp_rank": 0}]]
+    (tmp_path / "wal-00000001.log").write_bytes(b"".join(_framed(msgpack.packb(b, use_bin_type=True)) for b in old))
+    records, problem = read_segment(tmp_path / "wal-00000001.log")
+    assert problem is None and records == [
+        Batch("config:e", "kv@e@m", 7, b"\x93raw"), Resync("config:e", "e"), Decision("p", "m", (1, 2**64 - 1)),
+        PodRemoved("p"), RegistrationChange("add", {"instance_id": "i", "dp_rank": 0})]
+    assert b"".join(map(encode_record, records)) == (tmp_path / "wal-00000001.log").read_bytes()
+
+
+def test_an_intact_record_of_an_unknown_kind_is_read_as_unknown(tmp_path: Path) -> None:
+    """Not damage (its CRC holds): the reader keeps its place and the replay counts it skipped."""
+    data = (encode_record(Decision("p", "m", (1,))) + _framed(msgpack.packb(["q", "from the future"]))
+            + _framed(msgpack.packb(["d", 5, "m", [1]])) + encode_record(PodRemoved("p")))
+    (tmp_path / "wal-00000001.log").write_bytes(data)
+    records, problem = read_segment(tmp_path / "wal-00000001.log")
+    assert problem is None and [type(r) for r in records] == [Decision, Unknown, Unknown, PodRemoved]

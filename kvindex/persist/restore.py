@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,18 @@ from kvindex.ingest.lane import EngineLane, Fleet
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
-from kvindex.persist.wal import WriteAheadLog, fsync_and_close, read_from
+from kvindex.persist.wal import (
+    Batch,
+    Decision,
+    PodRemoved,
+    Record,
+    RegistrationChange,
+    Resync,
+    Unknown,
+    WriteAheadLog,
+    fsync_and_close,
+    read_from,
+)
 from kvindex.pods import PodDirectory
 
 log = logging.getLogger("kvindex.persist.restore")
@@ -191,11 +202,14 @@ class Recovery:
         lanes: dict[str, EngineLane] = {}
         n = skipped = 0
         for rec in read_from(self.config.state_dir, first):
-            try:
-                applied = await self._replay_record(rec, lanes)
-            except (IndexError, TypeError, ValueError, KeyError) as exc:
-                applied = False
-                log.warning("write-ahead log: skipping a malformed record: %s", exc)
+            applied = False
+            if isinstance(rec, Unknown):
+                log.warning("write-ahead log: skipping a record this kvindex does not know: %s", rec.why)
+            else:
+                try:
+                    applied = await self._replay_record(rec, lanes)
+                except (TypeError, ValueError, KeyError) as exc:
+                    log.warning("write-ahead log: skipping a malformed record: %s", exc)
             n += applied
             skipped += not applied
         for key, lane in lanes.items():
@@ -204,26 +218,24 @@ class Recovery:
             log.info("write-ahead log: re-applied %d records (%d skipped)", n, skipped)
         return n
 
-    async def _replay_record(self, rec: list[Any], lanes: dict[str, EngineLane]) -> bool:
-        """One record: b(atch), r(esync), d(ecision), x (pod removed), g (registration)."""
-        kind = rec[0]
-        if kind in ("b", "r"):
-            lane = lanes.get(rec[1]) or await self._replay_lane(rec[1], lanes)
-            if lane is None:
-                return False
-            if kind == "b":
-                await lane.apply_logged(rec[2], rec[3], rec[4])
-            else:
-                await lane.resync_logged(rec[2])
-        elif kind == "d":
-            self.approx.record(rec[1], rec[2], rec[3])
-        elif kind == "x":
-            self.index.clear_pod(rec[1])
-            self.approx.remove_pod(rec[1])
-        elif kind == "g":
-            self._replay_registration(rec[1], compat_api.Registration.from_json(rec[2]), lanes)
-        else:
-            return False
+    async def _replay_record(self, rec: Record, lanes: dict[str, EngineLane]) -> bool:
+        """One record, re-applied as it was when logged; False: it could not be (its lane is gone)."""
+        match rec:
+            case Batch() | Resync():
+                lane = lanes.get(rec.lane_key) or await self._replay_lane(rec.lane_key, lanes)
+                if lane is None:
+                    return False
+                if isinstance(rec, Batch):
+                    await lane.apply_logged(rec.topic, rec.seq, rec.payload)
+                else:
+                    await lane.resync_logged(rec.pod)
+            case Decision():
+                self.approx.record(rec.pod, rec.model, list(rec.hashes))
+            case PodRemoved():
+                self.index.clear_pod(rec.pod)
+                self.approx.remove_pod(rec.pod)
+            case RegistrationChange():
+                self._replay_registration(rec.change, compat_api.Registration.from_json(rec.registration), lanes)
         return True
 
     async def _replay_lane(self, key: str, lanes: dict[str, EngineLane]) -> EngineLane | None:
@@ -280,9 +292,18 @@ class Recovery:
     def _journal_on(self) -> None:
         wal = self.wal
         assert wal is not None
-        self.approx.on_record = lambda pod, model, hashes: wal.append(["d", pod, model, list(hashes)])
-        self.pods.on_remove = lambda pod: wal.append(["x", pod])
-        self.registrations.on_change = lambda kind, reg: wal.append(["g", kind, reg.to_json()])
+        def decided(pod: str, model: str, hashes: Sequence[int]) -> None:
+            wal.append(Decision(pod, model, tuple(hashes)))
+
+        def removed(pod: str) -> None:
+            wal.append(PodRemoved(pod))
+
+        def registered(kind: str, reg: compat_api.Registration) -> None:
+            wal.append(RegistrationChange("add" if kind == "add" else "remove", reg.to_json()))
+
+        self.approx.on_record = decided
+        self.pods.on_remove = removed
+        self.registrations.on_change = registered
 
     def lane_added(self, key: str, lane: EngineLane) -> None:
         saved = self._restored_streams.pop(key, None)
@@ -307,7 +328,7 @@ class _LaneJournal:
         self._wal = wal
 
     def batch(self, key: str, topic: str, seq: int, payload: bytes) -> None:
-        self._wal.append(["b", key, topic, seq, payload])
+        self._wal.append(Batch(key, topic, seq, payload))
 
     def resync(self, key: str, pod: str) -> None:
-        self._wal.append(["r", key, pod])
+        self._wal.append(Resync(key, pod))

@@ -1,12 +1,15 @@
 """The write-ahead log: what changed the indexes since the last snapshot, in the order it happened.
 
 Format: a directory of segments ``wal-<n:08d>.log``; each is a sequence of records
-``[length: u32 big-endian][crc32 of the body: u32 big-endian][body: msgpack array]``. Bodies:
-- ``["b", lane_key, topic, seq, payload]`` an engine batch as applied (raw payload bytes);
-- ``["r", lane_key, pod]`` an operator's resync of a pod (the batches it replayed follow);
-- ``["d", pod, model, [hash, ...]]`` a decision recorded into the approximate index;
-- ``["x", pod]`` a pod removed from both indexes (``DELETE /v1/pods/{pod}``, last unregister);
-- ``["g", "add" | "remove", registration]`` a ``/register`` or ``/unregister``.
+``[length: u32 big-endian][crc32 of the body: u32 big-endian][body: msgpack array]``. A body is one
+of the ``Record`` union: frozen, tagged, array-like ``msgspec.Struct``s, so on disk the tag is the
+array's first element (the same bytes the untyped lists of earlier releases were: their segments
+read as these records):
+- ``Batch``    ``["b", lane_key, topic, seq, payload]`` an engine batch as applied (raw payload bytes);
+- ``Resync``   ``["r", lane_key, pod]`` an operator's resync of a pod (the batches it replayed follow);
+- ``Decision`` ``["d", pod, model, [hash, ...]]`` a decision recorded into the approximate index;
+- ``PodRemoved`` ``["x", pod]`` a pod removed from both indexes (``DELETE /v1/pods/{pod}``, last unregister);
+- ``RegistrationChange`` ``["g", "add" | "remove", registration]`` a ``/register`` or ``/unregister``.
 
 Invariants:
 - A record is handed to the OS (one ``write``) before the call that logs it returns, so a SIGKILL
@@ -18,16 +21,19 @@ Invariants:
   most once per 10 s per kind, and the log is ``degraded`` until a snapshot written after the
   failure covers it (``covered(n)``): the lost record's change is in memory but would not survive
   a restart. The daemon keeps serving.
+- An intact record (its CRC holds, its body is a msgpack array) that is not one of ``Record`` (a
+  kind this release does not know, a field of the wrong type) is read as ``Unknown``: the replay
+  counts it as skipped and goes on. Damage is different:
 - Reading never stops at a bad record (short, too long, failing its CRC or not a record): the
   reader reports it with the bytes it skipped and resynchronises on the next valid record. First
   it trusts the bad record's own length (the usual case: a flipped bit in a body, which skips
   exactly that record, engine payload included); if no valid record starts there (the length
   itself is damaged) it scans forward for the next position whose body starts like a record
   (a msgpack array of 2-5 whose first element is a one-letter kind, ``[\x92-\x95]\xa1[bdgrx]``),
-  whose announced length fits and whose CRC and msgpack decoding hold. A false resync needs a
-  CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one residual risk is a
-  damaged length field in front of an engine payload that itself contains a well-formed record,
-  which needs both disk corruption and a crafted payload. Records after a skipped stretch are
+  whose announced length fits, whose CRC holds and whose body decodes as a ``Record``. A false
+  resync needs a CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one
+  residual risk is a damaged length field in front of an engine payload that itself contains a
+  well-formed record, which needs both disk corruption and a crafted payload. Records after a skipped stretch are
   safe to apply: a batch after a missing one is a seq gap and marks its stream unsynced.
 - Segments only grow; ``rotate()`` starts the next one; a snapshot that covers segments < n lets
   ``drop_before(n)`` delete them.
@@ -41,9 +47,9 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import msgpack
+import msgspec
 
 from kvindex.logs import BurstLog
 from kvindex.settings import FSYNC_POLICIES
@@ -71,12 +77,51 @@ def segments(directory: Path) -> list[int]:
     return sorted(out)
 
 
-def encode_record(body: list[Any]) -> bytes:
-    data = msgpack.packb(body, use_bin_type=True)
+class Batch(msgspec.Struct, frozen=True, tag="b", array_like=True):
+    lane_key: str
+    topic: str
+    seq: int
+    payload: bytes
+
+
+class Resync(msgspec.Struct, frozen=True, tag="r", array_like=True):
+    lane_key: str
+    pod: str
+
+
+class Decision(msgspec.Struct, frozen=True, tag="d", array_like=True):
+    pod: str
+    model: str
+    hashes: tuple[int, ...]
+
+
+class PodRemoved(msgspec.Struct, frozen=True, tag="x", array_like=True):
+    pod: str
+
+
+class RegistrationChange(msgspec.Struct, frozen=True, tag="g", array_like=True):
+    change: Literal["add", "remove"]
+    registration: dict[str, Any]  # ``Registration.to_json()``
+
+
+Record = Batch | Resync | Decision | PodRemoved | RegistrationChange
+"""Every kind of record: the closed union a segment holds."""
+
+
+class Unknown(msgspec.Struct, frozen=True):
+    why: str  # what the reader yields for an intact record that is not a ``Record`` (never written)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)  # type: ignore[arg-type]
+
+
+def encode_record(record: Record) -> bytes:
+    data = _encoder.encode(record)
     return len(data).to_bytes(4, "big") + zlib.crc32(data).to_bytes(4, "big") + data
 
 
-def _record_at(data: bytes, pos: int) -> tuple[list[Any] | None, int, str]:
+def _record_at(data: bytes, pos: int) -> tuple[Record | Unknown | None, int, str]:
     """The record at ``pos``: (record, its size, "") or (None, 0, why it is not one)."""
     if len(data) - pos < _HEAD:
         return None, 0, f"torn record header at byte {pos}"
@@ -88,12 +133,16 @@ def _record_at(data: bytes, pos: int) -> tuple[list[Any] | None, int, str]:
     if zlib.crc32(body) != crc:
         return None, 0, f"record at byte {pos} fails its CRC"
     try:
-        rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception:
+        return _decoder.decode(body), _HEAD + n, ""
+    except msgspec.DecodeError as exc:
+        why = str(exc)
+    try:
+        rec = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
         return None, 0, f"record at byte {pos} is not msgpack"
     if not isinstance(rec, list) or not rec:
         return None, 0, f"record at byte {pos} is not a record"
-    return rec, _HEAD + n, ""
+    return Unknown(f"record at byte {pos}: {why}"), _HEAD + n, ""
 
 
 def _resync(data: bytes, pos: int) -> int | None:
@@ -105,17 +154,17 @@ def _resync(data: bytes, pos: int) -> int | None:
             return nxt
     for m in _BODY_START.finditer(data, pos + 1 + _HEAD):
         candidate = m.start() - _HEAD
-        if _record_at(data, candidate)[0] is not None:
+        if isinstance(_record_at(data, candidate)[0], Record):  # scanning, only a known record counts
             return candidate
     return None
 
 
-def read_segment(path: Path) -> tuple[list[list[Any]], str | None]:
+def read_segment(path: Path) -> tuple[list[Record | Unknown], str | None]:
     """Every intact record of one segment, and what was skipped (None: the segment is clean).
     A bad record does not end reading: the reader skips to the next valid record (see the module
     docstring) and the problem names each bad record and how many bytes were skipped."""
     data = path.read_bytes()
-    out: list[list[Any]] = []
+    out: list[Record | Unknown] = []
     problems: list[str] = []
     pos = 0
     while pos < len(data):
@@ -133,7 +182,7 @@ def read_segment(path: Path) -> tuple[list[list[Any]], str | None]:
     return out, "; ".join(problems) or None
 
 
-def read_from(directory: Path, first: int) -> Iterator[list[Any]]:
+def read_from(directory: Path, first: int) -> Iterator[Record | Unknown]:
     """Every intact record of segments >= ``first``, in order. Damage is skipped with a warning
     that says how many bytes were skipped; the records after it are still read."""
     for n in segments(directory):
@@ -205,16 +254,16 @@ class WriteAheadLog:
             except Exception:  # a metrics hook must not turn a handled failure into a raised one
                 log.exception("write-ahead log error hook failed")
 
-    def append(self, body: list[Any]) -> bool:
+    def append(self, record: Record) -> bool:
         """Log one record; False when it could not be (the failure is handled here, never raised)."""
         if self._closed:
             return False
         target = self.segment if self._fd is not None else self.segment + 1  # where this record goes
         try:
-            data = encode_record(body)
+            data = encode_record(record)
             if len(data) - _HEAD > MAX_RECORD:
                 raise ValueError(f"record of {len(data) - _HEAD} bytes exceeds the {MAX_RECORD}-byte limit")
-        except (ValueError, TypeError, OverflowError) as exc:
+        except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
             self._lose(target)
             self._failed("append", exc)
             return False

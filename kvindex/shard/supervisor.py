@@ -34,9 +34,9 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -47,11 +47,13 @@ import kvindex
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit
 from kvindex.index.protocol import ApproxStore, StoreUnavailable
-from kvindex.index.sharded import ShardChannel, ShardedPreciseStore
 from kvindex.pods import remove_pod
-from kvindex.shard.worker import WorkerSettings, owner_of
+from kvindex.shard import channel as ch
+from kvindex.shard.channel import LaneStatus, ShardChannel, WorkerSettings, owner_of
+from kvindex.shard.store import ShardedPreciseStore
 
 log = logging.getLogger("kvindex.shard.supervisor")
+R = TypeVar("R")
 START_SECONDS = 20.0  # a worker must answer its first ping within this (imports, socket bind)
 STOP_SECONDS = 5.0  # SIGTERM, then SIGKILL after this
 WATCH_SECONDS = 0.5
@@ -83,62 +85,62 @@ class Shards:
         self.procs: list[asyncio.subprocess.Process] = []
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
-        self.lane_status: dict[str, dict[str, Any]] = {}  # lane key -> the worker's last report
+        self.lane_status: dict[str, LaneStatus] = {}  # lane key -> the worker's last report
 
     async def start(self) -> None:
-        for ch in self.channels:
+        for chan in self.channels:
             self.procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvindex.shard.worker", "--channel", ch.endpoint, "--index", str(ch.index),
+                sys.executable, "-m", "kvindex.shard.worker", "--channel", chan.endpoint, "--index", str(chan.index),
                 "--settings", self.settings.to_json(), "--log-level", self._log_level, env=_same_code_env()))
-            ch.start()
-        pids = await asyncio.gather(*(self._first_answer(ch, proc) for ch, proc in zip(self.channels, self.procs)))
+            chan.start()
+        pids = await asyncio.gather(*(self._first_answer(chan, proc) for chan, proc in zip(self.channels, self.procs)))
         log.info("%d ingest workers running (pids %s)", self.count, ", ".join(map(str, pids)))
         self._watch = asyncio.create_task(self._watch_loop(), name="worker watch")
 
     @staticmethod
-    async def _first_answer(ch: ShardChannel, proc: asyncio.subprocess.Process) -> int:
+    async def _first_answer(chan: ShardChannel, proc: asyncio.subprocess.Process) -> int:
         """The worker's pid once it answers; ``StoreUnavailable`` if it exits or stays silent first."""
-        ping = asyncio.ensure_future(ch.request("ping", timeout=START_SECONDS))
+        ping = asyncio.ensure_future(chan.request(ch.Ping(), timeout=START_SECONDS))
         exited = asyncio.ensure_future(proc.wait())
         await asyncio.wait({ping, exited}, return_when=asyncio.FIRST_COMPLETED)
         exited.cancel()
         if not ping.done():
             ping.cancel()
-            raise StoreUnavailable(f"worker {ch.index} exited with code {proc.returncode} before it answered")
+            raise StoreUnavailable(f"worker {chan.index} exited with code {proc.returncode} before it answered")
         return ping.result()
 
     def owner(self, lane_key: str) -> ShardChannel:
         return self.channels[owner_of(lane_key, self.count)]
 
     def problems(self) -> list[str]:
-        return [f"worker {ch.index} {ch.dead}" for ch in self.channels if ch.dead is not None]
+        return [f"worker {chan.index} {chan.dead}" for chan in self.channels if chan.dead is not None]
 
     async def _watch_loop(self) -> None:
         while True:
             await asyncio.sleep(WATCH_SECONDS)
-            for ch, proc in zip(self.channels, self.procs):
-                if proc.returncode is not None and ch.dead is None and not self._stopping:
-                    self._died(ch, proc)
+            for chan, proc in zip(self.channels, self.procs):
+                if proc.returncode is not None and chan.dead is None and not self._stopping:
+                    self._died(chan, proc)
             await self._refresh_lanes()
 
-    def _died(self, ch: ShardChannel, proc: asyncio.subprocess.Process) -> None:
+    def _died(self, chan: ShardChannel, proc: asyncio.subprocess.Process) -> None:
         reason = (f"(pid {proc.pid}) exited with code {proc.returncode}: its engines are not indexed "
                   "until kvindex restarts")
-        ch.fail(reason)
-        log.error("worker %d %s", ch.index, reason)
+        chan.fail(reason)
+        log.error("worker %d %s", chan.index, reason)
         if self.on_failure is not None:
-            self.on_failure(f"worker {ch.index} {reason}")
+            self.on_failure(f"worker {chan.index} {reason}")
 
     async def _refresh_lanes(self) -> None:
-        live = [ch for ch in self.channels if ch.dead is None]
-        answers = await asyncio.gather(*(ch.request("lanes") for ch in live), return_exceptions=True)
+        live = [chan for chan in self.channels if chan.dead is None]
+        answers = await asyncio.gather(*(c.request(ch.Lanes()) for c in live), return_exceptions=True)
         for part in answers:
             if isinstance(part, dict):
                 self.lane_status.update(part)
 
-    async def ask_all(self, op: str, *args: Any) -> list[Any]:
-        """``op`` on every worker; a worker that cannot answer gives its ``StoreUnavailable``."""
-        return list(await asyncio.gather(*(ch.request(op, *args) for ch in self.channels), return_exceptions=True))
+    async def ask_all(self, req: ch.Request[R]) -> list[R | BaseException]:
+        """``req`` to every worker; a worker that cannot answer gives its ``StoreUnavailable``."""
+        return list(await asyncio.gather(*(c.request(req) for c in self.channels), return_exceptions=True))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -155,8 +157,8 @@ class Shards:
                 log.error("worker pid %d did not stop within %g s: killing it", proc.pid, STOP_SECONDS)
                 proc.kill()
                 await proc.wait()
-        for ch in self.channels:
-            await ch.close()
+        for chan in self.channels:
+            await chan.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -195,11 +197,11 @@ class ShardedFleet:
         return RemoteLane(engine)
 
     async def _add(self, key: str, engine: EngineConfig) -> None:
-        ch = self._shards.owner(key)
+        chan = self._shards.owner(key)
         try:
-            await ch.request("add", key, asdict(engine))
+            await chan.request(ch.AddLane(key, engine))
         except StoreUnavailable as exc:
-            log.error("engine %s: worker %d could not start its lane: %s", engine.name, ch.index, exc)
+            log.error("engine %s: worker %d could not start its lane: %s", engine.name, chan.index, exc)
 
     async def added(self) -> None:
         """Until every lane added so far has been handed to its worker."""
@@ -210,15 +212,15 @@ class ShardedFleet:
         if engine is None:
             return None
         await self.added()
-        await self._shards.owner(key).request("remove", key)
+        await self._shards.owner(key).request(ch.RemoveLane(key))
         self._shards.lane_status.pop(key, None)
         return RemoteLane(engine)
 
     def lanes(self) -> dict[str, RemoteLane]:
         out = {}
         for key, engine in self._engines.items():
-            status = self._shards.lane_status.get(key, {})
-            out[key] = RemoteLane(engine, int(status.get("connected", 0)), tuple(status.get("behind", ())))
+            status = self._shards.lane_status.get(key, LaneStatus())
+            out[key] = RemoteLane(engine, status.connected, status.behind)
         return out
 
     def flush_metrics(self) -> None:
@@ -227,14 +229,14 @@ class ShardedFleet:
     def lane_task_failed(self, key: str) -> str | None:
         if key not in self._engines:
             return None
-        ch = self._shards.owner(key)
-        if ch.dead is not None:
-            return f"worker {ch.index} {ch.dead}"
-        return self._shards.lane_status.get(key, {}).get("failure")
+        chan = self._shards.owner(key)
+        if chan.dead is not None:
+            return f"worker {chan.index} {chan.dead}"
+        return self._shards.lane_status.get(key, LaneStatus()).failure
 
     async def resync(self, pod: str) -> bool:
-        found = await asyncio.gather(*(ch.request("resync", pod, timeout=RESYNC_SECONDS)
-                                       for ch in self._shards.channels))
+        found = await asyncio.gather(*(c.request(ch.Resync(pod), timeout=RESYNC_SECONDS)
+                                       for c in self._shards.channels))
         return any(found)
 
     async def close(self) -> None:
@@ -256,7 +258,7 @@ class ShardedPods:
 
     async def views(self) -> list[dict[str, Any]]:
         views: dict[str, dict[str, Any]] = {}
-        for part in await asyncio.gather(*(ch.request("views") for ch in self._shards.channels)):
+        for part in await asyncio.gather(*(c.request(ch.Views()) for c in self._shards.channels)):
             for view in part:
                 _merge_view(views, view)
         approx_only = sorted(set(await self._approx.pods()) - set(views))
@@ -271,10 +273,10 @@ class ShardedPods:
 
     async def readiness_problems(self) -> list[str]:
         problems = self._shards.problems()
-        for ch, part in zip(self._shards.channels, await self._shards.ask_all("problems")):
+        for chan, part in zip(self._shards.channels, await self._shards.ask_all(ch.Problems())):
             if isinstance(part, list):
                 problems.extend(part)
-            elif ch.dead is None:  # it lives but did not answer (its message names it)
+            elif chan.dead is None:  # it lives but did not answer (its message names it)
                 problems.append(str(part))
         return problems
 

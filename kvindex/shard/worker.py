@@ -1,19 +1,19 @@
 """A shard worker process (``kvindex serve --workers N``, N >= 2): owns some engines' lanes.
 
 ``python -m kvindex.shard.worker --channel ipc://PATH --settings JSON`` runs one worker. It binds a
-ROUTER socket at ``--channel`` and answers the parent's requests (``kvindex.index.sharded``):
-add or remove an engine lane, the precise index's read side (``match``, ``pods``, ...), writes
-that come from HTTP (``clear_pod``, ``resync``), the pods' views and readiness problems, and its
-own metrics as Prometheus text.
+ROUTER socket at ``--channel`` and answers the parent's requests (``kvindex.shard.channel``; the
+parent's side is ``kvindex.shard.store`` and ``kvindex.shard.supervisor``): add or remove an engine
+lane, every operation of the precise store (``Match``, ``Pods``, ..., ``Apply``, ``Restart``), the
+pods' views and readiness problems, an operator's resync, and its own metrics as Prometheus text.
 
 Invariants:
 - A worker owns a ``MemoryPreciseStore`` and the lanes the parent added to it (ZeroMQ SUB,
   decode, apply: the same ``EngineLane`` code as the single process). Nothing else writes its
   index, so the pods it holds are exactly those its lanes feed.
-- Frames: request ``[request id, msgpack [op, args]]`` plus ``match``'s keys as one raw frame of
-  packed little-endian u64; reply ``[request id, msgpack {"ok": value} | {"error": "one line"}]``.
-  Requests are answered in arrival order, except ``resync`` (it awaits the engine's replay),
-  which runs in its own task.
+- Frames and messages are ``kvindex.shard.channel``'s: a request that does not decode as one of
+  ``REQUESTS`` is logged and dropped (its sender times out); a failing one is answered with
+  ``Failed`` (one line). Requests are answered in arrival order, except ``Resync`` (it awaits the
+  engine's replay), which runs in its own task.
 - The worker exits when the parent asks (SIGTERM; SIGINT is left to the parent), and on its own
   when the parent is gone (its parent pid changed): it never outlives the daemon that started it,
   and then removes its ipc socket (and the channel directory, the last one out).
@@ -23,19 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import sys
-import zlib
-from array import array
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
@@ -50,43 +45,13 @@ from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
-from kvindex.sequence import StreamRef
+from kvindex.sequence import Position
 from kvindex.settings import ApproxConfig, ApproxSettings, DriftSettings
+from kvindex.shard import channel as ch
+from kvindex.shard.channel import WorkerSettings, unpack_keys
 
 log = logging.getLogger("kvindex.shard.worker")
 PARENT_CHECK_SECONDS = 1.0
-
-
-def owner_of(lane_key: str, workers: int) -> int:
-    """The worker that owns a lane: stable across restarts and processes (CRC-32 of the key)."""
-    return zlib.crc32(lane_key.encode()) % workers
-
-
-def pack_keys(keys: Any) -> bytes:
-    return array("Q", keys).tobytes()
-
-
-def unpack_keys(raw: bytes) -> array:
-    keys = array("Q")
-    keys.frombytes(raw)
-    return keys
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    """What a worker needs of the daemon's configuration (passed as JSON on its command line)."""
-
-    replay_timeout: float = 2.0
-    rcvhwm: int = 1_000_000
-    store_buffer: int = 10_000
-    max_message_bytes: int = 64 << 20
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerSettings:
-        return cls(**json.loads(text))
 
 
 class Worker:
@@ -105,13 +70,21 @@ class Worker:
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
         self.pods = PodDirectory(self.fleet, self.store, approx, DriftAudit(self.store, approx, DriftSettings()))
         self._tasks: set[asyncio.Task[None]] = set()
-        self._ops: dict[str, Callable[..., Awaitable[Any]]] = {
-            "ping": self._ping, "add": self._add, "remove": self._remove, "pods": self._pods,
-            "set_block_size": self.store.set_block_size, "block_size": self.store.block_size,
-            "block_sizes": self.store.block_sizes, "blocks_held": self.store.blocks_held,
-            "engine_hashes": self.store.engine_hashes, "clear_pod": self.store.clear_pod,
-            "position": self._position, "views": self.pods.views, "problems": self.pods.readiness_problems,
-            "lanes": self._lanes, "metrics": self._metrics, "stats": self._stats, "resync": self.fleet.resync,
+        st = self.store
+        self._ops: dict[type, Callable[[Any], Awaitable[Any]]] = {
+            ch.Ping: self._ping, ch.AddLane: self._add, ch.RemoveLane: self._remove, ch.Lanes: self._lanes,
+            ch.Resync: lambda r: self.fleet.resync(r.pod), ch.Views: lambda r: self.pods.views(),
+            ch.Problems: lambda r: self.pods.readiness_problems(), ch.Metrics: self._metrics, ch.Stats: self._stats,
+            ch.Apply: lambda r: st.apply(r.stream, r.seq, r.epoch, r.dp_rank, [ch.from_wire(e) for e in r.events],
+                                         force=r.force),
+            ch.Restart: self._restart, ch.GetPosition: lambda r: st.position(r.stream),
+            ch.SetPosition: lambda r: st.set_position(r.stream, r.position),
+            ch.ClearPod: lambda r: st.clear_pod(r.pod, r.dp_rank),
+            ch.SetBlockSize: lambda r: st.set_block_size(r.model, r.block_size),
+            ch.BlockSize: lambda r: st.block_size(r.model), ch.BlockSizes: lambda r: st.block_sizes(),
+            ch.Pods: lambda r: st.pods(), ch.BlocksHeld: lambda r: st.blocks_held(r.pod),
+            ch.EngineHashes: lambda r: st.engine_hashes(r.pod), ch.ExportEntries: lambda r: st.export_entries(),
+            ch.LoadEntries: lambda r: st.load_entries(r.entries),
         }
 
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
@@ -123,56 +96,51 @@ class Worker:
                                                 store_buffer=s.store_buffer), burst=self._burst)
 
     # -- operations ----------------------------------------------------------------------------
-    async def _ping(self) -> int:
+    async def _ping(self, req: ch.Ping) -> int:
         return os.getpid()
 
-    async def _add(self, key: str, engine: dict[str, Any]) -> None:
-        if key not in self.fleet.lanes():
-            self.fleet.add(key, EngineConfig(**engine))
+    async def _add(self, req: ch.AddLane) -> None:
+        if req.key not in self.fleet.lanes():
+            self.fleet.add(req.key, req.engine)
 
-    async def _remove(self, key: str) -> bool:
-        return await self.fleet.remove(key) is not None
+    async def _remove(self, req: ch.RemoveLane) -> bool:
+        return await self.fleet.remove(req.key) is not None
 
-    async def _pods(self) -> list[str]:
-        return await self.store.pods()
+    async def _restart(self, req: ch.Restart) -> ch.Restarted:
+        before = await self.store.position(req.stream) or Position()
+        after = await self.store.restart(req.stream, req.seen_epoch, req.ranks)
+        return ch.Restarted(after, before.epoch == req.seen_epoch)
 
-    async def _position(self, ref: list[str]) -> list[Any] | None:
-        pos = await self.store.position(StreamRef(*ref))
-        return None if pos is None else [pos.last_seq, pos.epoch, pos.synced, pos.reason]
-
-    async def _lanes(self) -> dict[str, dict[str, Any]]:
+    async def _lanes(self, req: ch.Lanes) -> dict[str, ch.LaneStatus]:
         """Per lane: connected, the listener's failure, the models it is behind on."""
-        return {key: {"connected": lane.state.connected_peers, "failure": self.fleet.lane_task_failed(key),
-                      "behind": sorted({st.model for st in lane.state.streams.values() if lane.behind(st.model)})}
+        return {key: ch.LaneStatus(lane.state.connected_peers, self.fleet.lane_task_failed(key),
+                                   tuple(sorted({st.model for st in lane.state.streams.values()
+                                                 if lane.behind(st.model)})))
                 for key, lane in self.fleet.lanes().items()}
 
-    async def _metrics(self) -> bytes:
+    async def _metrics(self, req: ch.Metrics) -> bytes:
         self.fleet.flush_metrics()
         return generate_latest(self.registry)
 
-    async def _stats(self) -> dict[str, Any]:
+    async def _stats(self, req: ch.Stats) -> dict[str, float]:
         """Ingest totals (benchmarks): batches applied and the wall clock of the last one."""
         sts = [st for lane in self.fleet.lanes().values() for st in lane.state.streams.values()]
         return {"batches": sum(st.batches for st in sts), "gaps": sum(st.gaps for st in sts),
                 "last_applied": max((st.last_applied or 0.0 for st in sts), default=0.0)}
 
-    async def _match(self, keys: bytes, pods: list[str] | None, model: str | None) -> dict[str, list[Any]]:
-        found = await self.store.match(unpack_keys(keys), pods, model=model)
-        return {pod: [m.gpu, m.cpu, m.disk, m.dp] for pod, m in found.items()}
-
     # -- the channel ---------------------------------------------------------------------------
-    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes], op: str, args: list[Any]) -> None:
+    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes], req: ch.Request[Any]) -> None:
         ident, rid = frames[0], frames[1]
         try:
-            if op == "match":
-                value = await self._match(frames[3], *args)
+            if isinstance(req, ch.Match):
+                value = await self.store.match(unpack_keys(frames[3]), req.pods, model=req.model)
             else:
-                value = await self._ops[op](*args)
-            reply: dict[str, Any] = {"ok": value}
+                value = await self._ops[type(req)](req)
+            reply: ch.Ok[Any] | ch.Failed = ch.Ok(value)
         except Exception as exc:  # every failure goes back to the parent as one line
             log.exception("worker request failed")
-            reply = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
-        await sock.send_multipart([ident, rid, msgpack.packb(reply)])
+            reply = ch.Failed(f"{type(exc).__name__}: {exc}".splitlines()[0])
+        await sock.send_multipart([ident, rid, ch.encode(reply)])
 
     async def serve(self, stop: asyncio.Event) -> None:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -198,16 +166,18 @@ class Worker:
         while True:
             frames = await sock.recv_multipart()
             try:
-                op, args = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
-            except (IndexError, ValueError, msgpack.UnpackException):
-                log.warning("worker: a malformed request (%d frames) ignored", len(frames))
+                req = ch.request_decoder.decode(frames[2])
+                if isinstance(req, ch.Match) and len(frames) != 4:
+                    raise ValueError("Match without its keys frame")
+            except Exception as exc:  # not a request (a decoder's own failure included): never the loop's end
+                log.warning("worker: a malformed request (%d frames) ignored: %s", len(frames), exc)
                 continue
-            if op == "resync":  # awaits the engine's replay: the channel keeps answering meanwhile
-                task = asyncio.create_task(self._answer(sock, frames, op, args))
+            if isinstance(req, ch.Resync):  # awaits the engine's replay: the channel keeps answering meanwhile
+                task = asyncio.create_task(self._answer(sock, frames, req))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             else:
-                await self._answer(sock, frames, op, args)
+                await self._answer(sock, frames, req)
 
 
 def _remove_channel(channel: str) -> None:

@@ -40,6 +40,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import xxhash
@@ -125,6 +126,7 @@ def block_stored(
 def to_array_event(event: dict) -> list:
     """Convert one map-dialect event to vLLM <= 0.23 tagged-array form (missing fields = None)."""
     tag = event["type"]
+    fields: tuple[str, ...]
     if tag == "BlockStored":
         fields = _BLOCK_STORED_FIELDS
     elif tag == "BlockRemoved":
@@ -141,11 +143,12 @@ def encode_batch(events: list[dict], ts: float, dp_rank: int = 0, dialect: str =
 
     Floats are float64, ints take msgpack's smallest width (u64 hashes >= 2**32 become 0xcf).
     """
+    wire: list[Any] = events
     if dialect == "array":
-        events = [to_array_event(e) for e in events]
+        wire = [to_array_event(e) for e in events]
     elif dialect != "map":
         raise ValueError(f"unknown dialect {dialect!r}")
-    return msgpack.packb([float(ts), events, dp_rank], use_bin_type=True)
+    return msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
 
 
 class SimulatedCache:

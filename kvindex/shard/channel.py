@@ -1,0 +1,373 @@
+"""The parent <-> worker channel of a sharded daemon: its typed messages and its client.
+
+One ZeroMQ ROUTER socket per worker (``kvindex.shard.worker`` binds it at an ipc:// endpoint), one
+DEALER per parent-side client (``ShardChannel``). Frames:
+- request ``[request id, msgpack Request]`` plus, for ``Match`` only, the keys as one raw frame
+  of packed little-endian u64 (``pack_keys``: a prompt's keys cost one memcpy, not a msgpack int
+  each);
+- reply ``[request id, msgpack Ok(value) | Failed(one line)]``.
+
+Every message is a frozen, tagged, array-like ``msgspec.Struct``: a request is ``[tag, fields...]``
+and ``REQUESTS`` is the closed union the worker decodes. Each request class names the type of its
+answer (``Pods(Request[list[str]])``): the client decodes a reply with ``Ok[that type] | Failed``,
+so a wrong-shaped answer is an error here, never a wrong value further on.
+
+Invariants:
+- An engine lane belongs to worker ``owner_of(lane_key, N)`` (CRC-32 of its key): stable across
+  restarts and processes. Writes the parent makes itself (``ShardedPreciseStore``) belong to
+  ``owner_of(pod, N)``.
+- Every request has a deadline (``ShardChannel.timeout``): no answer in time, a worker known dead
+  (``fail``), a reply that does not decode, or the worker's ``Failed`` raises ``StoreUnavailable``
+  with a one-line reason naming the worker. An answer after its deadline is dropped.
+- Events cross as ``WireStored`` / ``WireRemoved`` / ``WireCleared`` (``token_ids`` as the packed
+  u32 bytes) and come out as the same ``KVEvent`` values (``to_wire`` / ``from_wire``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import typing
+import zlib
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvindex.config import EngineConfig
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.protocol import ApplyResult, Entry, PodMatch, StoreUnavailable
+from kvindex.sequence import Position, StreamRef
+
+R = TypeVar("R", covariant=True)  # a request's answer
+T = TypeVar("T")
+REQUEST_TIMEOUT = 5.0  # seconds a worker may take to answer one request
+
+
+def owner_of(key: str, workers: int) -> int:
+    """The worker that owns a lane key (or, for the parent's own writes, a pod): CRC-32 of it."""
+    return zlib.crc32(key.encode()) % workers
+
+
+def pack_keys(keys: Iterable[int]) -> bytes:
+    return array("Q", keys).tobytes()
+
+
+def unpack_keys(raw: bytes) -> array:
+    keys = array("Q")
+    keys.frombytes(raw)
+    return keys
+
+
+class WorkerSettings(msgspec.Struct, frozen=True):
+    """What a worker needs of the daemon's configuration (passed as JSON on its command line)."""
+
+    replay_timeout: float = 2.0
+    rcvhwm: int = 1_000_000
+    store_buffer: int = 10_000
+    max_message_bytes: int = 64 << 20
+
+    def to_json(self) -> str:
+        return msgspec.json.encode(self).decode()
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSettings:
+        return msgspec.json.decode(text, type=cls)
+
+
+# -- events on the wire ----------------------------------------------------------------------------
+class WireStored(msgspec.Struct, frozen=True, tag="s", array_like=True):
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    token_ids: bytes  # array("I").tobytes(): native byte order (both ends on one host, ipc://)
+    block_size: int
+    medium: str
+    lora_name: str | None
+    cache_salt: str | None
+    group_idx: int
+
+
+class WireRemoved(msgspec.Struct, frozen=True, tag="r", array_like=True):
+    block_hashes: tuple[int, ...]
+    medium: str
+    group_idx: int
+
+
+class WireCleared(msgspec.Struct, frozen=True, tag="c", array_like=True):
+    pass
+
+
+WireEvent = WireStored | WireRemoved | WireCleared
+
+
+def to_wire(ev: KVEvent) -> WireEvent:
+    if isinstance(ev, BlockStored):
+        return WireStored(ev.block_hashes, ev.parent_hash, ev.token_ids.tobytes(), ev.block_size, ev.medium,
+                          ev.lora_name, ev.cache_salt, ev.group_idx)
+    if isinstance(ev, BlockRemoved):
+        return WireRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+    return WireCleared()
+
+
+def events_to_wire(events: Sequence[KVEvent]) -> tuple[WireEvent, ...]:
+    return tuple(map(to_wire, events))
+
+
+def from_wire(ev: WireEvent) -> KVEvent:
+    if isinstance(ev, WireStored):
+        tokens = array("I")
+        tokens.frombytes(ev.token_ids)
+        return BlockStored(ev.block_hashes, ev.parent_hash, tokens, ev.block_size, ev.medium, ev.lora_name,
+                           ev.cache_salt, ev.group_idx)
+    if isinstance(ev, WireRemoved):
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+    return AllBlocksCleared()
+
+
+# -- requests: one class per operation, the answer's type as its parameter -------------------------
+class Request(msgspec.Struct, Generic[R], frozen=True, tag=True, array_like=True):
+    """A request to a worker; ``R`` is the type of its answer."""
+
+    reply: ClassVar[Any]  # R, as a runtime type (set for each subclass below)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if typing.get_origin(base) is Request:
+                cls.reply = typing.get_args(base)[0]
+
+
+class LaneStatus(msgspec.Struct, frozen=True, array_like=True):
+    """One lane as its worker sees it (``/workers``, ``/readyz``)."""
+
+    connected: int = 0
+    failure: str | None = None
+    behind: tuple[str, ...] = ()
+
+
+class Ping(Request[int], frozen=True, tag="ping"):
+    """The worker's pid (it is up and answering)."""
+
+
+class AddLane(Request[None], frozen=True, tag="add"):
+    key: str
+    engine: EngineConfig
+
+
+class RemoveLane(Request[bool], frozen=True, tag="remove"):
+    key: str
+
+
+class Lanes(Request[dict[str, LaneStatus]], frozen=True, tag="lanes"):
+    pass
+
+
+class Resync(Request[bool], frozen=True, tag="resync"):
+    """An operator's resync of a pod's streams (awaits the engines' replay)."""
+
+    pod: str
+
+
+class Views(Request[list[dict[str, Any]]], frozen=True, tag="views"):
+    """The pods' views (``GET /v1/pods``) as the worker's pod directory gives them."""
+
+
+class Problems(Request[list[str]], frozen=True, tag="problems"):
+    pass
+
+
+class Metrics(Request[bytes], frozen=True, tag="metrics"):
+    """The worker's metrics as Prometheus text."""
+
+
+class Stats(Request[dict[str, float]], frozen=True, tag="stats"):
+    """Ingest totals (benchmarks): batches, gaps, the wall clock of the last batch applied."""
+
+
+class Apply(Request[ApplyResult], frozen=True, tag="apply"):
+    stream: StreamRef
+    seq: int
+    epoch: int
+    dp_rank: int
+    events: tuple[WireEvent, ...]
+    force: str | None = None
+
+
+class Restarted(msgspec.Struct, frozen=True, array_like=True):
+    position: Position
+    changed: bool  # this request cleared the ranks and moved the epoch on
+
+
+class Restart(Request[Restarted], frozen=True, tag="restart"):
+    stream: StreamRef
+    seen_epoch: int
+    ranks: tuple[int, ...] | None
+
+
+class GetPosition(Request[Position | None], frozen=True, tag="position"):
+    stream: StreamRef
+
+
+class SetPosition(Request[None], frozen=True, tag="set_position"):
+    stream: StreamRef
+    position: Position
+
+
+class ClearPod(Request[None], frozen=True, tag="clear_pod"):
+    pod: str
+    dp_rank: int | None = None
+
+
+class SetBlockSize(Request[None], frozen=True, tag="set_block_size"):
+    model: str
+    block_size: int
+
+
+class BlockSize(Request[int | None], frozen=True, tag="block_size"):
+    model: str
+
+
+class BlockSizes(Request[dict[str, int]], frozen=True, tag="block_sizes"):
+    pass
+
+
+class Pods(Request[list[str]], frozen=True, tag="pods"):
+    pass
+
+
+class BlocksHeld(Request[dict[str, int]], frozen=True, tag="blocks_held"):
+    pod: str
+
+
+class EngineHashes(Request[dict[int, dict[int, int | None]]], frozen=True, tag="engine_hashes"):
+    pod: str
+
+
+class Match(Request[dict[str, PodMatch]], frozen=True, tag="match"):
+    """The keys travel as the extra frame (``pack_keys``)."""
+
+    pods: tuple[str, ...] | None
+    model: str | None
+
+
+class ExportEntries(Request[list[Entry]], frozen=True, tag="export"):
+    pass
+
+
+class LoadEntries(Request[int], frozen=True, tag="load"):
+    entries: tuple[Entry, ...]
+
+
+REQUESTS = (Ping | AddLane | RemoveLane | Lanes | Resync | Views | Problems | Metrics | Stats | Apply | Restart
+            | GetPosition | SetPosition | ClearPod | SetBlockSize | BlockSize | BlockSizes | Pods | BlocksHeld
+            | EngineHashes | Match | ExportEntries | LoadEntries)
+"""Every request a worker answers: the closed union it decodes."""
+
+
+# -- replies ---------------------------------------------------------------------------------------
+class Ok(msgspec.Struct, Generic[R], frozen=True, tag="ok", array_like=True):
+    value: R
+
+
+class Failed(msgspec.Struct, frozen=True, tag="error", array_like=True):
+    message: str  # one line
+
+
+_encoder = msgspec.msgpack.Encoder()
+encode = _encoder.encode
+request_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(REQUESTS)
+_reply_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def decode_reply(kind: type[Request[Any]], data: bytes) -> Any:
+    """The value of a reply to a ``kind`` request; ``StoreUnavailable`` when it is ``Failed``."""
+    dec = _reply_decoders.get(kind)
+    if dec is None:
+        dec = _reply_decoders[kind] = msgspec.msgpack.Decoder(Ok[kind.reply] | Failed)  # type: ignore[name-defined]
+    reply = dec.decode(data)
+    if isinstance(reply, Failed):
+        raise StoreUnavailable(reply.message)
+    return reply.value
+
+
+# -- the client ------------------------------------------------------------------------------------
+class ShardChannel:
+    """Request/reply to one worker over a DEALER socket; replies are matched by request id."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, index: int, endpoint: str, timeout: float = REQUEST_TIMEOUT) -> None:
+        self.index = index
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.dead: str | None = None  # why this worker cannot answer (set by the supervisor)
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._waiting: dict[bytes, tuple[type[Request[Any]], asyncio.Future[Any]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.create_task(self._read(), name=f"worker {self.index} replies")
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            waiting = self._waiting.pop(frames[0], None) if len(frames) == 2 else None
+            if waiting is None or waiting[1].done():
+                continue  # an answer after its deadline
+            kind, fut = waiting
+            try:
+                fut.set_result(decode_reply(kind, frames[1]))
+            except StoreUnavailable as exc:
+                fut.set_exception(StoreUnavailable(f"worker {self.index}: {exc}"))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                fut.set_exception(StoreUnavailable(f"worker {self.index}: a malformed answer: {exc}"))
+
+    async def request(self, req: Request[T], *, extra: bytes | None = None, timeout: float | None = None) -> T:
+        if self.dead is not None:
+            raise StoreUnavailable(f"worker {self.index} {self.dead}")
+        rid = next(self._ids).to_bytes(8, "little")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self._waiting[rid] = (type(req), fut)
+        limit = timeout if timeout is not None else self.timeout
+        op = type(req).__name__
+        timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
+        frames = [rid, encode(req)] + ([extra] if extra is not None else [])
+        try:
+            # not awaited: a send that cannot complete (a dead peer's queue full) must not outlast the deadline
+            sent = typing.cast("asyncio.Future[Any]", self._sock.send_multipart(frames, copy=False))
+            sent.add_done_callback(lambda done: _send_done(done, fut, self.index))
+            return await fut
+        finally:
+            timer.cancel()
+            self._waiting.pop(rid, None)
+
+    def fail(self, reason: str) -> None:
+        """The worker is gone: every pending and later request fails at once with ``reason``."""
+        self.dead = reason
+        for _, fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(StoreUnavailable(f"worker {self.index} {reason}"))
+        self._waiting.clear()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        self._sock.close(linger=0)
+
+
+def _send_done(sent: asyncio.Future[Any], fut: asyncio.Future[Any], index: int) -> None:
+    if sent.cancelled() or sent.exception() is None or fut.done():
+        return
+    fut.set_exception(StoreUnavailable(f"worker {index}: sending failed: {sent.exception()}"))
+
+
+def _expire(fut: asyncio.Future[Any], reason: str) -> None:
+    if not fut.done():
+        fut.set_exception(StoreUnavailable(reason))

@@ -1,0 +1,160 @@
+"""The precise store of a sharded daemon (``--workers N``): the whole ``PreciseStore``, over workers.
+
+Each worker process (``kvindex.shard.worker``) owns some engines' lanes and a memory precise index of
+the pods they feed. The parent talks to each over one channel (``kvindex.shard.channel``) and
+``ShardedPreciseStore`` implements every ``PreciseStore`` operation by forwarding it to the worker
+that owns it, or by asking every worker and merging the answers.
+
+Invariants:
+- A query needs every worker's answer: a worker that cannot answer (deadline, dead, its error)
+  raises ``StoreUnavailable`` naming it — a 503, never a partial answer.
+- Reads merge to the single process's answer: a pod's ranks may sit on different workers (lanes
+  are assigned by lane key) and a pod's match is the longest over its ranks, so ``match`` merges
+  tiers by max and ``dp`` by union; ``blocks_held`` sums; ``pods``, ``block_sizes`` and
+  ``export_entries`` union; ``engine_hashes`` unions ranks; ``position`` is the one worker's
+  that holds the stream. ``match`` sends the keys once per worker as one packed frame.
+- A model's block size, once known, is kept here (it is fixed per model: keys are chunked by it),
+  so a query is one round trip per worker.
+- Writes that come from HTTP (``clear_pod``, ``set_block_size``) go to every worker (pods are few
+  per worker and the ops are idempotent).
+- The daemon's ingest writes happen in the workers, by their own lanes. Writes made through this
+  store (``apply``, ``restart``, ``set_position``, ``load_entries``) go to the worker owning the
+  pod (``owner_of(pod, N)``), which judges and applies them atomically, as every backend does.
+  ``restart`` that moved the epoch on also clears the ranks on the other workers (a rank a lane
+  there fed). Each worker learns an unconfigured model's block size from its own first
+  ``BlockStored``: the sharded deployment has no fleet-wide "first block size wins"
+  (``SHARED_FIRST_BLOCK_SIZE`` is False); configured block sizes (``set_block_size``) are everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
+
+from kvindex.events import KVEvent
+from kvindex.index.protocol import ApplyResult, Entry, PodMatch, StoreUnavailable
+from kvindex.sequence import Position, StreamRef
+from kvindex.shard import channel as ch
+from kvindex.shard.channel import ShardChannel, owner_of, pack_keys
+
+R = TypeVar("R")
+
+
+def merge_matches(parts: Iterable[dict[str, PodMatch]]) -> dict[str, PodMatch]:
+    """Workers' answers into one: per pod the longest over its ranks (max per tier, dp union)."""
+    out: dict[str, PodMatch] = {}
+    for part in parts:
+        for pod, m in part.items():
+            prev = out.get(pod)
+            out[pod] = m if prev is None else PodMatch(max(prev.gpu, m.gpu), max(prev.cpu, m.cpu),
+                                                       max(prev.disk, m.disk), {**prev.dp, **m.dp})
+    return out
+
+
+class ShardedPreciseStore:
+    """``PreciseStore`` over the workers' channels (see the module docstring)."""
+
+    name = "sharded"
+    SHARED_FIRST_BLOCK_SIZE = False  # an unconfigured block size is learned per worker
+
+    def __init__(self, channels: Sequence[ShardChannel]) -> None:
+        self.channels = list(channels)
+        self._block_sizes: dict[str, int] = {}  # known ones: fixed per model (keys are chunked by it)
+
+    async def _all(self, req: ch.Request[R], *, extra: bytes | None = None) -> list[R]:
+        return list(await asyncio.gather(*(c.request(req, extra=extra) for c in self.channels)))
+
+    def _owner(self, pod: str) -> ShardChannel:
+        return self.channels[owner_of(pod, len(self.channels))]
+
+    async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
+                    model: str | None = None) -> dict[str, PodMatch]:
+        wanted = None if pods is None else tuple(pods)
+        if wanted is not None and not wanted:
+            return {}
+        return merge_matches(await self._all(ch.Match(wanted, model), extra=pack_keys(keys)))
+
+    async def pods(self) -> list[str]:
+        return sorted({p for part in await self._all(ch.Pods()) for p in part})
+
+    async def blocks_held(self, pod: str) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for part in await self._all(ch.BlocksHeld(pod)):
+            for tier, n in part.items():
+                total[tier] = total.get(tier, 0) + n
+        return total
+
+    async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
+        out: dict[int, dict[int, int | None]] = {}
+        for part in await self._all(ch.EngineHashes(pod)):
+            for rank, blocks in part.items():
+                out.setdefault(rank, {}).update(blocks)
+        return out
+
+    async def position(self, stream: StreamRef) -> Position | None:
+        for found in await self._all(ch.GetPosition(stream)):
+            if found is not None:
+                return found
+        return None
+
+    async def block_size(self, model: str) -> int | None:
+        known = self._block_sizes.get(model)
+        if known is not None:
+            self._usable()  # a dead worker is a 503 here too, as on every other path
+            return known
+        return (await self.block_sizes()).get(model)
+
+    async def block_sizes(self) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for part in await self._all(ch.BlockSizes()):
+            sizes.update(part)
+        self._block_sizes.update(sizes)
+        return sizes
+
+    async def set_block_size(self, model: str, block_size: int) -> None:
+        await self._all(ch.SetBlockSize(model, block_size))
+        self._block_sizes[model] = block_size
+
+    def _usable(self) -> None:
+        for c in self.channels:
+            if c.dead is not None:
+                raise StoreUnavailable(f"worker {c.index} {c.dead}")
+
+    async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
+        await self._all(ch.ClearPod(pod, dp_rank))
+
+    # -- writes through the parent: the pod's owner judges and applies them ------------------------
+    async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
+                    *, force: str | None = None) -> ApplyResult:
+        return await self._owner(stream.pod).request(
+            ch.Apply(stream, seq, epoch, dp_rank, ch.events_to_wire(events), force))
+
+    async def restart(self, stream: StreamRef, seen_epoch: int, ranks: Iterable[int] | None) -> Position:
+        wanted = None if ranks is None else tuple(ranks)
+        owner = self._owner(stream.pod)
+        done = await owner.request(ch.Restart(stream, seen_epoch, wanted))
+        if done.changed:
+            others = [c for c in self.channels if c is not owner]
+            clears = [ch.ClearPod(stream.pod)] if wanted is None else [ch.ClearPod(stream.pod, r) for r in wanted]
+            await asyncio.gather(*(c.request(req) for c in others for req in clears))
+        return done.position
+
+    async def set_position(self, stream: StreamRef, position: Position) -> None:
+        await self._owner(stream.pod).request(ch.SetPosition(stream, position))
+
+    async def export_entries(self) -> list[Entry]:
+        return [e for part in await self._all(ch.ExportEntries()) for e in part]
+
+    async def load_entries(self, entries: Iterable[Entry]) -> int:
+        by_owner: dict[int, list[Entry]] = {}
+        for e in entries:
+            by_owner.setdefault(owner_of(e.pod, len(self.channels)), []).append(e)
+        counts = await asyncio.gather(*(self.channels[i].request(ch.LoadEntries(tuple(part)))
+                                        for i, part in by_owner.items()))
+        return sum(counts)
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
