@@ -172,6 +172,12 @@ def test_every_module_has_a_layer() -> None:
     assert not missing, f"modules in no layer of LAYERS (add them to the table in {__file__}): {missing}"
 
 
+def test_every_layer_entry_names_a_module() -> None:
+    stale = sorted(e for entries in LAYERS.values() for e in entries
+                   if not any(m == e or m.startswith(e + ".") for m in known()))
+    assert not stale, f"entries of LAYERS that name no module (renamed? update the table): {stale}"
+
+
 def test_imports_point_down_the_layers() -> None:
     wrong = []
     for imp in edges():
@@ -248,6 +254,10 @@ def longest_chain() -> list[str]:
     cycle, the longest chain does not depend on how it was reached (nothing after it leads back):
     memoised; around cycles, every simple path is tried."""
     graph = import_graph()
+    named: dict[str, set[str]] = {m: set() for m in graph}
+    for imp in edges():
+        if not imp.implicit:
+            named[imp.importer].add(imp.target)
     cyclic = in_cycles(graph)
     memo: dict[str, list[str]] = {}
 
@@ -255,7 +265,7 @@ def longest_chain() -> list[str]:
         if node in memo:
             return memo[node]
         longest = [node]
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph[node], key=lambda m: (m not in named[node], m)):  # named imports first
             if nxt in on_path:
                 continue
             on_path.add(nxt)
