@@ -59,12 +59,28 @@ async def wait_for(cond: Callable[[], Any], timeout: float = 5.0, what: str = "c
         await asyncio.sleep(0.005)
 
 
+class Publishers:
+    """What one test made: its fake engines by endpoint and its daemons, so that a daemon can wait
+    until its subscriptions have reached the engines feeding it."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, FakeEngine] = {}
+        self.harnesses: list[Harness] = []
+
+    def subscribers_of(self, endpoint: str) -> int:
+        """How many SUB sockets of this test's running daemons the engine at ``endpoint`` feeds
+        (a stopped daemon has no lanes)."""
+        return sum(lane.engine.endpoint == endpoint
+                   for h in self.harnesses for lane in h.daemon.fleet.lanes().values())
+
+
 class Harness:
     """A daemon on a free port plus an HTTP session to talk to it."""
 
-    def __init__(self, daemon: Daemon, session: aiohttp.ClientSession) -> None:
+    def __init__(self, daemon: Daemon, session: aiohttp.ClientSession, publishers: Publishers | None = None) -> None:
         self.daemon = daemon
         self.session = session
+        self.publishers = publishers or Publishers()
 
     @property
     def url(self) -> str:
@@ -89,10 +105,22 @@ class Harness:
         await wait_for(lambda: (s := self.stream(pod)) is not None and s.last_seq == seq, timeout,
                        f"pod {pod} to apply seq {seq}")
 
-    async def wait_connected(self, timeout: float = 5.0) -> None:
-        await wait_for(lambda: all(lane.state.connected_peers > 0 for lane in self.daemon.fleet.lanes().values()),
-                       timeout, "engines connected")
-        await asyncio.sleep(0.2)  # let SUB subscriptions reach the publisher (ZeroMQ slow joiner)
+    async def wait_connected(self, timeout: float = 10.0, others: int = 0) -> None:
+        """Until every lane is connected and its subscription has reached its engine (a PUB socket
+        drops what it publishes before that: the ZeroMQ slow joiner). Each engine must have been
+        made by ``make_engine``; it must then count exactly the SUB sockets of this test's running
+        daemons that point at it, plus ``others`` (subscribers outside them, e.g. a subprocess)."""
+        lanes = self.daemon.fleet.lanes().values()
+        await wait_for(lambda: all(lane.state.connected_peers > 0 for lane in lanes), timeout, "engines connected")
+        for endpoint in sorted({lane.engine.endpoint for lane in lanes}):
+            engine = self.publishers.engines.get(endpoint)
+            if engine is None:
+                raise AssertionError(f"no engine made by make_engine publishes on {endpoint}: "
+                                     "cannot wait for the subscription to reach it")
+            try:
+                await engine.wait_subscribers(self.publishers.subscribers_of(endpoint) + others, timeout)
+            except TimeoutError as exc:
+                raise AssertionError(f"the subscription never reached the engine: {exc}") from None
 
 
 async def _body(r: aiohttp.ClientResponse) -> Any:
@@ -102,8 +130,13 @@ async def _body(r: aiohttp.ClientResponse) -> Any:
 
 
 @pytest.fixture
-async def make_harness() -> AsyncIterator[Callable[..., Any]]:
-    made: list[Harness] = []
+def publishers() -> Publishers:
+    return Publishers()
+
+
+@pytest.fixture
+async def make_harness(publishers: Publishers) -> AsyncIterator[Callable[..., Any]]:
+    made = publishers.harnesses
     session = aiohttp.ClientSession()
 
     async def make(config: Config | None = None, **kw: Any) -> Harness:
@@ -111,7 +144,7 @@ async def make_harness() -> AsyncIterator[Callable[..., Any]]:
         cfg = Config(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "port": 0, "host": "127.0.0.1"})
         daemon = Daemon(cfg, **kw)
         await daemon.start()
-        h = Harness(daemon, session)
+        h = Harness(daemon, session, publishers)
         made.append(h)
         return h
 
@@ -122,13 +155,14 @@ async def make_harness() -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-async def make_engine() -> AsyncIterator[Callable[..., Any]]:
+async def make_engine(publishers: Publishers) -> AsyncIterator[Callable[..., Any]]:
     engines: list[FakeEngine] = []
 
     async def make(endpoint: str, **kw: Any) -> FakeEngine:
         engine = FakeEngine(endpoint, **kw)
         await engine.start()
         engines.append(engine)
+        publishers.engines[engine.endpoint] = engine
         return engine
 
     yield make

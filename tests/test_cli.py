@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -107,13 +108,17 @@ def test_record_writes_the_fixture_format(tmp_path: Path) -> None:
     pub = free_port()
     out = tmp_path / "rec.jsonl"
     rec = subprocess.Popen(KVINDEX + ["record", f"tcp://127.0.0.1:{pub}", "-o", str(out), "--max-messages", "18"],
-                           stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "KVINDEX_LOG_LEVEL": "INFO"})
+    assert rec.stderr is not None
+    head = []  # the recorder's SUB socket is open once it says so (then the replay's linger covers the join)
+    while not head or "recording " not in head[-1]:
+        head.append(rec.stderr.readline())
+        assert head[-1], f"the recorder ended before recording: {''.join(head)}"
     engine = subprocess.run(KVINDEX + ["replay", str(FIXTURES / "small" / "events.jsonl"), "--publish",
                                        f"tcp://127.0.0.1:{pub}", "--linger", "1.5"], capture_output=True, timeout=60)
     assert engine.returncode == 0
     _, err = rec.communicate(timeout=30)
-    assert rec.returncode == 0, err
+    assert rec.returncode == 0, "".join(head) + err
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     original = [json.loads(x)["frames"] for x in (FIXTURES / "small" / "events.jsonl").read_text().splitlines()]
     assert [x["frames"] for x in lines] == original

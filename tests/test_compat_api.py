@@ -6,7 +6,6 @@ the engine hashes held at the end of the capture, computed from the raw frames."
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,7 @@ async def register(h: Any, tmp_path: Path, make_engine: Any) -> Any:
     (w,) = await workers(h)
     assert w["listeners"]["0"]["status"] == "pending" and w["status"] == "pending"
     engine = await make_engine(endpoint, replay_endpoint=replay)
-    await wait_for(lambda: all(lane.state.connected_peers for lane in h.daemon.fleet.lanes().values()), 5.0, "connected")
-    await asyncio.sleep(0.2)  # PUB/SUB slow joiner
+    await h.wait_connected()  # connected and subscribed: what the engine publishes now arrives
     return engine
 
 
@@ -202,8 +200,7 @@ async def _two_groups(make_harness: Any, make_engine: Any, tmp_path: Path) -> tu
     for ep, reg in zip(eps, regs):
         status, got = await h.post("/register", {**reg, "endpoint": ep, "model_name": MODEL, "block_size": 4})
         assert status in (200, 201), got
-    await wait_for(lambda: all(lane.state.connected_peers for lane in h.daemon.fleet.lanes().values()), 5.0, "connected")
-    await asyncio.sleep(0.2)
+    await h.wait_connected()  # every rank's subscription reached its engine: none of the messages below is lost
     tokens = list(range(1, 14))  # 13 tokens: 3 cacheable blocks of 4
     stored = {"type": "BlockStored", "block_hashes": [11, 12, 13], "parent_block_hash": None,
               "token_ids": tokens[:12], "block_size": 4}

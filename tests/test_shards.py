@@ -124,13 +124,12 @@ async def cluster(make_harness: Any, make_engine: Any, tmp_path: Path) -> Any:
     session = aiohttp.ClientSession()
     served = await serve_sharded(engines, session)
     try:
-        await single.wait_connected()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
         while (await served.request("GET", "/readyz"))[0] != 200:
             assert loop.time() < deadline, await served.request("GET", "/readyz")
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # subscriptions reach the publishers (ZeroMQ slow joiner)
+        await single.wait_connected(others=1)  # and the sharded kvindex's worker subscribed to each engine too
         yield engines, pods, single, served
     finally:
         if served.proc.returncode is None:
@@ -186,7 +185,7 @@ async def register_and_compare(served: Served, make_engine: Any, tmp_path: Path,
     while (await served.request("GET", "/workers"))[1][0]["status"] != "active":
         assert loop.time() < deadline, await served.request("GET", "/workers")
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)  # the subscription reaches the publisher
+    await engine.wait_subscribers(1)  # the worker's subscription reached the engine: nothing below is lost
     for c in captured:
         await engine.publish(c.frames)
     while (await pod_seqs(served)).get("77") != int.from_bytes(captured[-1].frames[1], "big"):

@@ -9,9 +9,12 @@ Invariants:
   Garbage requests (wrong frame count, seq not 8 bytes) are ignored; the replay task never dies
   of a bad request. ``publish(..., replay_only=True)`` buffers without sending (a dropped message).
 - PUB/SUB slow joiner: a PUB socket silently drops every message published before a subscriber's
-  subscription has reached it (a few ms after connect on localhost, longer over a network). Nothing
-  on a PUB socket can tell that a subscriber is ready, so callers (tests, ``replay_main``) wait a
-  little after connecting, or publish a warm-up message, before messages that matter.
+  subscription has reached it (a few ms after connect on localhost, longer over a network). The
+  publisher is an XPUB socket (it sends exactly as a PUB does) so that it can tell:
+  ``wait_subscribers(n)`` returns once ``n`` subscribers are subscribed (every subscription and
+  every departed subscriber is counted, ``XPUB_VERBOSE``/``XPUB_VERBOSER``); what is published
+  after it returns reaches them. ``replay_main`` still waits ``linger_seconds`` (it cannot know how
+  many subscribers to expect).
 - Every socket this module opens is closed with linger 0; a context is terminated by whoever
   created it. ``close()`` is idempotent and cancels and awaits the replay task it owns.
 """
@@ -91,13 +94,16 @@ class FakeEngine:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.replays_served = 0
+        self.subscribers = 0  # subscriptions that reached the PUB socket minus departed ones
 
     async def start(self) -> None:
         """Open the PUB socket (and the ROUTER replay socket, bound) and start the replay task."""
         if self._pub is not None or self._closed:
             raise RuntimeError("FakeEngine.start() called twice or after close()")
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.set_hwm(self._hwm)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
+        self._pub.setsockopt(zmq.XPUB_VERBOSER, 1)  # and every departure
         self.endpoint = attach(self._pub, self.endpoint, self._bind)
         if self.replay_address is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
@@ -105,6 +111,25 @@ class FakeEngine:
             self.replay_address = attach(self._router, self.replay_address, True)
             self._task = asyncio.create_task(self._serve_replay(), name="fake-engine-replay")
         log.debug("fake engine up: pub=%s replay=%s", self.endpoint, self.replay_address)
+
+    async def wait_subscribers(self, n: int = 1, timeout: float = 10.0) -> None:
+        """Until exactly ``n`` subscribers are subscribed (an earlier one that left is waited out),
+        so that whatever is published next reaches all of them; ``TimeoutError`` naming the count
+        otherwise. Only one caller at a time."""
+        if self._pub is None:
+            raise RuntimeError("FakeEngine.wait_subscribers() before start()")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            while await self._pub.poll(0):  # every note already there, then decide
+                note = await self._pub.recv()
+                self.subscribers += {b"\x01": 1, b"\x00": -1}.get(note[:1], 0)
+            if self.subscribers == n:
+                return
+            left = deadline - loop.time()
+            if left <= 0 or not await self._pub.poll(left * 1000):
+                raise TimeoutError(f"{self.endpoint}: {self.subscribers} subscribers after {timeout:g}s, "
+                                   f"waiting for {n}")
 
     @property
     def buffered(self) -> int:
