@@ -116,7 +116,7 @@ class Decisions:
         if r.hashes:
             await q.approx.record(pod, r.model, r.hashes)
         self._drift.add(decision)
-        self._metrics.observe_decision(decision)
+        self._metrics.observe_decision(decision.pod, decision.approx, decision.precise, decision.actual)
         if approx is not None:
             answer["approx"]["ratio"] = round(decision.approx, 6)
         answer.update(pod=pod, model=r.model, prompt_tokens=prompt_tokens,

@@ -8,14 +8,10 @@ entries, sync state) is computed at scrape time by a collector, not maintained o
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from kvindex.drift import Decision
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 RATIO_BUCKETS = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1)
@@ -55,14 +51,17 @@ class Metrics:
         self.decision_error = Histogram("kvindex_decision_abs_error", "Per decision: |prediction - actual| of each index",
                                         ["pod", "predictor"], buckets=RATIO_BUCKETS, registry=r)
 
-    def observe_decision(self, d: "Decision") -> None:
-        self.decisions.labels(d.pod).inc()
-        for source, value in (("approx", d.approx), ("precise", d.precise), ("actual", d.actual)):
+    def observe_decision(self, pod: str, approx: float, precise: float | None, actual: float | None) -> None:
+        """One routing decision: each index's predicted cached fraction, and the engine's own."""
+        self.decisions.labels(pod).inc()
+        for source, value in (("approx", approx), ("precise", precise), ("actual", actual)):
             if value is not None:
-                self.decision_fraction.labels(d.pod, source).observe(value)
-        for predictor, err in (("approx", d.approx_error), ("precise", d.precise_error)):
-            if err is not None:
-                self.decision_error.labels(d.pod, predictor).observe(abs(err))
+                self.decision_fraction.labels(pod, source).observe(value)
+        if actual is None:
+            return
+        for predictor, value in (("approx", approx), ("precise", precise)):
+            if value is not None:
+                self.decision_error.labels(pod, predictor).observe(abs(value - actual))
 
 
 class StateCollector(Collector):
