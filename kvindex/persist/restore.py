@@ -37,12 +37,11 @@ from kvindex.config import Config, EngineConfig
 from kvindex.http import dynamo as compat_api
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex, entries_of
-from kvindex.ingest.lane import EngineLane, Fleet
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import WriteAheadLog, fsync_and_close, read_from
-from kvindex.pods import PodDirectory
+from kvindex.views import FleetView, PodsView, RestorableLane
 
 log = logging.getLogger("kvindex.persist.restore")
 _NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
@@ -52,9 +51,9 @@ _REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be us
 class Recovery:
     """Snapshots and the write-ahead log of one daemon; inert without a state dir or a peer."""
 
-    def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: Fleet,
-                 pods: PodDirectory, registrations: compat_api.Registrations,
-                 make_lane: Callable[[EngineConfig], EngineLane], token: str | None,
+    def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: FleetView,
+                 pods: PodsView, registrations: compat_api.Registrations,
+                 make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
                  on_wal_error: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
@@ -188,7 +187,7 @@ class Recovery:
     async def _replay_log(self, first: int) -> int:
         """Re-apply the write-ahead log's records through lanes that are not running yet."""
         assert self.config.state_dir is not None
-        lanes: dict[str, EngineLane] = {}
+        lanes: dict[str, RestorableLane] = {}
         n = skipped = 0
         for rec in read_from(self.config.state_dir, first):
             try:
@@ -204,7 +203,7 @@ class Recovery:
             log.info("write-ahead log: re-applied %d records (%d skipped)", n, skipped)
         return n
 
-    async def _replay_record(self, rec: list[Any], lanes: dict[str, EngineLane]) -> bool:
+    async def _replay_record(self, rec: list[Any], lanes: dict[str, RestorableLane]) -> bool:
         """One record: b(atch), r(esync), d(ecision), x (pod removed), g (registration)."""
         kind = rec[0]
         if kind in ("b", "r"):
@@ -226,7 +225,7 @@ class Recovery:
             return False
         return True
 
-    async def _replay_lane(self, key: str, lanes: dict[str, EngineLane]) -> EngineLane | None:
+    async def _replay_lane(self, key: str, lanes: dict[str, RestorableLane]) -> RestorableLane | None:
         engine = self._engine_for(key)
         if engine is None:
             return None
@@ -236,7 +235,7 @@ class Recovery:
         await lane.install_restored()
         return lane
 
-    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, EngineLane]) -> None:
+    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, RestorableLane]) -> None:
         if kind == "add":
             self.registrations.add(reg)
         elif (reg.instance_id, reg.dp_rank) in self.registrations.by_key:
@@ -284,7 +283,7 @@ class Recovery:
         self.pods.on_remove = lambda pod: wal.append(["x", pod])
         self.registrations.on_change = lambda kind, reg: wal.append(["g", kind, reg.to_json()])
 
-    def lane_added(self, key: str, lane: EngineLane) -> None:
+    def lane_added(self, key: str, lane: RestorableLane) -> None:
         saved = self._restored_streams.pop(key, None)
         if saved:
             lane.restore_streams(saved)

@@ -221,6 +221,12 @@ class ShardedFleet:
             out[key] = RemoteLane(engine, int(status.get("connected", 0)), tuple(status.get("behind", ())))
         return out
 
+    def behind(self, model: str) -> bool:
+        return any(lane.behind(model) for lane in self.lanes().values())
+
+    def store_lost(self) -> None:
+        """Nothing here: each worker's store is its own memory (never lost while it runs)."""
+
     def flush_metrics(self) -> None:
         """Nothing here: each worker flushes its own counts when asked for its metrics."""
 
@@ -252,7 +258,7 @@ class ShardedPods:
         self._store = store
         self._approx = approx
         self._drift = drift
-        self.on_remove: Callable[[str], None] | None = None
+        self.on_remove: Callable[[str], object] | None = None
 
     async def views(self) -> list[dict[str, Any]]:
         views: dict[str, dict[str, Any]] = {}
