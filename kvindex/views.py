@@ -1,6 +1,6 @@
 """What the layers above ingest may see of the engine lanes and of the pod directory: Protocols.
 
-Vocabulary: no code, nothing imported from above ``config`` and ``sequence``. The in-process
+Vocabulary: no code; it names ``config.EngineConfig`` and ``sequence.StreamRef`` in annotations only. The in-process
 implementations (``ingest.fleet.Fleet`` with its ``ingest.lane.EngineLane``s, ``pods.PodDirectory``)
 and the sharded ones (``shard.supervisor.ShardedFleet``, ``ShardedPods``) satisfy them by shape;
 the HTTP handlers, the pod directory and recovery are written against these, so which one runs is
@@ -14,10 +14,11 @@ event loop and never changed through these views.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvindex.config import EngineConfig
-from kvindex.sequence import StreamRef
+if TYPE_CHECKING:  # annotations only: this module imports nothing of kvindex at run time
+    from kvindex.config import EngineConfig
+    from kvindex.sequence import StreamRef
 
 
 class StreamView(Protocol):

@@ -74,7 +74,8 @@ def test_gap_start(stored: Position, first_seq: int, want: int) -> None:
 
 
 @pytest.mark.parametrize(("stale_run", "want"), [
-    (1, True), (2, False), (S.LIFE_CHECK_EVERY, False), (S.LIFE_CHECK_EVERY + 1, True), (2 * S.LIFE_CHECK_EVERY + 1, True),
+    (1, True), (2, False), (S.LIFE_CHECK_EVERY, False), (S.LIFE_CHECK_EVERY + 1, True),
+    (2 * S.LIFE_CHECK_EVERY + 1, True),
 ])
 def test_check_life_is_spaced(stale_run: int, want: bool) -> None:
     assert S.check_life(stale_run) is want

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kvindex.config import EngineConfig
-from kvindex.ingest.lane import EngineLane
+if TYPE_CHECKING:  # annotations only: the lanes are made by the caller's ``make_lane``
+    from kvindex.config import EngineConfig
+    from kvindex.ingest.lane import EngineLane
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
 

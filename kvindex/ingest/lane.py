@@ -71,9 +71,12 @@ from kvindex.sequence import Outcome, Position
 from kvindex.views import Journal
 
 log = logging.getLogger("kvindex.ingest.lane")
+# enum members as module globals for the per-batch path (a lookup through the class costs ~150 ns on 3.11)
+OFFER, FILL_GAP, RESYNC, ADOPT, APPLIED, STALE = (Live.OFFER, After.FILL_GAP, After.RESYNC, After.ADOPT,
+                                                  Outcome.APPLIED, Outcome.STALE)
 
 
-async def _always_open() -> None:
+async def _always_open() -> None:  # no store guard: nothing to re-open
     return None
 
 
@@ -121,8 +124,7 @@ class EngineLane:
 
     @property
     def journal(self) -> Journal | None:
-        """The write-ahead log: ``.batch(lane key, topic, seq, payload)`` after each applied batch,
-        ``.resync(lane key, pod)`` when an operator's resync clears a pod."""
+        """The write-ahead log: each applied batch, each operator's resync (``views.Journal``)."""
         return self.writer.journal
 
     @journal.setter
@@ -160,7 +162,8 @@ class EngineLane:
             return  # garbage creates no stream, no pod, no metric series
         if stream is None:
             if len(self.state.streams) >= MAX_TOPICS:
-                self.writer.reject(self.engine.name, "too_many_topics", f"more than {MAX_TOPICS} topics on one publisher")
+                self.writer.reject(self.engine.name, "too_many_topics",
+                                   f"more than {MAX_TOPICS} topics on one publisher")
                 return
             stream = self.writer.stream(msg.topic)
         if self._buffer.held or stream.needs_resync is not None:
@@ -179,13 +182,14 @@ class EngineLane:
             self.writer.skip_stale(st, seq)
             return
         step = seqr.live(st.last_seq, st.replayed, seq, payload, bool(batch.events))
-        if step is not Live.OFFER:
+        if step is not OFFER:
             if step is Live.REPLAYED:
                 return  # already applied from the replay that ran ahead of the socket
             if step is Live.LIVE_AGAIN:
                 st.replayed.clear()
             elif step is Live.NO_EVIDENCE:  # nothing usable: not evidence enough to drop a pod's state
-                self.writer.reject(st.pod, "backward_seq_without_events", f"seq {seq} went back but carries no usable event")
+                self.writer.reject(st.pod, "backward_seq_without_events",
+                                   f"seq {seq} went back but carries no usable event")
                 return
             else:
                 await self.writer.restart(st, seq)
@@ -197,19 +201,21 @@ class EngineLane:
                 self.writer.skip_stale(st, seq)
                 return
         result = await self.writer.apply(st, seq, batch, payload, force)
-        then = seqr.after(result.outcome)
-        if then is After.FILL_GAP:
-            result = await self._fill_gap(st, seq, batch, payload, result.position)
-        elif then is After.RESYNC:
-            log.warning("pod %s: the store is at epoch %d, this replica at %d: the store lost writes; "
-                        "resynchronising the stream", st.pod, result.position.epoch, st.epoch)
-            await self._resync_stream(st, result.position.epoch)
-            result = await self.writer.apply(st, seq, batch, payload, st.force)
-        elif then is After.ADOPT:
-            result = await self._adopt(st, seq, batch, payload, result.position)
-        if result.outcome is Outcome.APPLIED:
+        if result.outcome is not APPLIED:
+            then = seqr.after(result.outcome)
+            if then is FILL_GAP:
+                result = await self._fill_gap(st, seq, batch, payload, result.position)
+            elif then is RESYNC:
+                log.warning("pod %s: the store is at epoch %d, this replica at %d: the store lost writes; "
+                            "resynchronising the stream", st.pod, result.position.epoch, st.epoch)
+                await self._resync_stream(st, result.position.epoch)
+                result = await self.writer.apply(st, seq, batch, payload, st.force)
+            elif then is ADOPT:
+                result = await self._adopt(st, seq, batch, payload, result.position)
+        outcome = result.outcome
+        if outcome is APPLIED:
             st.force = None
-        if result.outcome is not Outcome.STALE:
+        if outcome is not STALE:
             st.stale_run = 0
 
     async def _seed(self, st: Stream, seq: int | None = None, payload: bytes = b"") -> bool:
@@ -262,8 +268,7 @@ class EngineLane:
         return await self.writer.apply(st, seq, batch, payload, None)
 
     async def _recover(self, st: Stream, start: int, stop: int | None) -> str | None:
-        """Apply the engine's batches [start, stop) from its replay endpoint; None when complete,
-        else why not (the reason the stream is unsynced with)."""
+        """Apply the engine's batches [start, stop) from its replay; None when complete, else why not."""
         return await self._replay.recover(st, start, stop, self._offer_replayed)
 
     async def _offer_replayed(self, st: Stream, frame: Frame) -> bool:
@@ -274,8 +279,7 @@ class EngineLane:
 
     # -- the store is unreachable: hold, retry, resynchronise ------------------------------------
     def behind(self, model: str) -> bool:
-        """Whether a stream of ``model`` waits for the store (buffered batches or a resync due):
-        the store's answers for the model may then lack what the engine published."""
+        """Whether a stream of ``model`` waits for the store (its answers may lack what the engine sent)."""
         return self._buffer.behind(model)
 
     def store_lost(self) -> None:

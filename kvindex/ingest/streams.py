@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from kvindex.config import EngineConfig
-from kvindex.index.protocol import Applied
-from kvindex.metrics import Metrics
 from kvindex.sequence import Position, StreamRef
+
+if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
+    from kvindex.config import EngineConfig
+    from kvindex.index.protocol import Applied
+    from kvindex.metrics import Metrics
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
@@ -124,7 +127,7 @@ class Stream:
         self.synced = True
         self.unsynced_reason = None
 
-    def restore(self, saved: dict[str, object]) -> Position:
+    def restore(self, saved: dict[str, Any]) -> Position:
         """Seed from a snapshot's or a log replay's saved state; the position it stood at."""
         for name in ("last_seq", "expect_from", "epoch", "synced", "unsynced_reason", "gaps", "replays",
                      "restarts", "batches"):

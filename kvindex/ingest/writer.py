@@ -28,6 +28,8 @@ from kvindex.sequence import Outcome, Position
 from kvindex.views import Journal
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
+# enum members as module globals for the per-batch path (a lookup through the class costs ~150 ns on 3.11)
+APPLIED, DUPLICATE, STALE = Outcome.APPLIED, Outcome.DUPLICATE, Outcome.STALE
 
 
 class StreamWriter:
@@ -68,13 +70,13 @@ class StreamWriter:
         result = await self._store.apply(st.ref, seq, st.epoch, rank, batch.events, force=force)
         outcome = result.outcome
         st.observe(result.position)
-        if outcome is Outcome.APPLIED:
+        if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
-        elif outcome is Outcome.DUPLICATE or outcome is Outcome.STALE:
+        elif outcome is DUPLICATE or outcome is STALE:
             st.skipped += 1
-            (st.counters.duplicate if outcome is Outcome.DUPLICATE else st.counters.stale).inc()
-            if outcome is Outcome.DUPLICATE:
+            (st.counters.duplicate if outcome is DUPLICATE else st.counters.stale).inc()
+            if outcome is DUPLICATE:
                 st.ranks.add(rank)
                 st.last_seq = seq
         return result

@@ -178,7 +178,8 @@ class RemoteLane:
 
 
 class ShardedFleet:
-    """The fleet's interface (``add``, ``remove``, ``lanes``, ``resync``, ...) over the workers."""
+    """The fleet's interface (``kvindex.views.FleetView``: ``add``, ``remove``, ``lanes``, ``resync``, ...)
+    over the workers."""
 
     def __init__(self, shards: Shards) -> None:
         self._shards = shards
@@ -251,7 +252,8 @@ class ShardedFleet:
 
 
 class ShardedPods:
-    """The pod directory's interface (``views``, ``readiness_problems``, ``remove``) over the workers."""
+    """The pod directory's interface (``kvindex.views.PodsView``: ``views``, ``readiness_problems``,
+    ``remove``) over the workers."""
 
     def __init__(self, shards: Shards, store: ShardedPreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
         self._shards = shards
