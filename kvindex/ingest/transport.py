@@ -16,6 +16,8 @@ Invariants:
   error (a message over ``MAXMSGSIZE`` is one): that engine then shows as not connected
   (``/readyz``, ``kvindex_engine_connected``) until kvindex restarts or it is registered again.
   (Re-dialling from the monitor was tried and removed: under engine churn it aborted libzmq.)
+- ``Subscriber.watch_peers`` counts the connected peers from the socket's monitor (connected or
+  accepted: one more; disconnected: one less, never below zero).
 - A replay answer has one deadline, ``timeout`` seconds for the whole answer, and at most
   ``max_frames`` batches are read.
 """
