@@ -180,20 +180,21 @@ def _streams(daemon) -> list:
 
 
 def record_first_apply(daemon) -> dict[str, float]:
-    """Wraps each lane's ``_apply`` until its first call, to stamp the first message applied.
+    """Wraps each lane's ``writer.apply`` until its first call, to stamp the first message applied.
 
     The wrapper removes itself on that first call, so it costs nothing afterwards.
     """
     first: dict[str, float] = {}
     for key, lane in daemon.fleet.lanes().items():
-        original = lane._apply
+        writer = lane.writer
+        original = writer.apply
 
-        def once(*args, _lane=lane, _key=key, _orig=original) -> None:  # noqa: ANN001
+        def once(*args, _writer=writer, _key=key, _orig=original) -> None:  # noqa: ANN001
             first[_key] = time.time()
-            del _lane._apply
+            del _writer.apply
             return _orig(*args)
 
-        lane._apply = once
+        writer.apply = once
     return first
 
 

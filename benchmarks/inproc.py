@@ -33,7 +33,7 @@ from kvindex import keys as K  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex
-from kvindex.ingest.lane import split_topic
+from kvindex.ingest.streams import split_topic
 from kvindex.settings import ApproxConfig
 from kvindex.tools.engine_sim import block_hashes
 

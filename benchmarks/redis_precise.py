@@ -50,7 +50,7 @@ from kvindex import keys as K  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
 from kvindex.index.memory import MemoryPreciseStore
 from kvindex.index.redis_precise import RedisPreciseStore
-from kvindex.ingest.lane import split_topic
+from kvindex.ingest.streams import split_topic
 from kvindex.sequence import Outcome, StreamRef
 from kvindex.tools.workload import read_messages
 from tests.redis_server import RedisServer  # noqa: E402

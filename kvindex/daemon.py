@@ -58,7 +58,9 @@ from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
 from kvindex.index.precise import TIERS, PreciseIndex
 from kvindex.index.protocol import StoreUnavailable
-from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
+from kvindex.ingest.fleet import Fleet
+from kvindex.ingest.lane import EngineLane
+from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
@@ -76,6 +78,7 @@ from kvindex.shard.supervisor import (
 )
 from kvindex.storeurl import describe, is_memory
 from kvindex.tokenize import CachingTokenizer, Tokenizer
+from kvindex.views import FleetView, PodsView
 
 log = logging.getLogger("kvindex.daemon")
 SHARED_GAUGES_SECONDS = 10.0  # the pod gauges of a shared store are read at most this often
@@ -100,11 +103,11 @@ class Daemon:
         self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
         self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
-        self.fleet: Fleet | ShardedFleet = (
+        self.fleet: FleetView = (
             ShardedFleet(self.shards) if self.shards is not None
             else Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane)))
         self.drift = DriftAudit(self.store, self.approx_store, config.drift)
-        self.pods: PodDirectory | ShardedPods = (
+        self.pods: PodsView = (
             ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
         self._tokenizers: dict[str, Tokenizer | None] = {}
@@ -184,11 +187,10 @@ class Daemon:
 
     # -- the store's health --------------------------------------------------------------------
     def _behind(self, model: str) -> bool:
-        return any(lane.behind(model) for lane in self.fleet.lanes().values())
+        return self.fleet.behind(model)
 
     def _store_lost(self) -> None:
-        for lane in self.fleet.lanes().values():
-            lane.store_lost()
+        self.fleet.store_lost()
 
     def _store_problem(self) -> str | None:
         if self.guard.reopen_due:

@@ -1,4 +1,5 @@
-"""The pod directory: one view per pod, joined from the engine lanes and both stores.
+"""The pod directory: one view per pod, joined from the engine lanes and both stores
+(``kvindex.views.PodsView``, over any ``FleetView``).
 
 Invariants: it owns no state of its own beyond what it reads at call time. Whether a stream is
 synced comes from the store's position (so every replica sharing a store reports the same),
@@ -16,22 +17,22 @@ from typing import Any
 
 from kvindex.drift import DriftAudit
 from kvindex.index.protocol import ApproxStore, PreciseStore
-from kvindex.ingest.lane import EngineLane, Fleet, Stream
 from kvindex.sequence import Position
+from kvindex.views import FleetView, LaneView, StreamView
 
 
 class PodDirectory:
-    def __init__(self, fleet: Fleet, store: PreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
+    def __init__(self, fleet: FleetView, store: PreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
         self._drift = drift
         self._fleet = fleet
         self._store = store
         self._approx = approx
-        self.on_remove: Callable[[str], None] | None = None  # the write-ahead log
+        self.on_remove: Callable[[str], object] | None = None  # the write-ahead log
 
-    def _streams(self) -> list[tuple[str, EngineLane, Stream]]:
+    def _streams(self) -> list[tuple[str, LaneView, StreamView]]:
         return [(key, lane, st) for key, lane in self._fleet.lanes().items() for st in lane.state.streams.values()]
 
-    async def _positions(self, streams: list[tuple[str, EngineLane, Stream]]) -> list[tuple[bool, str | None]]:
+    async def _positions(self, streams: list[tuple[str, LaneView, StreamView]]) -> list[tuple[bool, str | None]]:
         """(synced, reason) per stream: the store's position, unless this replica owes a resync."""
         positions = await asyncio.gather(*(self._store.position(st.ref) for _, _, st in streams))
         return [_sync_state(st, pos) for (_, _, st), pos in zip(streams, positions)]
@@ -79,7 +80,7 @@ class PodDirectory:
 
 
 async def remove_pod(pod: str, store: PreciseStore, approx: ApproxStore, drift: DriftAudit,
-                     on_remove: Callable[[str], None] | None) -> bool:
+                     on_remove: Callable[[str], object] | None) -> bool:
     """Forget ``pod`` in both stores and the drift sample; True if either store knew it."""
     known = pod in await store.pods() or pod in await approx.pods()
     await store.clear_pod(pod)
@@ -90,7 +91,7 @@ async def remove_pod(pod: str, store: PreciseStore, approx: ApproxStore, drift: 
     return known
 
 
-def _sync_state(st: Stream, pos: Position | None) -> tuple[bool, str | None]:
+def _sync_state(st: StreamView, pos: Position | None) -> tuple[bool, str | None]:
     if st.needs_resync is not None:
         return False, st.needs_resync
     if pos is None:

@@ -17,7 +17,8 @@ from adapters import DIALECTS
 from kvindex.config import EngineConfig
 from kvindex.events import Frame
 from kvindex.index.memory import MemoryPreciseStore
-from kvindex.ingest.lane import EngineLane, LaneSettings
+from kvindex.ingest.lane import EngineLane
+from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.sequence import Position

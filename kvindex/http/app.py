@@ -31,10 +31,9 @@ from kvindex.config import Config
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
 from kvindex.index.protocol import StoreUnavailable
-from kvindex.ingest.lane import Fleet
 from kvindex.metrics import Metrics
-from kvindex.pods import PodDirectory
 from kvindex.query import PodAnswer, QueryError, QueryService
+from kvindex.views import FleetView, PodsView
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -46,8 +45,8 @@ class Services:
     config: Config
     metrics: Metrics
     query: QueryService
-    fleet: Fleet
-    pods: PodDirectory
+    fleet: FleetView
+    pods: PodsView
     decisions: Decisions
     drift: DriftAudit
     token: str | None = None  # bearer token for mutating endpoints

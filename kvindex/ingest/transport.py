@@ -16,6 +16,8 @@ Invariants:
   error (a message over ``MAXMSGSIZE`` is one): that engine then shows as not connected
   (``/readyz``, ``kvindex_engine_connected``) until kvindex restarts or it is registered again.
   (Re-dialling from the monitor was tried and removed: under engine churn it aborted libzmq.)
+- ``Subscriber.watch_peers`` counts the connected peers from the socket's monitor (connected or
+  accepted: one more; disconnected: one less, never below zero).
 - A replay answer has one deadline, ``timeout`` seconds for the whole answer, and at most
   ``max_frames`` batches are read.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import zmq
@@ -103,7 +105,7 @@ class Subscriber:
         """Every message, in order. After each wake-up the socket is drained without awaiting
         (non-blocking reads of what is already queued), yielding the event loop to other tasks
         (HTTP queries) every ``DRAIN_BURST`` messages."""
-        drain = zmq.Socket.shadow(self._sock.underlying)
+        drain: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
         while True:
             yield parse_message(await self._sock.recv_multipart())
             for _ in range(DRAIN_BURST):
@@ -114,6 +116,24 @@ class Subscriber:
                 yield parse_message(parts)
             else:
                 await asyncio.sleep(0)
+
+    async def watch_peers(self, on_change: Callable[[int], None]) -> None:
+        """Count the connected peers from the socket's monitor events, handing each new count to
+        ``on_change`` (for /v1/pods and /readyz); until cancelled."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        monitor = self.monitor
+        assert monitor is not None  # set by __init__, or it raised
+        peers = 0
+        while True:
+            kind = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                peers += 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                peers = max(0, peers - 1)
+            else:
+                continue
+            on_change(peers)
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -37,7 +37,6 @@ from kvindex.config import Config, EngineConfig
 from kvindex.http import dynamo as compat_api
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex, entries_of
-from kvindex.ingest.lane import EngineLane, Fleet
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
@@ -53,7 +52,7 @@ from kvindex.persist.wal import (
     fsync_and_close,
     read_from,
 )
-from kvindex.pods import PodDirectory
+from kvindex.views import FleetView, PodsView, RestorableLane
 
 log = logging.getLogger("kvindex.persist.restore")
 _NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
@@ -63,9 +62,9 @@ _REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be us
 class Recovery:
     """Snapshots and the write-ahead log of one daemon; inert without a state dir or a peer."""
 
-    def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: Fleet,
-                 pods: PodDirectory, registrations: compat_api.Registrations,
-                 make_lane: Callable[[EngineConfig], EngineLane], token: str | None,
+    def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: FleetView,
+                 pods: PodsView, registrations: compat_api.Registrations,
+                 make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
                  on_wal_error: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
@@ -199,7 +198,7 @@ class Recovery:
     async def _replay_log(self, first: int) -> int:
         """Re-apply the write-ahead log's records through lanes that are not running yet."""
         assert self.config.state_dir is not None
-        lanes: dict[str, EngineLane] = {}
+        lanes: dict[str, RestorableLane] = {}
         n = skipped = 0
         for rec in read_from(self.config.state_dir, first):
             applied = False
@@ -218,7 +217,7 @@ class Recovery:
             log.info("write-ahead log: re-applied %d records (%d skipped)", n, skipped)
         return n
 
-    async def _replay_record(self, rec: Record, lanes: dict[str, EngineLane]) -> bool:
+    async def _replay_record(self, rec: Record, lanes: dict[str, RestorableLane]) -> bool:
         """One record, re-applied as it was when logged; False: it could not be (its lane is gone)."""
         match rec:
             case Batch() | Resync():
@@ -238,7 +237,7 @@ class Recovery:
                 self._replay_registration(rec.change, compat_api.Registration.from_json(rec.registration), lanes)
         return True
 
-    async def _replay_lane(self, key: str, lanes: dict[str, EngineLane]) -> EngineLane | None:
+    async def _replay_lane(self, key: str, lanes: dict[str, RestorableLane]) -> RestorableLane | None:
         engine = self._engine_for(key)
         if engine is None:
             return None
@@ -248,7 +247,7 @@ class Recovery:
         await lane.install_restored()
         return lane
 
-    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, EngineLane]) -> None:
+    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, RestorableLane]) -> None:
         if kind == "add":
             self.registrations.add(reg)
         elif (reg.instance_id, reg.dp_rank) in self.registrations.by_key:
@@ -305,7 +304,7 @@ class Recovery:
         self.pods.on_remove = removed
         self.registrations.on_change = registered
 
-    def lane_added(self, key: str, lane: EngineLane) -> None:
+    def lane_added(self, key: str, lane: RestorableLane) -> None:
         saved = self._restored_streams.pop(key, None)
         if saved:
             lane.restore_streams(saved)

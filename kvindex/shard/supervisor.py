@@ -180,7 +180,8 @@ class RemoteLane:
 
 
 class ShardedFleet:
-    """The fleet's interface (``add``, ``remove``, ``lanes``, ``resync``, ...) over the workers."""
+    """The fleet's interface (``kvindex.views.FleetView``: ``add``, ``remove``, ``lanes``, ``resync``, ...)
+    over the workers."""
 
     def __init__(self, shards: Shards) -> None:
         self._shards = shards
@@ -223,6 +224,12 @@ class ShardedFleet:
             out[key] = RemoteLane(engine, status.connected, status.behind)
         return out
 
+    def behind(self, model: str) -> bool:
+        return any(lane.behind(model) for lane in self.lanes().values())
+
+    def store_lost(self) -> None:
+        """Nothing here: each worker's store is its own memory (never lost while it runs)."""
+
     def flush_metrics(self) -> None:
         """Nothing here: each worker flushes its own counts when asked for its metrics."""
 
@@ -247,14 +254,15 @@ class ShardedFleet:
 
 
 class ShardedPods:
-    """The pod directory's interface (``views``, ``readiness_problems``, ``remove``) over the workers."""
+    """The pod directory's interface (``kvindex.views.PodsView``: ``views``, ``readiness_problems``,
+    ``remove``) over the workers."""
 
     def __init__(self, shards: Shards, store: ShardedPreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
         self._shards = shards
         self._store = store
         self._approx = approx
         self._drift = drift
-        self.on_remove: Callable[[str], None] | None = None
+        self.on_remove: Callable[[str], object] | None = None
 
     async def views(self) -> list[dict[str, Any]]:
         views: dict[str, dict[str, Any]] = {}

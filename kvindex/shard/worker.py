@@ -41,7 +41,9 @@ from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
-from kvindex.ingest.lane import EngineLane, Fleet, LaneSettings
+from kvindex.ingest.fleet import Fleet
+from kvindex.ingest.lane import EngineLane
+from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory

@@ -1,0 +1,109 @@
+"""An engine's replay endpoint, as a lane uses it: recover a missing range in order, and ask
+which life of the engine a batch belongs to.
+
+Invariants:
+- Every request is one ``fetch_replay`` (a fresh DEALER, one deadline: ``timeout``); a failed
+  request is logged and never raises (ZeroMQ and replay errors become an answer: "unknown" or an
+  unsynced reason).
+- ``recover`` feeds the range's batches to the caller's ``offer`` strictly in seq order from its
+  start and stops at the first it cannot apply in order; the walk and its verdict are the
+  sequencer's (``ReplayWalk``). Batches applied ahead of the live socket (``stop`` None) are
+  remembered by CRC in ``Stream.replayed`` so their live copies are dropped.
+- Metrics: ``kvindex_replays_total{pod, result}`` per recovery (``ok``, ``history_lost``,
+  ``failed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from kvindex.events import Frame
+from kvindex.ingest import sequencer
+from kvindex.ingest.sequencer import NOT_THIS_LIFE, Recovered, ReplayWalk, Walk
+from kvindex.ingest.streams import Stream
+from kvindex.ingest.transport import ReplayError, ReplayResult, fetch_replay
+from kvindex.metrics import Metrics
+
+log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
+
+Offer = Callable[[Stream, Frame], Awaitable[bool]]  # decode and apply one batch; False: not in order
+
+
+class Replay:
+    """One engine's replay endpoint (``endpoint`` None: the engine has none)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str | None, timeout: float, metrics: Metrics) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self._timeout = timeout
+        self._metrics = metrics
+
+    async def peek(self, st: Stream, seq: int, max_frames: int) -> ReplayResult | None:
+        """Up to ``max_frames`` of the engine's history from ``seq``; None without a replay endpoint
+        or when the replay fails (logged)."""
+        if not self.endpoint:
+            return None
+        try:
+            return await fetch_replay(self._ctx, self.endpoint, seq, timeout=self._timeout, max_frames=max_frames)
+        except (ReplayError, zmq.ZMQError) as exc:
+            log.warning("pod %s: replay from %s failed: %s", st.pod, self.endpoint, exc)
+            return None
+
+    async def life_of(self, st: Stream, seq: int, payload: bytes) -> bool | None:
+        """Whether batch ``seq`` is of the engine's current life (``sequencer.life_of``); None also
+        without a replay endpoint or when the replay failed."""
+        result = await self.peek(st, seq, 64)
+        if result is None:
+            return None
+        return sequencer.life_of(result.frames, result.complete, st.topic, seq, payload)
+
+    async def history_ends_before(self, st: Stream, seq: int) -> bool:
+        """Whether the engine's replay history stops before ``seq`` (so the store holds batches of
+        an earlier life of the engine); False when it cannot tell."""
+        result = await self.peek(st, seq, 1)
+        return result is not None and sequencer.history_ends_before(result.frames, result.complete, st.topic)
+
+    async def recover(self, st: Stream, start: int, stop: int | None, offer: Offer) -> str | None:
+        """Apply the engine's batches [start, stop) through ``offer``; None when complete, else why
+        not (the reason the stream is unsynced with, or ``NOT_THIS_LIFE``)."""
+        if not self.endpoint:
+            return unsynced(st, "gap_no_replay_endpoint", start, stop)
+        st.replays += 1
+        try:
+            result = await fetch_replay(self._ctx, self.endpoint, start, timeout=self._timeout)
+        except (ReplayError, zmq.ZMQError) as exc:
+            self._metrics.replays.labels(st.pod, "failed").inc()
+            log.warning("pod %s: replay from %s failed: %s", st.pod, self.endpoint, exc)
+            return unsynced(st, "replay_failed", start, stop)
+        walk = ReplayWalk(st.topic, start, stop)
+        for frame in result.frames:
+            step = walk.step(frame)
+            if step is Walk.SKIP:
+                continue
+            if step is not Walk.APPLY:
+                break
+            if not await offer(st, frame):
+                walk.failed()
+                break
+            if stop is None:  # ahead of the live socket: its copies of these batches are duplicates
+                st.replayed[frame.seq] = zlib.crc32(frame.payload)
+            walk.applied()
+        verdict = walk.verdict(result.complete)
+        if verdict is Recovered.NOT_THIS_LIFE:
+            self._metrics.replays.labels(st.pod, "ok").inc()
+            return NOT_THIS_LIFE  # the engine never published stop - 1 in its current life
+        complete = verdict is Recovered.COMPLETE
+        self._metrics.replays.labels(st.pod, "ok" if complete else "history_lost").inc()
+        return None if complete else unsynced(st, "history_lost", walk.expected, stop)
+
+
+def unsynced(st: Stream, reason: str, start: int, stop: int | None) -> str:
+    log.warning("pod %s: UNSYNCED (%s): batches %d..%s are missing; its index may lack blocks until "
+                "AllBlocksCleared, an engine restart or POST /v1/pods/%s/resync",
+                st.pod, reason, start, "" if stop is None else stop - 1, st.pod)
+    return reason
