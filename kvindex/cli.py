@@ -246,9 +246,10 @@ async def dispatch(args: argparse.Namespace) -> int:
                                  replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
                                  linger_seconds=args.linger)
     if args.command == "demo":
+        from kvindex.daemon import Daemon
         from kvindex.tools.demo import demo_main
 
-        return await demo_main(args)
+        return await demo_main(args, Daemon)
     raise AssertionError(args.command)
 
 

@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 
+from kvindex.daemon import Daemon
 from kvindex.tools.demo import DemoOptions, Router, run_demo
 from tests.conftest import ROOT
 
 
 async def test_demo_in_process_records_decisions_and_engines_evict() -> None:
     lines: list[str] = []
-    report = await run_demo(DemoOptions(replicas=2, duration=6, port=0, rate=20, quiet=True, cache_blocks=128),
+    report = await run_demo(DemoOptions(replicas=2, duration=6, port=0, rate=20, quiet=True, cache_blocks=128), Daemon,
                             out=lines.append)
     assert report.exit_code == 0
     assert report.requests >= 60 and report.decisions == report.requests

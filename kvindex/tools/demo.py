@@ -43,18 +43,29 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import zmq.asyncio
 
 from kvindex.config import Config, EngineConfig
-from kvindex.daemon import Daemon
 from kvindex.settings import DriftSettings
 from kvindex.tools.demo_table import summary_table
 from kvindex.tools.engine_sim import Admission, SimulatedCache, encode_batch
 from kvindex.tools.fake_engine import FakeEngine
 from kvindex.tools.workload import Request, Workload
+
+
+class Served(Protocol):
+    """What the demo needs of the kvindex daemon it runs (``kvindex.daemon.Daemon``)."""
+
+    port: int | None
+    fleet: Any
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
 
 log = logging.getLogger("kvindex.tools.demo")
 
@@ -189,12 +200,14 @@ class Router:
 class Demo:
     """Owns every part of the demo; ``start()``, then ``run(stop)``, then always ``close()``."""
 
-    def __init__(self, opts: DemoOptions, out: Callable[[str], None] | None = None) -> None:
+    def __init__(self, opts: DemoOptions, make_daemon: Callable[[Config], Served],
+                 out: Callable[[str], None] | None = None) -> None:
         self.opts = opts
+        self.make_daemon = make_daemon
         self.out = out or (lambda s: print(s, flush=True))
         self.ctx = zmq.asyncio.Context()
         self.replicas: dict[str, Replica] = {}
-        self.daemon: Daemon | None = None
+        self.daemon: Served | None = None
         self.session: aiohttp.ClientSession | None = None
         self.router: Router | None = None
         self.report = DemoReport()
@@ -216,7 +229,7 @@ class Demo:
             await rep.engine.start()
         engines = tuple(EngineConfig(r.engine.endpoint, replay=r.engine.replay_address, model=o.model,
                                      block_size=BLOCK_SIZE) for r in self.replicas.values())
-        self.daemon = Daemon(Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2),
+        self.daemon = self.make_daemon(Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2),
                                     store=o.store))
         await self.daemon.start()
         self.session = aiohttp.ClientSession()
@@ -347,10 +360,11 @@ class Demo:
         self.ctx.term()
 
 
-async def run_demo(opts: DemoOptions, stop: asyncio.Event | None = None,
+async def run_demo(opts: DemoOptions, make_daemon: Callable[[Config], Served], stop: asyncio.Event | None = None,
                    out: Callable[[str], None] | None = None) -> DemoReport:
-    """Run the demo until ``stop`` is set, ``opts.duration`` elapses or the traffic fails."""
-    demo = Demo(opts, out)
+    """Run the demo until ``stop`` is set, ``opts.duration`` elapses or the traffic fails;
+    ``make_daemon`` builds the kvindex daemon (``kvindex.daemon.Daemon``: the CLI passes it in)."""
+    demo = Demo(opts, make_daemon, out)
     try:
         await demo.start()
         return await demo.run(stop or asyncio.Event())
@@ -359,7 +373,7 @@ async def run_demo(opts: DemoOptions, stop: asyncio.Event | None = None,
 
 
 # -- command line ----------------------------------------------------------------------------
-async def demo_main(args: argparse.Namespace) -> int:
+async def demo_main(args: argparse.Namespace, make_daemon: Callable[[Config], Served]) -> int:
     """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
     opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks, rate=args.rate,
                        duration=args.duration, host=args.host, port=args.port, seed=args.seed, quiet=args.quiet,
@@ -371,7 +385,7 @@ async def demo_main(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        report = await run_demo(opts, stop)
+        report = await run_demo(opts, make_daemon, stop)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(Exception):
