@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 
 from kvindex.config import Config, EngineConfig
-from kvindex.http import dynamo as compat_api
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.ingest.lane import EngineLane, Fleet
@@ -43,6 +42,7 @@ from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import WriteAheadLog, fsync_and_close, read_from
 from kvindex.pods import PodDirectory
+from kvindex.registrations import Registration, Registrations
 
 log = logging.getLogger("kvindex.persist.restore")
 _NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
@@ -53,7 +53,7 @@ class Recovery:
     """Snapshots and the write-ahead log of one daemon; inert without a state dir or a peer."""
 
     def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: Fleet,
-                 pods: PodDirectory, registrations: compat_api.Registrations,
+                 pods: PodDirectory, registrations: Registrations,
                  make_lane: Callable[[EngineConfig], EngineLane], token: str | None,
                  on_wal_error: Callable[[str], None] | None = None) -> None:
         self.config = config
@@ -171,7 +171,7 @@ class Recovery:
             log.error("state: approximate index not restored: %s", exc)
         for d in st.registrations:
             try:
-                self.registrations.add(compat_api.Registration.from_json(d))
+                self.registrations.add(Registration.from_json(d))
             except ValueError as exc:
                 log.error("state: %s", exc)
         self._restored_streams = {k: list(v) for k, v in st.streams.items()}
@@ -221,7 +221,7 @@ class Recovery:
             self.index.clear_pod(rec[1])
             self.approx.remove_pod(rec[1])
         elif kind == "g":
-            self._replay_registration(rec[1], compat_api.Registration.from_json(rec[2]), lanes)
+            self._replay_registration(rec[1], Registration.from_json(rec[2]), lanes)
         else:
             return False
         return True
@@ -236,7 +236,7 @@ class Recovery:
         await lane.install_restored()
         return lane
 
-    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, EngineLane]) -> None:
+    def _replay_registration(self, kind: str, reg: Registration, lanes: dict[str, EngineLane]) -> None:
         if kind == "add":
             self.registrations.add(reg)
         elif (reg.instance_id, reg.dp_rank) in self.registrations.by_key:
