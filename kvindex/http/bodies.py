@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvindex import native
 from kvindex.approx.gojson import RenderError, go_json_loads
+from kvindex.decisions import MAX_BATCH, DecisionIn
 
 MSGPACK = "application/msgpack"
 MAX_PODS = 10_000
@@ -93,6 +94,7 @@ class Body(msgspec.Struct, frozen=True):
 
     bad: ClassVar[dict[str, str]] = {}
     missing: ClassVar[dict[str, str]] = {}
+    reasons: ClassVar[tuple[str, str]] = ("missing_field", "bad_field")  # the metric's labels
 
 
 _PODS_BAD = "pods must be an array of pod ids (strings)"
@@ -160,6 +162,23 @@ class QueryByHashBody(Body, frozen=True):
     block_hashes: Any = None  # checked by u64s (one C-level conversion)
 
 
+_POD = "pod is required: the id of the pod that served the request"
+_REQUEST = "request is required: the OpenAI body the router sent"
+
+
+class DecisionBody(Body, frozen=True):
+    """One routing decision (``POST /v1/decisions``); ``request`` is the OpenAI body, rendered whole."""
+
+    bad = {"pod": _POD, "request": _REQUEST, "cached_tokens": "cached_tokens must be a non-negative integer",
+           "prompt_tokens": "prompt_tokens must be a non-negative integer"}
+    missing = {"pod": _POD, "request": _REQUEST}
+    reasons = ("bad_request", "bad_request")
+    pod: Text
+    request: dict[str, Any]
+    cached_tokens: Count | None = None
+    prompt_tokens: Count | None = None
+
+
 _AT = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 
@@ -180,8 +199,8 @@ def refusal(kind: type[Body], detail: str) -> ApiError:
         m = _AT.search(detail)
         name, missing = (m[1] if m else "body"), "got `null`" in detail
     if missing:
-        return ApiError(kind.missing.get(name, f"{name} is required"), field=name, reason="missing_field")
-    return ApiError(kind.bad.get(name, f"{name} must be a non-empty string"), field=name, reason="bad_field")
+        return ApiError(kind.missing.get(name, f"{name} is required"), field=name, reason=kind.reasons[0])
+    return ApiError(kind.bad.get(name, f"{name} must be a non-empty string"), field=name, reason=kind.reasons[1])
 
 
 def instance_id(value: int | str) -> str:
@@ -203,6 +222,28 @@ def explain_request(body: dict[str, Any]) -> tuple[dict[str, Any], str, list[str
         raise ApiError("request must be an OpenAI request body (object)", field="request", reason="bad_field")
     model = parse(req, ModelBody).model
     return req, model, pods_limit(parse(body, PodsBody).pods)
+
+
+def decision_list(body: dict[str, Any]) -> tuple[list[DecisionIn], bool]:
+    """``POST /v1/decisions``: one decision, or ``{"decisions": [...]}`` (True: a batch) of
+    1..``MAX_BATCH``; every one checked before any is used."""
+    if "decisions" not in body:
+        return [decision(body)], False
+    items = body["decisions"]
+    if not isinstance(items, list) or not items or len(items) > MAX_BATCH:
+        raise ApiError(f"decisions must be an array of 1..{MAX_BATCH} decisions", field="decisions")
+    return [decision(item) for item in items], True
+
+
+def decision(item: Any) -> DecisionIn:
+    if not isinstance(item, dict):
+        raise ApiError("a decision must be a JSON object", field="decision")
+    d = parse(item, DecisionBody)
+    model = d.request.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError("request.model is required", field="request.model")
+    return DecisionIn(d.pod, model, d.request, d.cached_tokens, d.prompt_tokens, "token_ids" in item,
+                      item.get("token_ids"))
 
 
 _HASHES = list[Annotated[int, msgspec.Meta(ge=-(1 << 63))]]  # ints (no bools), none below i64

@@ -21,6 +21,7 @@ from kvindex.http.app import require_token, services
 from kvindex.http.bodies import (
     ApiError,
     ScoreBody,
+    decision_list,
     explain_request,
     json_response,
     parse,
@@ -140,7 +141,9 @@ async def decisions(request: web.Request) -> web.Response:
     require_token(request)
     svc = services(request)
     t0 = time.perf_counter()
-    answer = await svc.decisions.record_body(await read_body(request, u32_field="token_ids"))
+    items, batch = decision_list(await read_body(request, u32_field="token_ids"))
+    results = await svc.decisions.record(items)
+    answer = {"results": results} if batch else results[0]
     svc.metrics.query_seconds.labels("/v1/decisions").observe(time.perf_counter() - t0)
     return json_response(answer)
 
