@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -27,13 +28,27 @@ from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
 from kvindex.http.bodies import ApiError
 from kvindex.index.protocol import StoreUnavailable
-from kvindex.ingest.lane import Fleet
 from kvindex.metrics import Metrics
-from kvindex.pods import PodDirectory
 from kvindex.query import QueryError, QueryService
 from kvindex.registrations import Registry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Resync(Protocol):
+    """What the handlers need of the fleet (``kvindex.ingest.lane.Fleet``, or the sharded one)."""
+
+    async def resync(self, pod: str) -> bool: ...
+
+
+class PodViews(Protocol):
+    """What the handlers need of the pod directory (``kvindex.pods.PodDirectory``, or the sharded one)."""
+
+    async def views(self) -> list[dict[str, Any]]: ...
+
+    async def readiness_problems(self) -> list[str]: ...
+
+    async def remove(self, pod: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +56,8 @@ class Services:
     config: Config
     metrics: Metrics
     query: QueryService
-    fleet: Fleet
-    pods: PodDirectory
+    fleet: Resync
+    pods: PodViews
     decisions: Decisions
     drift: DriftAudit
     registry: Registry  # engines registered at runtime (the compatibility API)
