@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 
 from kvindex.approx.gie import go_float, go_marshal, render_gie
 from kvindex.approx.gojson import RenderError, go_json_loads
-from kvindex.approx.hashing import gie_hashes, hash_request, kthena_hashes
+from kvindex.approx.hashing import (
+    GIE_PERSONALITY,
+    gie_hashes,
+    hash_request,
+    kthena_hashes,
+)
 from kvindex.approx.kthena import render_kthena
 from kvindex.index.approx import (
     GIE_V1_5,
@@ -752,3 +757,7 @@ def test_depth_has_no_top_k_cut_off() -> None:
         index.record(p, "m", hashes)
     assert sum(1 for n in index.match("m", hashes, pods).values() if n) == 5  # Kthena's topKMatches
     assert index.depth("m", hashes, pods) == {p: len(hashes) for p in pods}
+
+
+def test_hashing_knows_the_gie_personality_by_its_config_name() -> None:
+    assert GIE_PERSONALITY == GIE_V1_5  # kvindex.approx reads settings structurally, by this name
