@@ -66,7 +66,7 @@ from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
 from kvindex.pods import PodDirectory
 from kvindex.query import QueryService
-from kvindex.registrations import Registrations, Registry
+from kvindex.registrations import EngineRegistry, Registrations
 from kvindex.shard.supervisor import (
     MergedRegistry,
     ShardedFleet,
@@ -115,7 +115,7 @@ class Daemon:
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics),
                                  drift=self.drift, token=token,
-                                 registry=Registry(self.registrations, self.store, self.fleet, self.pods),
+                                 engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
                                  before_metrics=self._refresh_gauges, store_problem=self._store_problem)
         self.registry.register(StateCollector(self._state_gauges))

@@ -1,7 +1,7 @@
 """Engines registered at runtime (``POST /register``): the registry, its rules and its answers.
 
 ``Registrations`` is the data (what the snapshot and the write-ahead log save and restore);
-``Registry`` is the service the compatibility API (``kvindex.http.dynamo``) calls: it checks a
+``EngineRegistry`` is the service the compatibility API (``kvindex.http.dynamo``) calls: it checks a
 registration against the ones before it and the precise store, and owns the lanes it adds.
 
 Invariants:
@@ -115,7 +115,7 @@ class Pods(Protocol):
     async def remove(self, pod: str) -> bool: ...
 
 
-class Registry:
+class EngineRegistry:
     """Registering and unregistering engines: the rules between a request and the fleet."""
 
     def __init__(self, registrations: Registrations, store: PreciseStore, fleet: Lanes, pods: Pods) -> None:

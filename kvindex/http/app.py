@@ -30,7 +30,7 @@ from kvindex.http.bodies import ApiError
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.metrics import Metrics
 from kvindex.query import QueryError, QueryService
-from kvindex.registrations import Registry
+from kvindex.registrations import EngineRegistry
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,7 +60,7 @@ class Services:
     pods: PodViews
     decisions: Decisions
     drift: DriftAudit
-    registry: Registry  # engines registered at runtime (the compatibility API)
+    engines: EngineRegistry  # engines registered at runtime (the compatibility API)
     token: str | None = None  # bearer token for mutating endpoints
     state: Callable[[], Awaitable[bytes]] | None = None  # the snapshot format, for GET /v1/state
     before_metrics: Callable[[], Awaitable[None]] | None = None  # reads the store-backed gauges

@@ -4,7 +4,7 @@
 with the peer's field names and response shapes, JSON or msgpack (``application/msgpack``; the
 answer uses the request's encoding).
 
-The registration rules live in ``kvindex.registrations`` (``Registry``); bodies are checked in
+The registration rules live in ``kvindex.registrations`` (``EngineRegistry``); bodies are checked in
 ``kvindex.http.bodies``; the handlers here shape the peer's answers.
 
 Invariants:
@@ -46,7 +46,7 @@ async def register(request: web.Request) -> web.Response:
     require_token(request)
     args = parse(await read_body(request), RegisterBody)
     iid = instance_id(args.instance_id)
-    reg = await services(request).registry.register(
+    reg = await services(request).engines.register(
         iid, args.model_name, args.routing_group or DEFAULT_GROUP, args.block_size, args.dp_rank, args.endpoint,
         args.replay_endpoint)
     return json_response({"status": "registered", "instance_id": iid, "dp_rank": reg.dp_rank}, status=201)
@@ -56,13 +56,13 @@ async def unregister(request: web.Request) -> web.Response:
     require_token(request)
     args = parse(await read_body(request), UnregisterBody)
     iid = instance_id(args.instance_id)
-    found = await services(request).registry.unregister(iid, args.model_name, args.routing_group, args.dp_rank)
+    found = await services(request).engines.unregister(iid, args.model_name, args.routing_group, args.dp_rank)
     return json_response({"status": "unregistered", "instance_id": iid, "listeners": len(found)})
 
 
 async def workers(request: web.Request) -> web.Response:
-    registry = services(request).registry
-    return json_response(registry.workers(request.query.get("model_name"), request.query.get("routing_group")))
+    engines = services(request).engines
+    return json_response(engines.workers(request.query.get("model_name"), request.query.get("routing_group")))
 
 
 _RANKS = tuple(str(r) for r in range(256))  # dp ranks as JSON keys, made once
@@ -112,7 +112,7 @@ async def query(request: web.Request) -> web.Response:
     args = parse(body, QueryBody)
     model = args.model_name
     token_ids = svc.query.check_token_ids(body.get("token_ids"))
-    pods = await svc.registry.candidates(model, args.routing_group)
+    pods = await svc.engines.candidates(model, args.routing_group)
     answer = await svc.query.precise(model, token_ids, pods, args.lora_name, args.cache_salt)
     svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
     return reply(request, query_answer(answer))
@@ -124,14 +124,14 @@ async def query_by_hash(request: web.Request) -> web.Response:
     args = parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody)
     hashes = block_hashes(args, svc.config.max_token_ids)
     model = args.model_name
-    answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.registry.candidates(model, args.routing_group))
+    answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.engines.candidates(model, args.routing_group))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
     return reply(request, query_answer(answer))
 
 
 async def dump(request: web.Request) -> web.Response:
     """Every held keyed block as a Dynamo-style stored event; ``tokens_hash`` carries kvindex's key."""
-    return json_response(await services(request).registry.dump())
+    return json_response(await services(request).engines.dump())
 
 
 async def health(request: web.Request) -> web.Response:
