@@ -15,7 +15,7 @@ from kvindex.http.bodies import ApiError
 def refusal(fn: Any, *args: Any) -> tuple[str, str | None, int, str]:
     with pytest.raises(ApiError) as info:
         fn(*args)
-    err = json.loads(info.value.text)
+    err = json.loads(info.value.text or "")
     assert set(err) == {"error", "field"} and "\n" not in err["error"]
     return err["error"], err["field"], info.value.status_code, info.value.reason_label
 
