@@ -70,8 +70,8 @@ def prof_match(wl: common.Workload) -> None:
 
 def prof_http(wl: common.Workload) -> None:
     """What /query and /query_by_hash do per request, minus aiohttp: parse, validate, key, match, answer."""
-    from kvindex.approx.render import go_json_loads
-    from kvindex.http import dynamo as compat_api
+    from kvindex.approx.gojson import go_json_loads
+    from kvindex.http.dynamo import query_answer
     from kvindex.index.approx import ApproxIndex
     from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
     from kvindex.query import QueryService
@@ -86,7 +86,7 @@ def prof_http(wl: common.Workload) -> None:
             for raw in bodies:
                 body = go_json_loads(raw)
                 tokens = qs.check_token_ids(body["token_ids"])
-                json.dumps(compat_api._scores(await qs.precise(common.MODEL, tokens, None)))
+                json.dumps(query_answer(await qs.precise(common.MODEL, tokens, None)))
 
     prof = cProfile.Profile()
     prof.enable()

@@ -30,6 +30,7 @@ from common import BLOCK_SIZE, MODEL, QUERY_BLOCKS, Workload, latency_summary, r
 
 from adapters import DIALECTS  # noqa: E402
 from kvindex import keys as K  # noqa: E402
+from kvindex.approx.hashing import hash_request  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex
@@ -173,10 +174,10 @@ def approx(pods: int, repeat: int) -> dict:
     idx = ApproxIndex(ApproxConfig())
     names = [f"pod-{i}" for i in range(pods)]
     for i in range(pods * 4):
-        idx.record(names[i % pods], MODEL, idx.hash_request(MODEL, {"prompt": _prompt_8kb(i)}))
+        idx.record(names[i % pods], MODEL, hash_request(idx.config, MODEL, {"prompt": _prompt_8kb(i)}))
     body = {"prompt": _prompt_8kb(1)}
-    hashes = idx.hash_request(MODEL, body)
-    hash_t = _time_calls(lambda: idx.hash_request(MODEL, body), repeat)
+    hashes = hash_request(idx.config, MODEL, body)
+    hash_t = _time_calls(lambda: hash_request(idx.config, MODEL, body), repeat)
     rec_t = _time_calls(lambda: idx.record(names[0], MODEL, hashes), repeat)
     score_t = _time_calls(lambda: idx.score(MODEL, hashes, names), repeat)
     raw = body["prompt"].encode()

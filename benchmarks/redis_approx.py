@@ -43,7 +43,8 @@ if str(ROOT) not in sys.path:
 import redis.asyncio as aioredis  # noqa: E402
 from common import RESULTS, latency_summary, machine  # noqa: E402
 
-from kvindex.index.approx import ApproxIndex
+from kvindex.approx.hashing import hash_request  # noqa: E402
+from kvindex.index.approx import ApproxIndex  # noqa: E402
 from kvindex.index.memory import MemoryApproxStore
 from kvindex.index.redis_approx import RedisApproxStore
 from kvindex.settings import ApproxConfig, ApproxSettings
@@ -83,7 +84,7 @@ async def fill(store: Any, pods: list[str], prompts_per_pod: int, copies: int, s
     """Record ``prompts_per_pod`` distinct prompts per pod, each on ``copies`` pods; entries added."""
     added = 0
     for i in range(prompts_per_pod * len(pods) // copies):
-        hashes = store.hash_request(MODEL, {"prompt": prompt_8kb(start + i)})
+        hashes = hash_request(store.config, MODEL, {"prompt": prompt_8kb(start + i)})
         for c in range(copies):
             await store.record(pods[(i + c) % len(pods)], MODEL, hashes)
             added += len(hashes)
@@ -92,12 +93,12 @@ async def fill(store: Any, pods: list[str], prompts_per_pod: int, copies: int, s
 
 async def latencies(store: Any, pods: list[str], repeat: int) -> dict[str, Any]:
     """record_refresh / record_new / score / depth latency of one backend."""
-    hashes = store.hash_request(MODEL, {"prompt": prompt_8kb(1)})
-    shared = store.hash_request(MODEL, {"prompt": prompt_8kb(999_999)})
+    hashes = hash_request(store.config, MODEL, {"prompt": prompt_8kb(1)})
+    shared = hash_request(store.config, MODEL, {"prompt": prompt_8kb(999_999)})
     for i, pod in enumerate(pods[: max(1, len(pods) // 4)]):
         await store.record(pod, MODEL, shared[: len(shared) - 4 * i])
     fresh = iter(range(10**6, 10**7))
-    new_prompts = [store.hash_request(MODEL, {"prompt": prompt_8kb(next(fresh))}) for _ in range(repeat + 3)]
+    new_prompts = [hash_request(store.config, MODEL, {"prompt": prompt_8kb(next(fresh))}) for _ in range(repeat + 3)]
     queue = iter(new_prompts)
     out = {
         "record_refresh": await time_calls(lambda: store.record(pods[0], MODEL, hashes), repeat),
@@ -136,7 +137,7 @@ async def memory_per_entry(client: aioredis.Redis, config: ApproxConfig, pods: l
     tag = f"{{{prefix}:approx}}"
     lru = await client.memory_usage(f"{tag}:k:lru:{pods[0]}", samples=0) or 0
     lru_len = await store.entries(pods[0])
-    h = store.hash_request(MODEL, {"prompt": prompt_8kb(0)})[5]
+    h = hash_request(store.config, MODEL, {"prompt": prompt_8kb(0)})[5]
     holders = await client.memory_usage(f"{tag}:k:h:{h}:{MODEL}", samples=0) or 0
     return {"entries": entries, "stored_entries": await store.entries(), "copies_per_prompt": copies,
             "used_memory_delta_bytes": after - before, "bytes_per_entry": (after - before) / max(entries, 1),

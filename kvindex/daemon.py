@@ -51,7 +51,8 @@ from kvindex import native
 from kvindex.config import Config, EngineConfig
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
-from kvindex.http import dynamo as compat_api
+from kvindex.http import dynamo
+from kvindex.http import native as native_api
 from kvindex.http.app import Services, make_app
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
@@ -66,6 +67,7 @@ from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
 from kvindex.pods import PodDirectory
 from kvindex.query import QueryService
+from kvindex.registrations import EngineRegistry, Registrations
 from kvindex.shard.channel import Metrics as WorkerMetrics
 from kvindex.shard.channel import WorkerSettings
 from kvindex.shard.store import ShardedPreciseStore
@@ -114,15 +116,15 @@ class Daemon:
         self._session: aiohttp.ClientSession | None = None
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
                                   behind=self._behind)
+        self.registrations = Registrations()
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics),
                                  drift=self.drift, token=token,
+                                 engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
                                  before_metrics=self._refresh_gauges, store_problem=self._store_problem)
         self.registry.register(StateCollector(self._state_gauges))
-        self.app = make_app(self.services, compat_api.routes())
-        self.registrations = compat_api.Registrations()
-        self.app[compat_api.REGISTRATIONS] = self.registrations
+        self.app = make_app(self.services, [*native_api.routes(), *dynamo.routes()])
         self.recovery = Recovery(config, index=self.index or PreciseIndex(),
                                  approx=self.approx or ApproxIndex(config.approx), fleet=self.fleet, pods=self.pods,
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,

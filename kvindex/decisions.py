@@ -1,5 +1,8 @@
 """Routing decisions in: ``{pod, request, token_ids?, cached_tokens?, prompt_tokens?}``.
 
+The HTTP layer checks a decision's shape (``kvindex.http.bodies`` -> ``DecisionIn``); this module
+computes what both indexes predicted, records it and feeds the drift sample.
+
 Invariants:
 - A decision is validated whole before anything changes; then, in this order, both indexes are
   asked what they predicted for the decided pod (the precise side answers what the router's last
@@ -23,7 +26,7 @@ from kvindex.drift import Decision, DriftAudit
 from kvindex.metrics import Metrics
 from kvindex.query import PodAnswer, QueryError, QueryService, cacheable_tokens
 
-MAX_BATCH = 1024
+MAX_BATCH = 1024  # decisions in one request
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,27 +43,18 @@ class _Ready:
     cache_salt: str | None = None
 
 
-def _count(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int or value < 0:
-        raise QueryError(f"{name} must be a non-negative integer", field=name)
-    return value
+@dataclass(frozen=True, slots=True)
+class DecisionIn:
+    """A decision as the HTTP layer read it (``kvindex.http.bodies``): its shape checked, nothing
+    computed yet. ``token_ids`` is as sent, and only read when ``has_token_ids``."""
 
-
-def _parse(body: Any) -> tuple[str, str, dict[str, Any]]:
-    if not isinstance(body, dict):
-        raise QueryError("a decision must be a JSON object", field="decision")
-    pod, request = body.get("pod"), body.get("request")
-    if not isinstance(pod, str) or not pod:
-        raise QueryError("pod is required: the id of the pod that served the request", field="pod")
-    if not isinstance(request, dict):
-        raise QueryError("request is required: the OpenAI body the router sent", field="request")
-    model = request.get("model")
-    if not isinstance(model, str) or not model:
-        raise QueryError("request.model is required", field="request.model")
-    return pod, model, request
+    pod: str
+    model: str
+    request: dict[str, Any]
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    has_token_ids: bool = False
+    token_ids: Any = None
 
 
 class Decisions:
@@ -69,27 +63,20 @@ class Decisions:
         self._drift = drift
         self._metrics = metrics
 
-    async def record_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One decision, or ``{"decisions": [...]}``: all are validated before any is recorded,
-        then each is predicted and recorded in order (a later one sees the earlier ones)."""
-        if "decisions" in body:
-            items = body["decisions"]
-            if not isinstance(items, list) or not items or len(items) > MAX_BATCH:
-                raise QueryError(f"decisions must be an array of 1..{MAX_BATCH} decisions", field="decisions")
-            ready = [await self._validate(item) for item in items]
-            return {"results": [await self._commit(r) for r in ready]}
-        return await self._commit(await self._validate(body))
+    async def record(self, items: Sequence[DecisionIn]) -> list[dict[str, Any]]:
+        """Decisions in order: all are validated before any is recorded, then each is predicted
+        and recorded in order (a later one sees the earlier ones)."""
+        ready = [await self._validate(item) for item in items]
+        return [await self._commit(r) for r in ready]
 
-    async def _validate(self, body: Any) -> _Ready:
-        pod, model, request = _parse(body)
-        cached, prompt_tokens = _count(body, "cached_tokens"), _count(body, "prompt_tokens")
-        q = self._query
-        token_ids = q.check_token_ids(body["token_ids"]) if "token_ids" in body else await q.token_ids_for(model, request)
+    async def _validate(self, d: DecisionIn) -> _Ready:
+        q, model, request = self._query, d.model, d.request
+        token_ids = q.check_token_ids(d.token_ids) if d.has_token_ids else await q.token_ids_for(model, request)
         hashes = q.approx_hashes(model, request)
         if token_ids is None and hashes is None:
             raise QueryError("nothing to record: the request has no prompt, messages or input", field="request")
         lora, salt = request.get("lora_name"), request.get("cache_salt")
-        return _Ready(pod, model, token_ids, hashes, cached, prompt_tokens,
+        return _Ready(d.pod, model, token_ids, hashes, d.cached_tokens, d.prompt_tokens,
                       lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None)
 
     async def _commit(self, r: _Ready) -> dict[str, Any]:

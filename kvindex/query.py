@@ -28,7 +28,8 @@ import msgspec
 import xxhash
 
 from kvindex import keys as K
-from kvindex.approx.render import RenderError
+from kvindex.approx.gojson import RenderError
+from kvindex.approx.hashing import hash_request, render_request
 from kvindex.index.approx import score_matches
 from kvindex.index.protocol import ApproxStore, PodMatch, PreciseStore
 from kvindex.tokenize import Tokenizer
@@ -214,7 +215,18 @@ class QueryService:
         if not any(k in body for k in ("prompt", "messages", "input")):
             return None
         try:
-            return tuple(self.approx.hash_request(model, body))
+            return tuple(hash_request(self.approx.config, model, body))
+        except RenderError as exc:
+            raise QueryError(str(exc), field="request", reason="unrenderable") from None
+
+    def personality(self, model: str) -> str:
+        """The approximate personality ``model`` is hashed and scored with."""
+        return self.approx.config.for_model(model).personality
+
+    def render(self, model: str, body: dict[str, Any]) -> str:
+        """The prompt text the router hashes for ``body`` (GIE's bytes shown as UTF-8 text)."""
+        try:
+            return render_request(self.approx.config.for_model(model), body)
         except RenderError as exc:
             raise QueryError(str(exc), field="request", reason="unrenderable") from None
 

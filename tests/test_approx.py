@@ -1,4 +1,4 @@
-"""Tests for kvindex.approx.render and kvindex.index.approx: every case of the approximate-index vectors
+"""Tests for kvindex.approx (rendering, hashing) and kvindex.index.approx: every case of the approximate-index vectors
 (fixtures/vectors/approx-vectors.json, computed independently of kvindex), plus the rendering,
 defaulting, LRU, scoring and pod-removal rules of reference/approx-index.md."""
 
@@ -15,18 +15,16 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.approx.render import (
-    RenderError,
-    go_float,
-    go_json_loads,
-    go_marshal,
-    render_gie,
-    render_kthena,
+from kvindex.approx.gie import go_float, go_marshal, render_gie
+from kvindex.approx.gojson import RenderError, go_json_loads
+from kvindex.approx.hashing import (
+    gie_hashes,
+    hash_request,
+    kthena_hashes,
 )
+from kvindex.approx.kthena import render_kthena
 from kvindex.index.approx import (
     ApproxIndex,
-    gie_hashes,
-    kthena_hashes,
 )
 from kvindex.settings import GIE_V1_5, ApproxConfig, ApproxSettings
 
@@ -115,7 +113,7 @@ def test_kthena_hash_case(case: dict[str, Any]) -> None:
     assert xxhash.xxh64_intdigest(model.encode("utf-8")) == case["model_seed_xxh64"]
     settings = ApproxSettings.from_toml(KTHENA["defaults"])
     assert kthena_hashes(model, rendered, settings) == case["hashes"]
-    assert ApproxIndex(ApproxConfig()).hash_request(model, body) == case["hashes"]
+    assert hash_request(ApproxIndex(ApproxConfig()).config, model, body) == case["hashes"]
 
 
 @pytest.mark.parametrize("case", KTHENA["hash_cases"], ids=lambda c: c["name"])
@@ -141,13 +139,13 @@ def _replay(scenario: dict[str, Any], upto: int) -> tuple[ApproxIndex, list[str]
     for step in scenario["steps"][:upto]:
         if step["op"] == "record":
             model = step["request_body"]["model"]
-            index.record(step["pod"], model, index.hash_request(model, step["request_body"]))
+            index.record(step["pod"], model, hash_request(index.config, model, step["request_body"]))
     return index, evicted
 
 
 def _check_record(index: ApproxIndex, evicted: list[str], step: dict[str, Any]) -> None:
     model = step["request_body"]["model"]
-    hashes = index.hash_request(model, step["request_body"])
+    hashes = hash_request(index.config, model, step["request_body"])
     assert len(hashes) == step["num_hashes"]
     index.record(step["pod"], model, hashes)
     assert index.entries() == step["expect_entries_gauge_after"]
@@ -158,7 +156,7 @@ def _check_record(index: ApproxIndex, evicted: list[str], step: dict[str, Any]) 
 
 def _check_query(index: ApproxIndex, step: dict[str, Any]) -> None:
     model = step["request_body"]["model"]
-    hashes = index.hash_request(model, step["request_body"])
+    hashes = hash_request(index.config, model, step["request_body"])
     assert len(hashes) == step["num_hashes"]
     matches = index.match(model, hashes, step["candidates"])
     assert {p: m for p, m in matches.items() if m} == step["expect_match_lengths_topk"]
@@ -203,7 +201,7 @@ def test_gie_hash_case(case: dict[str, Any]) -> None:
     settings = ApproxSettings.defaults(GIE_V1_5)
     model = body["model"]
     assert gie_hashes(model, data, settings) == case["hashes_v1_5_0"]
-    assert _gie_index().hash_request(model, body) == case["hashes_v1_5_0"]
+    assert hash_request(_gie_index().config, model, body) == case["hashes_v1_5_0"]
 
 
 @pytest.mark.parametrize("case", GIE["hash_cases"], ids=lambda c: c["name"])
@@ -323,7 +321,7 @@ def test_render_kthena_rejects(body: dict[str, Any], message: str) -> None:
         render_kthena(body)
     assert "\n" not in str(info.value)
     with pytest.raises(RenderError):
-        ApproxIndex(ApproxConfig()).hash_request("m", body)
+        hash_request(ApproxIndex(ApproxConfig()).config, "m", body)
 
 
 def test_render_kthena_rejects_non_object_body() -> None:
@@ -333,7 +331,7 @@ def test_render_kthena_rejects_non_object_body() -> None:
 
 def test_empty_render_gives_no_hashes_and_zero_scores() -> None:
     index = ApproxIndex(ApproxConfig())
-    hashes = index.hash_request("m", {"input": []})
+    hashes = hash_request(index.config, "m", {"input": []})
     assert hashes == []
     index.record("p", "m", hashes)
     assert index.entries() == 0 and index.pods() == []
@@ -381,9 +379,9 @@ def test_go_json_loads_rejects(raw: bytes) -> None:
 
 def test_lone_surrogate_hashes_like_replacement_character() -> None:
     index = ApproxIndex(ApproxConfig())
-    via_go = index.hash_request("m", go_json_loads(b'{"prompt":"x\\ud800y"}'))
-    assert via_go == index.hash_request("m", {"prompt": "x\ufffdy"})
-    assert index.hash_request("m", {"prompt": "x\ud800y"}) == via_go  # a raw Python str too
+    via_go = hash_request(index.config, "m", go_json_loads(b'{"prompt":"x\\ud800y"}'))
+    assert via_go == hash_request(index.config, "m", {"prompt": "x\ufffdy"})
+    assert hash_request(index.config, "m", {"prompt": "x\ud800y"}) == via_go  # a raw Python str too
 
 
 # --- GIE rendering ---------------------------------------------------------------------------
@@ -474,13 +472,13 @@ def test_go_json_negative_zero_int_keeps_sign_for_gie() -> None:
 def test_gie_cache_salt_seeds_chain() -> None:
     index = _gie_index()
     body = {"prompt": "x" * 200}
-    plain = index.hash_request("m", body)
-    salted = index.hash_request("m", {**body, "cache_salt": "tenant-a"})
+    plain = hash_request(index.config, "m", body)
+    salted = hash_request(index.config, "m", {**body, "cache_salt": "tenant-a"})
     assert len(plain) == len(salted) == 3 and plain[0] != salted[0]
     assert salted == gie_hashes("m", b"x" * 200, ApproxSettings.defaults(GIE_V1_5), "tenant-a")
-    assert index.hash_request("m", {**body, "cache_salt": 5}) == plain
+    assert hash_request(index.config, "m", {**body, "cache_salt": 5}) == plain
     kthena = ApproxIndex(ApproxConfig())  # kvindex's extension: Kthena's seed takes the salt too
-    assert kthena.hash_request("m", {**body, "cache_salt": "s"}) != kthena.hash_request("m", body)
+    assert hash_request(kthena.config, "m", {**body, "cache_salt": "s"}) != hash_request(kthena.config, "m", body)
 
 
 def test_gie_hash_truncation_and_block_rules() -> None:
@@ -739,9 +737,9 @@ def test_salted_tenants_never_match_each_other(personality: str) -> None:
     index = ApproxIndex(ApproxConfig(ApproxSettings.defaults(personality), {}))
     prompt = "x" * 300
     body = {"model": "m", "prompt": prompt}
-    plain = index.hash_request("m", body)
-    salted = index.hash_request("m", {**body, "cache_salt": "tenant-a"})
-    other = index.hash_request("m", {**body, "cache_salt": "tenant-b"})
+    plain = hash_request(index.config, "m", body)
+    salted = hash_request(index.config, "m", {**body, "cache_salt": "tenant-a"})
+    other = hash_request(index.config, "m", {**body, "cache_salt": "tenant-b"})
     assert len({tuple(plain), tuple(salted), tuple(other)}) == 3
     index.record("p", "m", salted)
     assert index.match("m", other, ["p"]) == {"p": 0} and index.match("m", plain, ["p"]) == {"p": 0}
@@ -750,7 +748,7 @@ def test_salted_tenants_never_match_each_other(personality: str) -> None:
 
 def test_depth_has_no_top_k_cut_off() -> None:
     index = ApproxIndex(ApproxConfig())
-    hashes = index.hash_request("m", {"model": "m", "prompt": "y" * 500})
+    hashes = hash_request(index.config, "m", {"model": "m", "prompt": "y" * 500})
     pods = [f"p{i}" for i in range(8)]
     for p in pods:
         index.record(p, "m", hashes)

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from kvindex.approx.hashing import hash_request, render_request
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore
 from kvindex.index.protocol import StoreLost, StoreUnavailable
@@ -74,10 +75,10 @@ async def test_kthena_hash_cases(make_store: MakeStore) -> None:
     store = await make_store(ApproxConfig(ApproxSettings.from_toml(KTHENA["defaults"])))
     for case in KTHENA["hash_cases"]:
         body = case["request_body"]
-        hashes = store.hash_request(body["model"], body)
+        hashes = hash_request(store.config, body["model"], body)
         assert hashes == case["hashes"], case["name"]
         if case["rendered"] is not None:
-            assert store.render(body["model"], body) == case["rendered"]
+            assert render_request(store.config.for_model(body["model"]), body) == case["rendered"]
         await store.record("pod", body["model"], hashes)
         assert await store.match(body["model"], hashes, ["pod", "other"]) == {"pod": len(hashes), "other": 0}
         assert all([await store.believes("pod", body["model"], h) for h in hashes])
@@ -87,7 +88,7 @@ async def test_gie_hash_cases(make_store: MakeStore) -> None:
     store = await make_store(ApproxConfig(ApproxSettings.defaults(GIE_V1_5)))
     for i, case in enumerate(GIE["hash_cases"]):
         body = case["request_body"]
-        hashes = store.hash_request(body["model"], body)
+        hashes = hash_request(store.config, body["model"], body)
         assert hashes == case["hashes_v1_5_0"], case["name"]
         await store.record(f"pod-{i}", body["model"], hashes)
         found = await store.match(body["model"], hashes, [f"pod-{i}", "other"])
@@ -100,7 +101,7 @@ async def test_kthena_scoring_scenario(make_store: MakeStore, scenario: dict[str
     store = await make_store(kthena_config(**scenario["config"]), evicted.append)
     for step in scenario["steps"]:
         model = step["request_body"]["model"]
-        hashes = store.hash_request(model, step["request_body"])
+        hashes = hash_request(store.config, model, step["request_body"])
         assert len(hashes) == step["num_hashes"]
         if step["op"] == "record":
             await store.record(step["pod"], model, hashes)
@@ -174,7 +175,7 @@ async def test_kthena_capacity_fixed_at_first_record(make_store: MakeStore) -> N
 
 async def test_empty_record_gives_no_entries_and_zero_scores(make_store: MakeStore) -> None:
     store = await make_store(ApproxConfig())
-    hashes = store.hash_request("m", {"input": []})
+    hashes = hash_request(store.config, "m", {"input": []})
     assert hashes == []
     await store.record("p", "m", hashes)
     assert await store.entries() == 0 and await store.pods() == []
@@ -253,7 +254,7 @@ async def test_kthena_ties_sorted_by_code_point_for_any_utf8_pod_name(make_store
 
 async def test_depth_has_no_top_k_cut_off(make_store: MakeStore) -> None:
     store = await make_store(ApproxConfig())
-    hashes = store.hash_request("m", {"model": "m", "prompt": "y" * 500})
+    hashes = hash_request(store.config, "m", {"model": "m", "prompt": "y" * 500})
     pods = [f"p{i}" for i in range(8)]
     for i, p in enumerate(pods):
         await store.record(p, "m", hashes[: len(hashes) - i % 3])

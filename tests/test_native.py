@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from kvindex import keys as K
 from kvindex import native
-from kvindex.approx.render import RenderError, go_json_loads
-from kvindex.http.app import decode_json
+from kvindex.approx.gojson import RenderError, go_json_loads
+from kvindex.http.bodies import decode_json
 from tests.conftest import need_native
 
 _keys = native.load("kvindex._keys")

@@ -1,10 +1,11 @@
 """The approximate index: what a router believes each pod caches, fed by its routing decisions.
 
+It stores and matches block hashes; rendering and hashing a request (per personality) are
+``kvindex.approx.hashing``'s job, never this module's.
+
 Two personalities, each with its own store (a pod may appear in both):
 
 ``kthena`` (default) — Kthena main's prefix-cache plugin:
-- Hashes: XXH64 chain over 64-byte slices of the UTF-8 rendered prompt, seeded with XXH64(model);
-  the previous hash enters as its decimal text; the last block may be short; at most 128 blocks.
 - Store: ``model -> hash -> pods`` plus one LRU per pod keyed ``(hash, model)`` with capacity
   ``maxHashCacheSize`` shared by all models on that pod.
 - Record inserts the deepest block first; re-adding a key only refreshes it; a new key beyond
@@ -13,8 +14,6 @@ Two personalities, each with its own store (a pod may appear in both):
   Score is ``int((m / n) * 100)`` (float64 then truncation, as Go computes it).
 
 ``gie-v1.5`` — GIE v1.5.0's approx-prefix-cache-producer (byte mode):
-- Hashes: no hashes under one block; input truncated to ``blockSize * maxBlocks`` bytes; only
-  full blocks; ``h_i = XXH64(block_i || le64(h_{i-1}))`` seeded with XXH64(model || cache_salt).
 - Store: ``hash -> pods`` (no per-model index) plus one LRU of hashes per pod.
 - Record adds first block first to the LRU, then adds the pod to every hash's set, so hashes the
   same call evicted come back as stale beliefs (GIE's quirk, kept on purpose).
@@ -37,55 +36,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
-import xxhash
-
-from kvindex.approx.render import go_utf8, render_gie, render_kthena
 from kvindex.settings import GIE_V1_5, ApproxConfig, ApproxSettings
 
 K = TypeVar("K", bound=Hashable)
 
 
-# --- hashing ---------------------------------------------------------------------------------
-
-
-def kthena_hashes(model: str, rendered: str, settings: ApproxSettings, cache_salt: str = "") -> list[int]:
-    """Kthena's block hashes: ``h_i = XXH64(decimal(h_{i-1}) || block_i)``, ``h_0 = XXH64(model)``.
-
-    Blocks are byte slices of the UTF-8 prompt (a character may straddle two blocks); the last
-    may be short; at most ``max_blocks_to_match``; an empty prompt gives ``[]``.
-    kvindex's one extension: a non-empty ``cache_salt`` is mixed into the seed
-    (``h_0 = XXH64(model || 0x00 || salt)``) so salted tenants never match each other; Kthena
-    ignores the salt, and an unsalted request hashes exactly as Kthena does.
-    """
-    data, size = go_utf8(rendered), settings.block_size_to_hash
-    count = min(-(-len(data) // size), settings.max_blocks_to_match)
-    seed = go_utf8(model) + (b"\x00" + go_utf8(cache_salt) if cache_salt else b"")
-    prev = xxhash.xxh64_intdigest(seed)
-    out: list[int] = []
-    for start in range(0, count * size, size):
-        prev = xxhash.xxh64_intdigest(b"%d" % prev + data[start : start + size])
-        out.append(prev)
-    return out
-
-
-def gie_hashes(
-    model: str, data: bytes, settings: ApproxSettings, cache_salt: str = ""
-) -> list[int]:
-    """GIE v1.5.0's block hashes: ``h_i = XXH64(block_i || le64(h_{i-1}))``.
-
-    ``h_0 = XXH64(model || cache_salt)``. Input under one block gives ``[]``; input is truncated
-    to ``block_size * max_blocks`` bytes and a trailing partial block is dropped.
-    """
-    size = settings.block_size_to_hash
-    if len(data) < size:
-        return []
-    data = data[: size * settings.max_blocks_to_match]
-    prev = xxhash.xxh64_intdigest(go_utf8(model) + go_utf8(cache_salt))
-    out: list[int] = []
-    for start in range(0, len(data) - size + 1, size):
-        prev = xxhash.xxh64_intdigest(data[start : start + size] + prev.to_bytes(8, "little"))
-        out.append(prev)
-    return out
+# --- scoring ---------------------------------------------------------------------------------
 
 
 def score_matches(settings: ApproxSettings, matches: Mapping[str, int], n: int) -> dict[str, int | float]:
@@ -96,26 +52,6 @@ def score_matches(settings: ApproxSettings, matches: Mapping[str, int], n: int) 
     if settings.personality == GIE_V1_5:
         return {pod: m / n for pod, m in matches.items()}
     return {pod: int((m / n) * 100) for pod, m in matches.items()}
-
-
-def render_request(settings: ApproxSettings, body: dict[str, Any]) -> str:
-    """The prompt text ``settings``' personality hashes (GIE's bytes shown as UTF-8 text)."""
-    if settings.personality == GIE_V1_5:
-        return render_gie(body).decode("utf-8", "replace")
-    return render_kthena(body)
-
-
-def hash_body(model: str, body: dict[str, Any], settings: ApproxSettings) -> list[int]:
-    """Render ``body`` per ``settings``' personality and hash it. Raises ``RenderError``.
-
-    Both personalities seed with ``body["cache_salt"]`` when it is a string (GIE does; for
-    Kthena it is kvindex's extension, see ``kthena_hashes``).
-    """
-    salt = body.get("cache_salt") if isinstance(body, dict) else None
-    salt = salt if isinstance(salt, str) else ""
-    if settings.personality == GIE_V1_5:
-        return gie_hashes(model, render_gie(body), settings, salt)
-    return kthena_hashes(model, render_kthena(body), settings, salt)
 
 
 # --- LRU -------------------------------------------------------------------------------------
@@ -327,14 +263,6 @@ class ApproxIndex:
 
     def _is_gie(self, model: str) -> bool:
         return self._config.for_model(model).personality == GIE_V1_5
-
-    def render(self, model: str, body: dict[str, Any]) -> str:
-        """The prompt text the model's personality hashes (GIE's bytes shown as UTF-8 text)."""
-        return render_request(self._config.for_model(model), body)
-
-    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
-        """Render ``body`` per the model's personality and hash it (``hash_body``)."""
-        return hash_body(model, body, self._config.for_model(model))
 
     def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
         """Record that ``pod`` served a request with these block hashes (evicts synchronously)."""

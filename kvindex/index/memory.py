@@ -99,12 +99,6 @@ class MemoryApproxStore:
     def config(self) -> ApproxConfig:
         return self.index.config
 
-    def render(self, model: str, body: dict[str, Any]) -> str:
-        return self.index.render(model, body)
-
-    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
-        return self.index.hash_request(model, body)
-
     async def record(self, pod: str, model: str, hashes: Sequence[int]) -> None:
         self.index.record(pod, model, hashes)
 

@@ -130,17 +130,14 @@ class PreciseStore(Protocol):
 
 
 class ApproxStore(Protocol):
-    """The approximate index behind an async interface (see ``ApproxIndex``). Rendering and
-    hashing are pure and stay synchronous; everything that reads or writes beliefs is async."""
+    """The approximate index behind an async interface (see ``ApproxIndex``): beliefs only,
+    every read and write async. Requests are rendered and hashed before they reach a store
+    (``kvindex.approx.hashing``), with the settings ``config`` gives per model."""
 
     name: str
 
     @property
     def config(self) -> ApproxConfig: ...
-
-    def render(self, model: str, body: dict[str, Any]) -> str: ...
-
-    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]: ...
 
     async def record(self, pod: str, model: str, hashes: Sequence[int]) -> None: ...
 

@@ -63,8 +63,6 @@ from redis import exceptions as rx
 
 from kvindex.index.approx import (
     ApproxIndex,
-    hash_body,
-    render_request,
     score_matches,
 )
 from kvindex.index.protocol import StoreLost, StoreUnavailable
@@ -430,12 +428,6 @@ class RedisApproxStore:
             if LOST_MARK in str(exc):
                 raise StoreLost("redis approx store lost its state (generation vanished or changed)") from None
             raise StoreUnavailable(f"redis approx store refused {script}: {_one_line(exc)}") from None
-
-    def render(self, model: str, body: dict[str, Any]) -> str:
-        return render_request(self._config.for_model(model), body)
-
-    def hash_request(self, model: str, body: dict[str, Any]) -> list[int]:
-        return hash_body(model, body, self._config.for_model(model))
 
     def _is_gie(self, model: str) -> bool:
         return self._config.for_model(model).personality == GIE_V1_5

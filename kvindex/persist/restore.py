@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 
 from kvindex.config import Config, EngineConfig
-from kvindex.http import dynamo as compat_api
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.logs import BurstLog
@@ -52,6 +51,7 @@ from kvindex.persist.wal import (
     fsync_and_close,
     read_from,
 )
+from kvindex.registrations import Registration, Registrations
 from kvindex.views import FleetView, PodsView, RestorableLane
 
 log = logging.getLogger("kvindex.persist.restore")
@@ -63,7 +63,7 @@ class Recovery:
     """Snapshots and the write-ahead log of one daemon; inert without a state dir or a peer."""
 
     def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: FleetView,
-                 pods: PodsView, registrations: compat_api.Registrations,
+                 pods: PodsView, registrations: Registrations,
                  make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
                  on_wal_error: Callable[[str], None] | None = None) -> None:
         self.config = config
@@ -181,7 +181,7 @@ class Recovery:
             log.error("state: approximate index not restored: %s", exc)
         for d in st.registrations:
             try:
-                self.registrations.add(compat_api.Registration.from_json(d))
+                self.registrations.add(Registration.from_json(d))
             except ValueError as exc:
                 log.error("state: %s", exc)
         self._restored_streams = {k: list(v) for k, v in st.streams.items()}
@@ -234,7 +234,7 @@ class Recovery:
                 self.index.clear_pod(rec.pod)
                 self.approx.remove_pod(rec.pod)
             case RegistrationChange():
-                self._replay_registration(rec.change, compat_api.Registration.from_json(rec.registration), lanes)
+                self._replay_registration(rec.change, Registration.from_json(rec.registration), lanes)
         return True
 
     async def _replay_lane(self, key: str, lanes: dict[str, RestorableLane]) -> RestorableLane | None:
@@ -247,7 +247,7 @@ class Recovery:
         await lane.install_restored()
         return lane
 
-    def _replay_registration(self, kind: str, reg: compat_api.Registration, lanes: dict[str, RestorableLane]) -> None:
+    def _replay_registration(self, kind: str, reg: Registration, lanes: dict[str, RestorableLane]) -> None:
         if kind == "add":
             self.registrations.add(reg)
         elif (reg.instance_id, reg.dp_rank) in self.registrations.by_key:
@@ -297,7 +297,7 @@ class Recovery:
         def removed(pod: str) -> None:
             wal.append(PodRemoved(pod))
 
-        def registered(kind: str, reg: compat_api.Registration) -> None:
+        def registered(kind: str, reg: Registration) -> None:
             wal.append(RegistrationChange("add" if kind == "add" else "remove", reg.to_json()))
 
         self.approx.on_record = decided

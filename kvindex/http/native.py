@@ -1,0 +1,207 @@
+"""kvindex's native HTTP API: health, metrics, pods, scoring, decisions, explain, drift, state, dashboard.
+
+Invariants:
+- A handler checks its request (``kvindex.http.bodies``), calls the services' methods, and shapes
+  the answer; it holds no state and reads no store itself.
+- Mutating endpoints (pod removal and resync, decisions, the state export) require the bearer
+  token when one is configured.
+- Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from urllib.parse import unquote
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvindex.http.app import require_token, services
+from kvindex.http.bodies import (
+    ApiError,
+    ScoreBody,
+    decision_list,
+    explain_request,
+    json_response,
+    parse,
+    pods_limit,
+    read_body,
+    window_seconds,
+)
+from kvindex.index.protocol import StoreUnavailable
+from kvindex.query import PodAnswer
+
+
+def pod_from_path(request: web.Request) -> str:
+    pod = unquote(request.match_info["pod"])
+    if not pod:
+        raise ApiError("pod id is empty", field="pod", reason="bad_field")
+    return pod
+
+
+# -- dashboard ---------------------------------------------------------------------------------
+def load_dashboard() -> bytes:
+    """The dashboard page, self-contained (inline CSS, JS and SVG; no network at all)."""
+    return resources.files("kvindex.http").joinpath("static/dashboard.html").read_bytes()
+
+
+def dashboard_handler(page: bytes) -> web.RouteDef:
+    async def dashboard(request: web.Request) -> web.Response:
+        return web.Response(body=page, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"})
+    return web.get("/", dashboard)
+
+
+# -- health ------------------------------------------------------------------------------------
+async def healthz(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    svc = services(request)
+    try:
+        problems = await svc.pods.readiness_problems()
+    except StoreUnavailable as exc:
+        problems = [f"store unavailable: {exc}"]
+    problem = svc.store_problem() if svc.store_problem is not None else None
+    if problem is not None and problem not in problems:
+        problems.insert(0, problem)
+    if problems:
+        return json_response({"status": "not ready", "reasons": problems}, status=503)
+    return json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = services(request)
+    if svc.before_metrics is not None:
+        await svc.before_metrics()
+    data = generate_latest(svc.metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- pods --------------------------------------------------------------------------------------
+async def list_pods(request: web.Request) -> web.Response:
+    return json_response({"pods": await services(request).pods.views()})
+
+
+async def get_pod(request: web.Request) -> web.Response:
+    pod = pod_from_path(request)
+    for view in await services(request).pods.views():
+        if view["pod"] == pod:
+            return json_response(view)
+    raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
+
+
+async def delete_pod(request: web.Request) -> web.Response:
+    require_token(request)
+    pod = pod_from_path(request)
+    if not await services(request).pods.remove(pod):
+        raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
+    return json_response({"removed": pod})
+
+
+async def resync_pod(request: web.Request) -> web.Response:
+    require_token(request)
+    pod = pod_from_path(request)
+    if not await services(request).fleet.resync(pod):
+        raise ApiError(f"no engine stream feeds pod {pod!r}", field="pod", status=404, reason="unknown_pod")
+    return json_response({"resynced": pod})
+
+
+# -- scoring -----------------------------------------------------------------------------------
+async def score(request: web.Request) -> web.Response:
+    svc = services(request)
+    t0 = time.perf_counter()
+    body = await read_body(request, u32_field="token_ids")
+    args = parse(body, ScoreBody)
+    model, pods = args.model, pods_limit(args.pods)
+    q = svc.query
+    token_ids = await q.token_ids_for(model, body)
+    precise = None
+    if token_ids is not None:
+        precise = await q.precise(model, token_ids, pods, args.lora_name, args.cache_salt)
+        q.scores.remember(model, token_ids, pods, precise)
+    candidates = await q.candidates(pods, precise)
+    approx = await q.approx_answer(model, body, candidates)
+    if precise is None and approx is None:
+        raise ApiError("nothing to score: give token_ids, prompt, messages or input", field="request", reason="missing_field")
+    if approx is not None and approx.hashes:
+        svc.metrics.approx_match_ratio.labels(model).observe(max(approx.blocks.values(), default=0) / len(approx.hashes))
+    answer = {
+        "model": model,
+        "prompt_tokens": precise.prompt_tokens if precise else None,
+        "block_size": precise.block_size if precise else None,
+        "pods": {pod: PodAnswer(pod, precise, approx).to_json() for pod in candidates},
+    }
+    svc.metrics.query_seconds.labels("/v1/score").observe(time.perf_counter() - t0)
+    return json_response(answer)
+
+
+async def decisions(request: web.Request) -> web.Response:
+    require_token(request)
+    svc = services(request)
+    t0 = time.perf_counter()
+    items, batch = decision_list(await read_body(request, u32_field="token_ids"))
+    results = await svc.decisions.record(items)
+    answer = {"results": results} if batch else results[0]
+    svc.metrics.query_seconds.labels("/v1/decisions").observe(time.perf_counter() - t0)
+    return json_response(answer)
+
+
+async def explain(request: web.Request) -> web.Response:
+    """What the router computes for a request: rendered prompt, block hashes, depth per pod."""
+    q = services(request).query
+    req, model, asked = explain_request(await read_body(request))
+    rendered = q.render(model, req)
+    hashes = q.approx_hashes(model, req) or ()
+    pods = asked or await q.candidates(None, None)
+    answer = await q.approx_match(model, hashes, pods)
+    return json_response({
+        "model": model, "personality": q.personality(model), "rendered": rendered,
+        "rendered_bytes": len(rendered.encode("utf-8", "replace")),
+        "block_hashes": list(hashes),
+        "pods": {p: {"matched_blocks": answer.blocks.get(p, 0), "score": answer.scores.get(p, 0)} for p in pods},
+    })
+
+
+async def drift(request: web.Request) -> web.Response:
+    svc = services(request)
+    seconds = window_seconds(request.query.get("window"))
+    if request.query.get("recheck") in ("1", "true"):
+        await svc.drift.recheck_async()
+    return json_response(svc.drift.summary(seconds))
+
+
+async def drift_history(request: web.Request) -> web.Response:
+    svc = services(request)
+    return json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
+
+
+async def state(request: web.Request) -> web.Response:
+    """Everything kvindex holds, in the snapshot format (``kvindex/persist/snapshot.py``): what
+    ``--peer`` loads. Bulk data: guarded by the bearer token when one is configured."""
+    require_token(request)
+    svc = services(request)
+    if svc.state is None:
+        raise ApiError("state export is not available: the state lives in the shared store (--store redis://) or in "
+                       "the ingest workers (--workers)", status=503, reason="unavailable")
+    return web.Response(body=await svc.state(), content_type="application/x-kvindex-state")
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        dashboard_handler(load_dashboard()),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+        web.get("/v1/pods", list_pods),
+        web.post("/v1/pods/{pod:.+}/resync", resync_pod),
+        web.get("/v1/pods/{pod:.+}", get_pod),
+        web.delete("/v1/pods/{pod:.+}", delete_pod),
+        web.post("/v1/score", score),
+        web.post("/v1/decisions", decisions),
+        web.post("/v1/approx/explain", explain),
+        web.get("/v1/drift", drift),
+        web.get("/v1/drift/history", drift_history),
+        web.get("/v1/state", state),
+    ]
