@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from kvindex.answers import (
+    ApproxAnswer,
+    PodAnswer,
+    PreciseAnswer,
+    QueryError,
+    cacheable_tokens,
+)
 from kvindex.drift import Decision, DriftAudit
 from kvindex.metrics import Metrics
-from kvindex.query import PodAnswer, QueryError, QueryService, cacheable_tokens
 
 MAX_BATCH = 1024  # decisions in one request
 
@@ -57,8 +63,27 @@ class DecisionIn:
     token_ids: Any = None
 
 
+class Predictor(Protocol):
+    """What a decision needs of the query service (``kvindex.query.QueryService``)."""
+
+    def check_token_ids(self, value: Any) -> array: ...
+
+    async def token_ids_for(self, model: str, body: dict[str, Any]) -> Sequence[int] | None: ...
+
+    def approx_hashes(self, model: str, body: dict[str, Any]) -> tuple[int, ...] | None: ...
+
+    async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
+                      lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer: ...
+
+    def recall(self, model: str, token_ids: Sequence[int], pod: str, answer: PreciseAnswer) -> PreciseAnswer | None: ...
+
+    async def approx_match(self, model: str, hashes: tuple[int, ...], pods: Iterable[str]) -> ApproxAnswer: ...
+
+    async def record_approx(self, pod: str, model: str, hashes: Sequence[int]) -> None: ...
+
+
 class Decisions:
-    def __init__(self, query: QueryService, drift: DriftAudit, metrics: Metrics) -> None:
+    def __init__(self, query: Predictor, drift: DriftAudit, metrics: Metrics) -> None:
         self._query = query
         self._drift = drift
         self._metrics = metrics
@@ -84,7 +109,7 @@ class Decisions:
         precise, scored = None, False
         if r.token_ids is not None:
             precise = await q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt)
-            recalled = q.scores.recall(r.model, r.token_ids, pod, precise)
+            recalled = q.recall(r.model, r.token_ids, pod, precise)
             precise, scored = (recalled, True) if recalled is not None else (precise, False)
         approx = await q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
         prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else precise.prompt_tokens if precise else None
@@ -101,7 +126,7 @@ class Decisions:
         if precise is not None and precise.block_size == 0 and r.token_ids is not None:
             decision.pending = (precise.root, array("I", r.token_ids[:cacheable_tokens(r.token_ids)]))
         if r.hashes:
-            await q.approx.record(pod, r.model, r.hashes)
+            await q.record_approx(pod, r.model, r.hashes)
         self._drift.add(decision)
         self._metrics.observe_decision(decision.pod, decision.approx, decision.precise, decision.actual)
         if approx is not None:

@@ -21,13 +21,13 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 import xxhash
 
 from kvindex import keys as K
+from kvindex.answers import ApproxAnswer, PreciseAnswer, QueryError, cacheable_tokens
 from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
 from kvindex.index.approx import score_matches
@@ -35,73 +35,6 @@ from kvindex.index.protocol import ApproxStore, PodMatch, PreciseStore
 from kvindex.tokenize import Tokenizer
 
 _TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
-
-
-def cacheable_tokens(token_ids: Sequence[int]) -> int:
-    """vLLM never serves the block holding the last prompt token from cache."""
-    return max(len(token_ids) - 1, 0)
-
-
-class QueryError(ValueError):
-    """A query that cannot be answered; ``field`` names the offending input, ``status`` the HTTP code."""
-
-    def __init__(self, message: str, field: str | None = None, status: int = 400, reason: str = "bad_request") -> None:
-        super().__init__(message)
-        self.field = field
-        self.status = status
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class PreciseAnswer:
-    block_size: int  # 0 when no engine has published a block of the model yet
-    prompt_tokens: int
-    keys: tuple[int, ...]  # keys of the blocks that may be served from cache
-    matches: dict[str, PodMatch]
-    root: int = 0
-
-    def blocks(self, pod: str) -> int:
-        m = self.matches.get(pod)
-        return m.gpu if m else 0
-
-    def ratio(self, pod: str) -> float:
-        return self.blocks(pod) * self.block_size / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ApproxAnswer:
-    hashes: tuple[int, ...]
-    blocks: dict[str, int]
-    scores: dict[str, float]
-
-    def ratio(self, pod: str) -> float:
-        return self.blocks.get(pod, 0) / len(self.hashes) if self.hashes else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class PodAnswer:
-    pod: str
-    precise: PreciseAnswer | None
-    approx: ApproxAnswer | None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"precise": None, "approx": None}
-        if self.precise is not None:
-            p = self.precise
-            out["precise"] = {"blocks": p.blocks(self.pod), "tokens": p.blocks(self.pod) * p.block_size,
-                              "ratio": round(p.ratio(self.pod), 6)}
-            m = p.matches.get(self.pod)
-            if m is not None and (m.cpu > m.gpu or m.disk > m.gpu):
-                out["precise"].update(cpu_tokens=m.cpu * p.block_size, disk_tokens=m.disk * p.block_size)
-        if self.approx is not None:
-            out["approx"] = {"blocks": self.approx.blocks.get(self.pod, 0), "score": self.approx.scores.get(self.pod, 0)}
-        out["drift"] = self.drift()
-        return out
-
-    def drift(self) -> float | None:
-        if self.precise is None or self.approx is None:
-            return None
-        return round(self.approx.ratio(self.pod) - self.precise.ratio(self.pod), 6)
 
 
 class ScoreMemory:
@@ -229,6 +162,14 @@ class QueryService:
             return render_request(self.approx.config.for_model(model), body)
         except RenderError as exc:
             raise QueryError(str(exc), field="request", reason="unrenderable") from None
+
+    def recall(self, model: str, token_ids: Sequence[int], pod: str, answer: PreciseAnswer) -> PreciseAnswer | None:
+        """``answer`` with ``pod``'s match as the last ``/v1/score`` of this prompt saw it (or None)."""
+        return self.scores.recall(model, token_ids, pod, answer)
+
+    async def record_approx(self, pod: str, model: str, hashes: Sequence[int]) -> None:
+        """Record a routing decision's hashes into the approximate index (as the router does)."""
+        await self.approx.record(pod, model, hashes)
 
     async def approx_match(self, model: str, hashes: tuple[int, ...], pods: Iterable[str]) -> ApproxAnswer:
         matches = await self.approx.match(model, hashes, list(pods))  # one walk: scores follow from it

@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvindex.answers import QueryError
 from kvindex.config import ConfigError, EngineConfig
 from kvindex.index.protocol import PreciseStore
-from kvindex.query import QueryError
 
 DEFAULT_GROUP = "default"
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvindex.http import bodies as B
-from kvindex.http.bodies import ApiError
+from kvindex.http.errors import ApiError
 
 
 def refusal(fn: Any, *args: Any) -> tuple[str, str | None, int, str]:

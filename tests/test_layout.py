@@ -40,7 +40,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("kvindex.approx",),  # request -> prompt string -> hashes
     3: ("kvindex.index",),  # the index contracts and backends
     4: ("kvindex.ingest",),  # transport, lanes, fleet
-    5: ("kvindex.query", "kvindex.drift", "kvindex.decisions", "kvindex.pods", "kvindex.registrations"),
+    5: ("kvindex.answers", "kvindex.query", "kvindex.drift", "kvindex.decisions", "kvindex.pods",
+        "kvindex.registrations"),
     6: ("kvindex.persist",),
     7: ("kvindex.http",),
     8: ("kvindex.shard",),

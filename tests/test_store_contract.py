@@ -21,11 +21,11 @@ import zmq.asyncio
 
 from adapters import DIALECTS
 from kvindex import keys as K
+from kvindex.answers import cacheable_tokens
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.memory import MemoryPreciseStore
 from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
 from kvindex.index.redis_precise import RedisPreciseStore
-from kvindex.query import cacheable_tokens
 from kvindex.sequence import Outcome, Position, StreamRef
 from kvindex.shard.channel import ShardChannel, WorkerSettings, owner_of
 from kvindex.shard.store import ShardedPreciseStore

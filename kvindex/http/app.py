@@ -22,13 +22,14 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvindex.answers import QueryError
 from kvindex.config import Config
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
-from kvindex.http.bodies import ApiError
+from kvindex.http.errors import ApiError
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.metrics import Metrics
-from kvindex.query import QueryError, QueryService
+from kvindex.query import QueryService
 from kvindex.registrations import EngineRegistry
 from kvindex.views import FleetView, PodsView
 

@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import re
 from array import array
 from collections.abc import Callable, Sequence
@@ -29,6 +28,7 @@ from aiohttp import web
 from kvindex import native
 from kvindex.approx.gojson import RenderError, go_json_loads
 from kvindex.decisions import MAX_BATCH, DecisionIn
+from kvindex.http.errors import ApiError
 
 MSGPACK = "application/msgpack"
 MAX_PODS = 10_000
@@ -37,15 +37,6 @@ T = TypeVar("T", bound="Body")
 Text = Annotated[str, msgspec.Meta(min_length=1)]  # a non-empty string
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Pods = list[Text]
-
-
-class ApiError(web.HTTPException):
-    """A refused request: one line, the field at fault, a reason label for the metric."""
-
-    def __init__(self, message: str, *, field: str | None = None, status: int = 400, reason: str = "bad_request") -> None:
-        self.status_code = status
-        super().__init__(text=json.dumps({"error": message, "field": field}), content_type="application/json")
-        self.reason_label = reason
 
 
 # -- reading -----------------------------------------------------------------------------------

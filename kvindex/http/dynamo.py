@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvindex.answers import PreciseAnswer
 from kvindex.http.app import require_token, services
 from kvindex.http.bodies import (
     QueryBody,
@@ -38,7 +39,6 @@ from kvindex.http.bodies import (
     read_body,
     reply,
 )
-from kvindex.query import PreciseAnswer
 from kvindex.registrations import DEFAULT_GROUP
 
 

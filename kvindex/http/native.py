@@ -17,6 +17,7 @@ from urllib.parse import unquote
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvindex.answers import PodAnswer
 from kvindex.http.app import require_token, services
 from kvindex.http.bodies import (
     ApiError,
@@ -30,7 +31,6 @@ from kvindex.http.bodies import (
     window_seconds,
 )
 from kvindex.index.protocol import StoreUnavailable
-from kvindex.query import PodAnswer
 
 
 def pod_from_path(request: web.Request) -> str:
