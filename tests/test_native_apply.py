@@ -21,13 +21,14 @@ from kvindex import keys as K
 from kvindex import native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.index import precise
-from kvindex.index.precise import _MASKS_CAP, _MIX, PreciseIndex, _Table
+from kvindex.index.precise import _MASKS_CAP, PreciseIndex
+from kvindex.index.table import MIX, Table
 from tests.conftest import need_native
 
 _apply = native.load("kvindex._apply")
 BS = 4
 M64 = (1 << 64) - 1
-INV = pow(_MIX, -1, 1 << 64)  # h = v * INV has h * _MIX = v: hashes whose home is chosen
+INV = pow(MIX, -1, 1 << 64)  # h = v * INV has h * MIX = v: hashes whose home is chosen
 
 
 def require() -> None:
@@ -132,7 +133,7 @@ def rnd_medium(rnd: random.Random) -> str:
     return GPU if rnd.random() < 0.8 else rnd.choice(("CPU", "CPU_pinned", "DISK"))
 
 
-def table_state(t: _Table) -> tuple:
+def table_state(t: Table) -> tuple:
     return (t.tab.tobytes(), t.size, t.bits, t.sh, t.m, t.used, t.limit, dict(t.side), list(t.items()))
 
 
@@ -185,7 +186,7 @@ def test_tables_grow_shrink_and_extend_identically() -> None:
     require()
     rnd = random.Random(5)
     pool = [rnd.getrandbits(64) for _ in range(3000)] + [end_hash(rnd) for _ in range(400)] + list(range(1, 300))
-    ref, fast = _Table(native=None), _Table(native=_apply)
+    ref, fast = Table(native=None), Table(native=_apply)
     for step in range(40_000):
         h = rnd.choice(pool)
         if rnd.random() < (0.65 if (step // 8000) % 2 == 0 else 0.3):
@@ -219,7 +220,7 @@ def test_bad_events_fail_or_pass_as_in_python() -> None:
 
 def test_direct_calls_with_the_wrong_types_hand_everything_back() -> None:
     require()
-    t, holders, masks = _Table(native=_apply), {}, {}
+    t, holders, masks = Table(native=_apply), {}, {}
     assert _apply.store(t, holders, masks, 1, (5, 6), [7, 8], 0, _MASKS_CAP) == 2 and t.used == 2
     assert _apply.store(t, [], masks, 1, (9,), [1], 0, _MASKS_CAP) == 0  # holders not a dict
     assert _apply.store(t, holders, masks, 1.0, (9,), [1], 0, _MASKS_CAP) == 0  # bit not an int
@@ -228,7 +229,7 @@ def test_direct_calls_with_the_wrong_types_hand_everything_back() -> None:
     assert _apply.store(t, holders, masks, 1, (11,), [1 << 64], 0, _MASKS_CAP) == 0  # key not a u64
     with pytest.raises(AttributeError):
         _apply.store(object(), holders, masks, 1, (9,), [1], 0, _MASKS_CAP)
-    bad = _Table(native=_apply)
+    bad = Table(native=_apply)
     bad.tab = array("I", bytes(64))  # not array("Q"): nothing done
     assert _apply.store(bad, holders, masks, 1, (9,), [1], 0, _MASKS_CAP) == 0
     assert _apply.remove(bad, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
@@ -278,8 +279,8 @@ def rss() -> int:
 
 def test_pure_python_everywhere_with_the_env_var() -> None:
     require()
-    assert PreciseIndex()._native is _apply and _Table().native is _apply and "kvindex._apply" in native.ACCELERATORS
-    code = ("from kvindex import precise as p; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
+    assert PreciseIndex()._native is _apply and Table().native is _apply and "kvindex._apply" in native.ACCELERATORS
+    code = ("from kvindex.index import precise as p; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
             "assert p._APPLY is None and ix._native is None and w.media['GPU'].native is None")
     env = {**os.environ, "KVINDEX_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)

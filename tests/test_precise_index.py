@@ -166,17 +166,17 @@ def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: PreciseIndex
     assert idx.pods() == [] and idx._slots == [None, None]
 
 
-# -- the packed layout (kvindex.index.precise._Table, interned masks, the members cache) --------------
+# -- the packed layout (kvindex.index.table.Table, interned masks, the members cache) --------------
 def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_array() -> None:
     import random
 
-    from kvindex.index.precise import ORPHAN, _Table
+    from kvindex.index.table import ORPHAN, Table
 
     rng = random.Random(7)
     # random, strided (i << 40, i * 256) and sequential hashes, hash 0 and the largest u64
     pool = [0, 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(300)]
     pool += [i << 40 for i in range(1, 200)] + [i * 256 for i in range(1, 200)] + list(range(2, 200))
-    t, d = _Table(), {}
+    t, d = Table(), {}
     for step in range(30_000):
         h = rng.choice(pool)
         grow = (step // 5000) % 2 == 0
@@ -204,12 +204,12 @@ def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_a
 
 
 def test_table_last_slot_taken_extends_the_array() -> None:
-    from kvindex.index.precise import _MIX, _PAD, _Table
+    from kvindex.index.table import MIX, PAD, Table
 
-    t = _Table(7)
+    t = Table(7)
     n, slots = t.size, len(t.tab) // 2
-    inv, top = pow(_MIX, -1, 1 << 64), (n - 1) << (64 - t.bits)  # hashes whose home is the last slot
-    hs = [(top + i) * inv % (1 << 64) for i in range(1, _PAD + 15)]  # ... so they run past the end
+    inv, top = pow(MIX, -1, 1 << 64), (n - 1) << (64 - t.bits)  # hashes whose home is the last slot
+    hs = [(top + i) * inv % (1 << 64) for i in range(1, PAD + 15)]  # ... so they run past the end
     for h in hs:
         assert t.insert(h, h + 1)
     assert t.size == n and len(t.tab) // 2 > slots  # extended, not resized
@@ -322,7 +322,7 @@ def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index
 def test_table_spreads_sequential_and_strided_hashes() -> None:
     """Structured engine hashes (numbered blocks, runs per prompt) must not pile into long probe
     runs: a deterministic bound on displacement, not a timing."""
-    from kvindex.index.precise import _MIX, _Table
+    from kvindex.index.table import MIX, Table
 
     patterns = {
         "sequential": [(1 << 63) + i for i in range(20_000)],
@@ -331,11 +331,11 @@ def test_table_spreads_sequential_and_strided_hashes() -> None:
         "strided i * 256 + k": [i * 256 + k for i in range(1, 2_500) for k in range(8)],
     }
     for name, hs in patterns.items():
-        t = _Table()
+        t = Table()
         for h in hs:
             assert t.insert(h, h ^ 1)
         tab, sh, m = t.tab, t.sh, t.m
-        worst = max((j - (tab[j] * _MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
+        worst = max((j - (tab[j] * MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
         assert worst <= 64, (name, worst)
         assert all(t.get(h) == h ^ 1 for h in hs[::97])
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from kvindex.events import KVEvent
+from kvindex.events import GPU, KVEvent
 from kvindex.index.approx import ApproxConfig
 from kvindex.sequence import Outcome, Position, StreamRef
 
@@ -74,6 +74,18 @@ class PodMatch(NamedTuple):
     cpu: int
     disk: int
     dp: dict[int, int]
+
+
+TIERS = ("gpu", "cpu", "disk")  # the keys of blocks_held beside "orphans"; match's PodMatch fields
+
+
+def tier_of(medium: str) -> str:
+    """An engine medium's tier: "GPU" is gpu, "CPU*" cpu, anything else disk."""
+    if medium == GPU:
+        return "gpu"
+    if medium.startswith("CPU"):
+        return "cpu"
+    return "disk"
 
 
 class ApplyResult(msgspec.Struct, frozen=True):
