@@ -1,10 +1,13 @@
-"""kvindex._apply (the C store/remove/rehash loops) against the Python loops of kvindex.index.precise.
+"""kvindex._apply (the C store/remove/rehash loops) against the Python of kvindex.index.precise,
+and both against the readable oracle, kvindex.index.reference.
 
-The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``) and an
-accelerated one, and every piece of state is compared after every batch: holders per tier, _dups,
-the interned masks, each worker's slot arrays (byte for byte), side dicts, extra copies and
-orphans, the per-batch counts and match() answers. Like tests/test_native.py, these need the
-extension built (``tests.conftest.need_native``: CI fails without it, elsewhere they skip).
+The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``), an
+accelerated one and the ``ReferenceIndex``. The two fast ones are compared piece by piece after
+every batch (holders per tier, _dups, the interned masks, each worker's slot arrays byte for
+byte, side dicts, extra copies and orphans): a mutant of the C code shows up there. Both are held
+to the reference on what callers see (per-batch counts, pods, blocks held, engine hashes, entries,
+match() answers). Like tests/test_native.py, the C ones need the extension built
+(``tests.conftest.need_native``: CI fails without it, elsewhere they skip).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from kvindex import native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.index import precise
 from kvindex.index.precise import _MASKS_CAP, PreciseIndex
+from kvindex.index.reference import ReferenceIndex
 from kvindex.index.table import MIX, Table
 from tests.conftest import need_native
 
@@ -144,6 +148,18 @@ def state(ix: PreciseIndex) -> dict:
             "slots": [None if w is None else w.ident for w in ix._slots], "block_size": ix._block_size}
 
 
+def public(ix: PreciseIndex | ReferenceIndex, pods: list[str]) -> dict:
+    """What callers see of ``pods`` (the oracle's terms)."""
+    return {"pods": ix.pods(), "sizes": ix.block_sizes(), "held": {p: ix.blocks_held(p) for p in pods},
+            "hashes": {p: ix.engine_hashes(p) for p in pods}}
+
+
+def oracle() -> ReferenceIndex:
+    ix = ReferenceIndex()
+    ix.set_block_size("m", BS)
+    return ix
+
+
 def pair() -> tuple[PreciseIndex, PreciseIndex]:
     require()
     ref, fast = PreciseIndex(native=None), PreciseIndex(native=_apply)
@@ -159,27 +175,36 @@ def pair() -> tuple[PreciseIndex, PreciseIndex]:
     (4, 4, 2000, 0.5, None),  # runs past the end of the tables: _extend, rehash stops
     (5, 40, 2000, 0.08, 6),  # a tiny interning cache: it starts over often
 ])
-def test_the_c_loops_leave_the_state_the_python_loops_leave(monkeypatch: pytest.MonkeyPatch, seed: int, pods: int,
-                                                            batches: int, crowd: float, masks_cap: int | None) -> None:
+def test_c_and_python_loops_leave_one_state_and_both_the_reference_s(monkeypatch: pytest.MonkeyPatch, seed: int, pods: int,
+                                                                     batches: int, crowd: float, masks_cap: int | None) -> None:
     if masks_cap is not None:
         monkeypatch.setattr(precise, "_MASKS_CAP", masks_cap)
     ref, fast = pair()
+    truth = oracle()
     wl = Workload(seed, pods, crowd)
     for b in range(batches):
         pod, rank, events = wl.batch()
-        assert fast.apply_batch(pod, "m", rank, events) == ref.apply_batch(pod, "m", rank, events)
+        done = truth.apply_batch(pod, "m", rank, events)
+        assert fast.apply_batch(pod, "m", rank, events) == ref.apply_batch(pod, "m", rank, events) == done
+        touched = [pod]
         if b % 400 == 399:  # a pod goes away (restart, removal)
             gone = wl.rnd.choice(wl.workers)[0]
-            ref.clear_pod(gone), fast.clear_pod(gone)
+            ref.clear_pod(gone), fast.clear_pod(gone), truth.clear_pod(gone)
+            touched.append(gone)
             for m in [m for m in wl.held if m[0] == gone]:
                 del wl.held[m]
-        assert state(fast) == state(ref), f"batch {b}"
+        assert state(fast) == state(ref), f"batch {b}"  # C and Python, byte for byte
+        assert public(fast, touched) == public(truth, touched), f"batch {b}"
         q = wl.query()
-        assert fast.match(q) == ref.match(q)
+        assert fast.match(q) == ref.match(q) == truth.match(q)
         some = [f"pod-{i}" for i in wl.rnd.sample(range(pods), min(3, pods))]
-        assert fast.match(q, some) == ref.match(q, some)
+        assert fast.match(q, some) == ref.match(q, some) == truth.match(q, some)
+        if b % 250 == 0:
+            assert sorted(fast.export_entries()) == sorted(truth.export_entries()), f"batch {b}"
     assert len(fast._slots) > 64 or pods < 64
-    assert sorted(fast.export_entries()) == sorted(ref.export_entries())
+    everyone = [f"pod-{i}" for i in range(pods)]
+    assert public(fast, everyone) == public(truth, everyone)
+    assert sorted(fast.export_entries()) == sorted(ref.export_entries()) == sorted(truth.export_entries())
 
 
 def test_tables_grow_shrink_and_extend_identically() -> None:

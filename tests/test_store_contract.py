@@ -16,13 +16,16 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from pytest import FixtureRequest
 
 from adapters import DIALECTS
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.memory import MemoryPreciseStore
+from kvindex.index.memory import LocalPreciseIndex, MemoryPreciseStore
+from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
 from kvindex.index.redis_precise import RedisPreciseStore
+from kvindex.index.reference import ReferenceIndex
 from kvindex.query import cacheable_tokens
 from kvindex.sequence import Outcome, Position, StreamRef
 from kvindex.tools.record import load_capture
@@ -51,21 +54,39 @@ async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseSt
     return s
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
-    """Clients of one store: for memory the same object; for Redis a new client each call."""
-    clients: list[aioredis.Redis] = []
-    if request.param == "memory":
-        shared = MemoryPreciseStore()
+def memory_peers(index: Callable[[], LocalPreciseIndex]) -> Callable[[FixtureRequest, list[aioredis.Redis]], Factory]:
+    """Clients of one in-process store: the same object every call."""
+    def peers(request: FixtureRequest, clients: list[aioredis.Redis]) -> Factory:
+        shared = MemoryPreciseStore(index())
 
         async def make() -> PreciseStore:
             return shared
-    else:
-        url = request.getfixturevalue("redis_url")
+        return make
+    return peers
 
-        async def make() -> PreciseStore:
-            return await redis_store(url, clients)
-    yield make
+
+def redis_peers(request: FixtureRequest, clients: list[aioredis.Redis]) -> Factory:
+    """Clients of one Redis store: a new client each call."""
+    url = request.getfixturevalue("redis_url")
+
+    async def make() -> PreciseStore:
+        return await redis_store(url, clients)
+    return make
+
+
+# Every backend of the PreciseStore contract: name -> (request, clients) -> a factory of its clients.
+BACKENDS: dict[str, Callable[[FixtureRequest, list[aioredis.Redis]], Factory]] = {
+    "memory": memory_peers(PreciseIndex),
+    "reference": memory_peers(ReferenceIndex),  # the readable oracle behind the same async view
+    "redis": redis_peers,
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """Clients of one store of the backend ``request.param``."""
+    clients: list[aioredis.Redis] = []
+    yield BACKENDS[request.param](request, clients)
     for c in clients:
         await c.aclose()
 
@@ -104,8 +125,11 @@ async def depth(store: PreciseStore, pod: str, keys: list[int]) -> int:
 
 async def residue(store: PreciseStore) -> int:
     """Inverted entries (holders, duplicate counts) and worker records left in the store."""
+    if isinstance(store, MemoryPreciseStore) and isinstance(store.index, ReferenceIndex):
+        return len(store.index.workers)
     if isinstance(store, MemoryPreciseStore):
         i = store.index
+        assert isinstance(i, PreciseIndex)
         return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
     assert isinstance(store, RedisPreciseStore)
     n = 0
