@@ -141,9 +141,10 @@ def table_state(t: Table) -> tuple:
     return (t.tab.tobytes(), t.size, t.bits, t.sh, t.m, t.used, t.limit, dict(t.side), list(t.items()))
 
 
-def state(ix: PreciseIndex) -> dict:
+def state(ix: PreciseIndex, pods: list[str] | None = None) -> dict:
+    """Every piece of state (the tables of ``pods``' workers only, when given: a batch changes no other)."""
     workers = {wid: (w.slot, w.bit, list(w.media), {m: table_state(t) for m, t in w.media.items()},
-                     dict(w.extra), w.orphans) for wid, w in ix._workers.items()}
+                     dict(w.extra), w.orphans) for wid, w in ix._workers.items() if pods is None or wid[0] in pods}
     return {"holders": ix._holders, "dups": ix._dups, "masks": ix._masks, "workers": workers,
             "slots": [None if w is None else w.ident for w in ix._slots], "block_size": ix._block_size}
 
@@ -193,12 +194,14 @@ def test_c_and_python_loops_leave_one_state_and_both_the_reference_s(monkeypatch
             touched.append(gone)
             for m in [m for m in wl.held if m[0] == gone]:
                 del wl.held[m]
-        assert state(fast) == state(ref), f"batch {b}"  # C and Python, byte for byte
+        every = None if b % 50 == 0 else touched
+        assert state(fast, every) == state(ref, every), f"batch {b}"  # C and Python, byte for byte
         assert public(fast, touched) == public(truth, touched), f"batch {b}"
         q = wl.query()
-        assert fast.match(q) == ref.match(q) == truth.match(q)
         some = [f"pod-{i}" for i in wl.rnd.sample(range(pods), min(3, pods))]
-        assert fast.match(q, some) == ref.match(q, some) == truth.match(q, some)
+        assert fast.match(q) == ref.match(q) and fast.match(q, some) == ref.match(q, some)
+        if b % 8 == 0:  # the reference's match reads every entry: not after every batch
+            assert fast.match(q) == truth.match(q) and fast.match(q, some) == truth.match(q, some)
         if b % 250 == 0:
             assert sorted(fast.export_entries()) == sorted(truth.export_entries()), f"batch {b}"
     assert len(fast._slots) > 64 or pods < 64

@@ -33,40 +33,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from types import ModuleType
 
 from kvindex import keys as K
-from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import walk
 from kvindex.index.protocol import TIERS, Applied, Entry, PodMatch, tier_of
-from kvindex.index.table import APPLY, ORPHAN, Table
+from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 
 _Table = Table  # WorkerReplay's name for it (goes with WorkerReplay)
 _MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
 _APPLY = APPLY  # the C loops (kvindex/_apply.c), or None: the Python ones
-
-
-class _Worker:
-    __slots__ = ("pod", "rank", "ident", "slot", "bit", "media", "extra", "orphans")
-
-    def __init__(self, pod: str, rank: int, slot: int, native: ModuleType | None = _APPLY) -> None:
-        self.pod, self.rank, self.slot, self.bit = pod, rank, slot, 1 << slot
-        self.ident = (pod, rank)  # shared by every cached member list it is in
-        self.media: dict[str, Table] = {GPU: Table(native=native)}
-        self.extra: dict[tuple[str, int], int] = {}
-        self.orphans = 0
-
-    def empty(self) -> bool:
-        return not self.extra and not any(self.media.values())
-
-    def key_of(self, h: int) -> int | None:
-        """The key of engine hash ``h``: its GPU entry's if it has one, else the first medium's
-        that holds it; None if unknown or keyless."""
-        key = self.media[GPU].get(h)
-        if key is None:
-            for blocks in self.media.values():
-                key = blocks.get(h)
-                if key is not None:
-                    break
-        return None if key is None or key == ORPHAN else key
 
 
 class PreciseIndex:
@@ -77,8 +52,8 @@ class PreciseIndex:
 
     def __init__(self, native: ModuleType | None = _APPLY) -> None:
         self._native = native
-        self._workers: dict[tuple[str, int], _Worker] = {}
-        self._slots: list[_Worker | None] = []
+        self._workers: dict[tuple[str, int], Worker] = {}
+        self._slots: list[Worker | None] = []
         self._holders: dict[str, dict[int, int]] = {t: {} for t in TIERS}
         self._dups: dict[tuple[str, int, int], int] = {}  # (tier, key, slot): holdings beyond the first
         self._block_size: dict[str, int] = {}
@@ -123,11 +98,11 @@ class PreciseIndex:
             self.clear_pod(pod, dp_rank)  # frees its slot: an empty worker costs nothing
         return done
 
-    def _worker(self, pod: str, dp_rank: int) -> _Worker:
+    def _worker(self, pod: str, dp_rank: int) -> Worker:
         w = self._workers.get((pod, dp_rank))
         if w is None:
             slot = next((i for i, s in enumerate(self._slots) if s is None), len(self._slots))
-            w = _Worker(pod, dp_rank, slot, self._native)
+            w = Worker(pod, dp_rank, slot, self._native)
             if slot == len(self._slots):
                 self._slots.append(w)
             else:
@@ -146,7 +121,7 @@ class PreciseIndex:
             masks[mask] = got = mask
         return got
 
-    def _event_keys(self, w: _Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
+    def _event_keys(self, w: Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
         """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
         bs = ev.block_size
         if self._block_size.setdefault(model, bs) != bs:
@@ -159,7 +134,7 @@ class PreciseIndex:
             return [], False
         return K.prompt_keys(parent, ev.token_ids, bs, limit=len(ev.block_hashes)), False
 
-    def _store(self, w: _Worker, model: str, ev: BlockStored, done: Applied) -> None:
+    def _store(self, w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(w, model, ev)
         medium, hashes, nkeys = ev.medium, ev.block_hashes, len(keys)
         t = w.media.get(medium)
@@ -178,7 +153,7 @@ class PreciseIndex:
         done.orphans += orphans
         done.block_size_mismatch += mismatch
 
-    def _store_c(self, w: _Worker, medium: str, tier: str, t: Table, hashes: Sequence[int], keys: list[int]) -> int:
+    def _store_c(self, w: Worker, medium: str, tier: str, t: Table, hashes: Sequence[int], keys: list[int]) -> int:
         """The store loop in C (new hashes, keys this worker does not hold yet in ``tier``); each
         element C leaves goes through ``_store_one``. Returns the orphans added."""
         store, holders, masks, bit, n = self._native.store, self._holders[tier], self._masks, w.bit, len(hashes)  # type: ignore[union-attr]
@@ -188,7 +163,7 @@ class PreciseIndex:
             i += 1
         return orphans
 
-    def _store_one(self, w: _Worker, medium: str, tier: str, blocks: Table, h: int, key: int | None) -> int:
+    def _store_one(self, w: Worker, medium: str, tier: str, blocks: Table, h: int, key: int | None) -> int:
         """One stored copy of ``h`` (any case); returns 1 if it is keyless."""
         if blocks.insert(h, ORPHAN if key is None else key):  # a new hash
             if key is None:
@@ -211,7 +186,7 @@ class PreciseIndex:
         self._hold(tier, key, w)  # type: ignore[arg-type]
         return 0
 
-    def _adopt_elsewhere(self, w: _Worker, h: int, key: int) -> None:
+    def _adopt_elsewhere(self, w: Worker, h: int, key: int) -> None:
         """Keyless copies of ``h`` in other media (offload events carry no tokens) get its key."""
         for medium, blocks in w.media.items():
             if blocks.side.get(h) == ORPHAN:  # keyless entries live in the side dict
@@ -220,7 +195,7 @@ class PreciseIndex:
                 for _ in range(1 + w.extra.get((medium, h), 0)):
                     self._hold(tier_of(medium), key, w)
 
-    def _remove(self, w: _Worker, ev: BlockRemoved, done: Applied) -> None:
+    def _remove(self, w: Worker, ev: BlockRemoved, done: Applied) -> None:
         medium, hashes = ev.medium, ev.block_hashes
         blocks = w.media.get(medium)
         if blocks is None:
@@ -237,7 +212,7 @@ class PreciseIndex:
         done.removed += removed
         done.unknown_removals += unknown
 
-    def _remove_c(self, w: _Worker, medium: str, tier: str, blocks: Table, hashes: Sequence[int]) -> int:
+    def _remove_c(self, w: Worker, medium: str, tier: str, blocks: Table, hashes: Sequence[int]) -> int:
         """The removal loop in C (sole copies, no duplicate holdings); each element C leaves goes
         through ``_remove_one``. Returns the copies removed."""
         remove, n = self._native.remove, len(hashes)  # type: ignore[union-attr]
@@ -251,7 +226,7 @@ class PreciseIndex:
             removed += self._remove_one(w, medium, tier, blocks, hashes[i])
             i += 1
 
-    def _remove_one(self, w: _Worker, medium: str, tier: str, blocks: Table, h: int) -> int:
+    def _remove_one(self, w: Worker, medium: str, tier: str, blocks: Table, h: int) -> int:
         """One removed copy of ``h``: 1, or 0 if the worker does not hold ``h`` in ``medium``."""
         extra = w.extra
         if extra and (medium, h) in extra:  # a copy goes, the hash stays
@@ -271,7 +246,7 @@ class PreciseIndex:
             self._release(tier, key, w)  # type: ignore[arg-type]
         return 1
 
-    def _hold(self, tier: str, key: int, w: _Worker) -> None:
+    def _hold(self, tier: str, key: int, w: Worker) -> None:
         holders = self._holders[tier]
         mask = holders.get(key, 0)
         if mask & w.bit:
@@ -280,7 +255,7 @@ class PreciseIndex:
         else:
             holders[key] = self._intern(mask | w.bit) if mask else w.bit  # a lone holder shares its bit
 
-    def _release(self, tier: str, key: int, w: _Worker) -> None:
+    def _release(self, tier: str, key: int, w: Worker) -> None:
         dups = self._dups
         if dups:
             d = (tier, key, w.slot)

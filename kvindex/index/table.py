@@ -1,4 +1,5 @@
-"""``Table``: one worker's ``engine hash -> key`` map for one medium, packed (no object per entry).
+"""``Table``: one worker's ``engine hash -> key`` map for one medium, packed (no object per entry);
+``Worker``: one worker's tables, copies and slot.
 
 Job: the storage under ``kvindex.index.precise.PreciseIndex``. It behaves like the dict it
 replaces (``get`` / ``insert`` / ``put`` / ``pop`` / ``items``); it knows nothing of holders,
@@ -34,6 +35,7 @@ from itertools import compress
 from types import ModuleType
 
 from kvindex import native as _native
+from kvindex.events import GPU
 
 ORPHAN = -1  # the key of a keyless entry (not a u64: always in the side dict)
 MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: Fibonacci hashing
@@ -216,3 +218,31 @@ class Table:
 
     def to_dict(self) -> dict[int, int]:
         return dict(self.items())
+
+
+class Worker:
+    """One (pod, dp_rank): a Table per medium (GPU first, then in first-store order), the copies
+    of each hash beyond its first (``extra``), its keyless hashes (``orphans``) and its slot bit."""
+
+    __slots__ = ("pod", "rank", "ident", "slot", "bit", "media", "extra", "orphans")
+
+    def __init__(self, pod: str, rank: int, slot: int, native: ModuleType | None = APPLY) -> None:
+        self.pod, self.rank, self.slot, self.bit = pod, rank, slot, 1 << slot
+        self.ident = (pod, rank)  # shared by every cached member list it is in
+        self.media: dict[str, Table] = {GPU: Table(native=native)}
+        self.extra: dict[tuple[str, int], int] = {}
+        self.orphans = 0
+
+    def empty(self) -> bool:
+        return not self.extra and not any(self.media.values())
+
+    def key_of(self, h: int) -> int | None:
+        """The key of engine hash ``h``: its GPU entry's if it has one, else the first medium's
+        that holds it; None if unknown or keyless."""
+        key = self.media[GPU].get(h)
+        if key is None:
+            for blocks in self.media.values():
+                key = blocks.get(h)
+                if key is not None:
+                    break
+        return None if key is None or key == ORPHAN else key
