@@ -3,7 +3,7 @@ and both against the readable oracle, kvindex.index.reference.
 
 The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``), an
 accelerated one and the ``ReferenceIndex``. The two fast ones are compared piece by piece after
-every batch (holders per tier, _dups, the interned masks, each worker's slot arrays byte for
+every batch (holders per tier, duplicate holdings, the interned masks, each worker's slot arrays byte for
 byte, side dicts, extra copies and orphans): a mutant of the C code shows up there. Both are held
 to the reference on what callers see (per-batch counts, pods, blocks held, engine hashes, entries,
 match() answers). Like tests/test_native.py, the C ones need the extension built
@@ -23,8 +23,9 @@ import pytest
 from kvindex import keys as K
 from kvindex import native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.index import precise
-from kvindex.index.precise import _MASKS_CAP, PreciseIndex
+from kvindex.index import holders
+from kvindex.index.holders import MASKS_CAP
+from kvindex.index.precise import PreciseIndex
 from kvindex.index.reference import ReferenceIndex
 from kvindex.index.table import MIX, Table
 from tests.conftest import need_native
@@ -145,7 +146,7 @@ def state(ix: PreciseIndex, pods: list[str] | None = None) -> dict:
     """Every piece of state (the tables of ``pods``' workers only, when given: a batch changes no other)."""
     workers = {wid: (w.slot, w.bit, list(w.media), {m: table_state(t) for m, t in w.media.items()},
                      dict(w.extra), w.orphans) for wid, w in ix._workers.items() if pods is None or wid[0] in pods}
-    return {"holders": ix._holders, "dups": ix._dups, "masks": ix._masks, "workers": workers,
+    return {"holders": ix._inv.tiers, "dups": ix._inv.dups, "masks": ix._inv.masks, "workers": workers,
             "slots": [None if w is None else w.ident for w in ix._slots], "block_size": ix._block_size}
 
 
@@ -179,7 +180,7 @@ def pair() -> tuple[PreciseIndex, PreciseIndex]:
 def test_c_and_python_loops_leave_one_state_and_both_the_reference_s(monkeypatch: pytest.MonkeyPatch, seed: int, pods: int,
                                                                      batches: int, crowd: float, masks_cap: int | None) -> None:
     if masks_cap is not None:
-        monkeypatch.setattr(precise, "_MASKS_CAP", masks_cap)
+        monkeypatch.setattr(holders, "MASKS_CAP", masks_cap)
     ref, fast = pair()
     truth = oracle()
     wl = Workload(seed, pods, crowd)
@@ -249,22 +250,22 @@ def test_bad_events_fail_or_pass_as_in_python() -> None:
 def test_direct_calls_with_the_wrong_types_hand_everything_back() -> None:
     require()
     t, holders, masks = Table(native=_apply), {}, {}
-    assert _apply.store(t, holders, masks, 1, (5, 6), [7, 8], 0, _MASKS_CAP) == 2 and t.used == 2
-    assert _apply.store(t, [], masks, 1, (9,), [1], 0, _MASKS_CAP) == 0  # holders not a dict
-    assert _apply.store(t, holders, masks, 1.0, (9,), [1], 0, _MASKS_CAP) == 0  # bit not an int
-    assert _apply.store(t, holders, masks, 1, iter((9,)), [1], 0, _MASKS_CAP) == 0  # not a sequence
-    assert _apply.store(t, holders, masks, 1, (9, 10), [1], 0, _MASKS_CAP) == 1  # keys run out
-    assert _apply.store(t, holders, masks, 1, (11,), [1 << 64], 0, _MASKS_CAP) == 0  # key not a u64
+    assert _apply.store(t, holders, masks, 1, (5, 6), [7, 8], 0, MASKS_CAP) == 2 and t.used == 2
+    assert _apply.store(t, [], masks, 1, (9,), [1], 0, MASKS_CAP) == 0  # holders not a dict
+    assert _apply.store(t, holders, masks, 1.0, (9,), [1], 0, MASKS_CAP) == 0  # bit not an int
+    assert _apply.store(t, holders, masks, 1, iter((9,)), [1], 0, MASKS_CAP) == 0  # not a sequence
+    assert _apply.store(t, holders, masks, 1, (9, 10), [1], 0, MASKS_CAP) == 1  # keys run out
+    assert _apply.store(t, holders, masks, 1, (11,), [1 << 64], 0, MASKS_CAP) == 0  # key not a u64
     with pytest.raises(AttributeError):
-        _apply.store(object(), holders, masks, 1, (9,), [1], 0, _MASKS_CAP)
+        _apply.store(object(), holders, masks, 1, (9,), [1], 0, MASKS_CAP)
     bad = Table(native=_apply)
     bad.tab = array("I", bytes(64))  # not array("Q"): nothing done
-    assert _apply.store(bad, holders, masks, 1, (9,), [1], 0, _MASKS_CAP) == 0
-    assert _apply.remove(bad, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
+    assert _apply.store(bad, holders, masks, 1, (9,), [1], 0, MASKS_CAP) == 0
+    assert _apply.remove(bad, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, MASKS_CAP) == (0, 0, 0)
     holders[7] = "not a mask"
-    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
+    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, MASKS_CAP) == (0, 0, 0)
     holders[7] = 1
-    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5, 77), 0, _MASKS_CAP) == (2, 1, 1)
+    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5, 77), 0, MASKS_CAP) == (2, 1, 1)
     assert t.used == 2 and 7 not in holders and t.get(6) == 8 and t.get(5) is None  # 6 and 9 stay
     with pytest.raises(TypeError):
         _apply.rehash(array("I"), t.tab, t.sh, t.m, 0)
@@ -297,7 +298,7 @@ def test_no_reference_leaks() -> None:
     cycle(25_000)
     assert [sys.getrefcount(o) for o in watched] == before
     assert rss() - rss0 < 4 << 20, "RSS grew: a leak"
-    assert fast._holders["gpu"] and len(fast._workers) == 1
+    assert fast._inv.tiers["gpu"] and len(fast._workers) == 1
 
 
 def rss() -> int:

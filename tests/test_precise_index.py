@@ -50,7 +50,7 @@ def residue(idx: Index) -> int:
     """Inverted entries, duplicate counts and workers left (after everything was removed)."""
     if isinstance(idx, ReferenceIndex):
         return len(idx.workers)
-    return sum(map(len, idx._holders.values())) + len(idx._dups) + sum(s is not None for s in idx._slots)
+    return sum(map(len, idx._inv.tiers.values())) + len(idx._inv.dups) + sum(s is not None for s in idx._slots)
 
 
 def depth(idx: Index, pod: str, keys: list[int]) -> int:
@@ -290,7 +290,7 @@ def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: Inde
     idx.apply("a", "m", 0, stored([11], None, TOKENS[:4]))
     idx.apply("a", "m", 0, AllBlocksCleared())  # while duplicates exist
     assert idx.match(ks)["b"].gpu == 2 and "a" not in idx.match(ks)
-    assert not isinstance(idx, PreciseIndex) or idx._dups == {}
+    assert not isinstance(idx, PreciseIndex) or idx._inv.dups == {}
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, BlockRemoved((1,)))
     assert "a" not in idx.match(ks) and idx.pods() == ["b"]
@@ -316,10 +316,11 @@ def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: Index) ->
 
 
 def test_interned_masks_cache_overflow_changes_nothing(fast: PreciseIndex, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvindex.index.holders as H
     import kvindex.index.precise as P
 
     idx = fast
-    monkeypatch.setattr(P, "_MASKS_CAP", 3)
+    monkeypatch.setattr(H, "MASKS_CAP", 3)
     monkeypatch.setattr(P, "_MEMBERS_CAP", 2)
     ks = keys_of(TOKENS)
     for i in range(12):
@@ -327,7 +328,7 @@ def test_interned_masks_cache_overflow_changes_nothing(fast: PreciseIndex, monke
     for _ in range(3):
         assert {p: m.gpu for p, m in idx.match(ks).items()} == {f"p{i}": 1 + i % 4 for i in range(12)}
         assert idx.match(ks[1:]).keys() == {f"p{i}" for i in range(12) if i % 4 == 0} ^ {f"p{i}" for i in range(12)}
-    assert len(idx._masks) <= 3 and len(idx._members) <= 2
+    assert len(idx._inv.masks) <= 3 and len(idx._members) <= 2
 
 
 def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index(fast: PreciseIndex) -> None:

@@ -130,7 +130,7 @@ async def residue(store: PreciseStore) -> int:
     if isinstance(store, MemoryPreciseStore):
         i = store.index
         assert isinstance(i, PreciseIndex)
-        return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
+        return sum(map(len, i._inv.tiers.values())) + len(i._inv.dups) + sum(s is not None for s in i._slots)
     assert isinstance(store, RedisPreciseStore)
     n = 0
     for pattern in ("*}:[gcdGCD]:*", "*}:[bxwk]:*"):

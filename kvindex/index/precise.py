@@ -10,12 +10,10 @@ Invariants of the layout:
 - A *worker* is one (pod, dp_rank) and owns one bit (its slot). Per worker and medium a
   ``Table`` (kvindex.index.table) maps ``engine hash -> key`` (``ORPHAN`` when keyless); copies
   beyond the first of a hash are counted in the worker's ``extra``.
-- Inverted view per tier: ``key -> bitmask of the workers holding it``; holdings beyond the first
-  of a key by one worker in one tier are counted in ``_dups``. A lookup is one dict probe and a few
-  integer operations per prompt block, whatever the number of pods: never O(pods x blocks).
-- Masks of several holders are interned (``_masks``, a bounded cache): the same few holder sets
-  recur across millions of keys; a lone holder's mask is its worker's ``bit`` object.
-  ``_members`` caches mask -> [(pod, rank)] for match; dropped whenever a slot changes owner.
+- The inverted view (``Holders``, kvindex.index.holders): per tier, key -> bitmask of the worker
+  slots holding it, so a lookup is one dict probe and a few integer operations per prompt block,
+  whatever the number of pods. ``_members`` caches mask -> [(pod, rank)] for match; it is
+  dropped whenever a slot changes owner.
 - An empty worker is freed at the end of the batch that emptied it (its slot is reused).
 
 One rule, one fast path: each stored copy goes through ``_store_one`` and each removed copy
@@ -34,12 +32,13 @@ from types import ModuleType
 
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index import holders as H
 from kvindex.index import walk
+from kvindex.index.holders import Holders
 from kvindex.index.protocol import TIERS, Applied, Entry, PodMatch, tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 
 _Table = Table  # WorkerReplay's name for it (goes with WorkerReplay)
-_MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
 _APPLY = APPLY  # the C loops (kvindex/_apply.c), or None: the Python ones
 
@@ -54,10 +53,8 @@ class PreciseIndex:
         self._native = native
         self._workers: dict[tuple[str, int], Worker] = {}
         self._slots: list[Worker | None] = []
-        self._holders: dict[str, dict[int, int]] = {t: {} for t in TIERS}
-        self._dups: dict[tuple[str, int, int], int] = {}  # (tier, key, slot): holdings beyond the first
+        self._inv = Holders()  # the inverted view: tier -> key -> mask of the slots holding it
         self._block_size: dict[str, int] = {}
-        self._masks: dict[int, int] = {}  # interned masks of several holders
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
 
     # -- configuration -------------------------------------------------------------------------
@@ -111,16 +108,6 @@ class PreciseIndex:
             self._members.clear()
         return w
 
-    def _intern(self, mask: int) -> int:
-        """One shared int object per distinct holder set (masks repeat across many keys)."""
-        masks = self._masks
-        got = masks.get(mask)
-        if got is None:
-            if len(masks) >= _MASKS_CAP:
-                masks.clear()
-            masks[mask] = got = mask
-        return got
-
     def _event_keys(self, w: Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
         """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
         bs = ev.block_size
@@ -156,9 +143,9 @@ class PreciseIndex:
     def _store_c(self, w: Worker, medium: str, tier: str, t: Table, hashes: Sequence[int], keys: list[int]) -> int:
         """The store loop in C (new hashes, keys this worker does not hold yet in ``tier``); each
         element C leaves goes through ``_store_one``. Returns the orphans added."""
-        store, holders, masks, bit, n = self._native.store, self._holders[tier], self._masks, w.bit, len(hashes)  # type: ignore[union-attr]
+        store, holders, masks, bit, n = self._native.store, self._inv.tiers[tier], self._inv.masks, w.bit, len(hashes)  # type: ignore[union-attr]
         i = orphans = 0
-        while (i := store(t, holders, masks, bit, hashes, keys, i, _MASKS_CAP)) < n:
+        while (i := store(t, holders, masks, bit, hashes, keys, i, H.MASKS_CAP)) < n:
             orphans += self._store_one(w, medium, tier, t, hashes[i], keys[i])
             i += 1
         return orphans
@@ -178,12 +165,12 @@ class PreciseIndex:
                 blocks.put(h, key)
                 w.orphans -= 1
                 for _ in range(copies):  # index the copies it already had
-                    self._hold(tier, key, w)
+                    self._inv.hold(tier, key, w.bit, w.slot)
             elif old == ORPHAN:
                 return 1
             else:
                 key = old  # a hash keeps the key it was first stored with
-        self._hold(tier, key, w)  # type: ignore[arg-type]
+        self._inv.hold(tier, key, w.bit, w.slot)  # type: ignore[arg-type]
         return 0
 
     def _adopt_elsewhere(self, w: Worker, h: int, key: int) -> None:
@@ -193,7 +180,7 @@ class PreciseIndex:
                 blocks.put(h, key)
                 w.orphans -= 1
                 for _ in range(1 + w.extra.get((medium, h), 0)):
-                    self._hold(tier_of(medium), key, w)
+                    self._inv.hold(tier_of(medium), key, w.bit, w.slot)
 
     def _remove(self, w: Worker, ev: BlockRemoved, done: Applied) -> None:
         medium, hashes = ev.medium, ev.block_hashes
@@ -216,10 +203,11 @@ class PreciseIndex:
         """The removal loop in C (sole copies, no duplicate holdings); each element C leaves goes
         through ``_remove_one``. Returns the copies removed."""
         remove, n = self._native.remove, len(hashes)  # type: ignore[union-attr]
-        args = (blocks, self._holders[tier], self._masks, ~w.bit, self._dups, w.extra, medium, tier, w.slot)
+        inv = self._inv
+        args = (blocks, inv.tiers[tier], inv.masks, ~w.bit, inv.dups, w.extra, medium, tier, w.slot)
         removed = i = 0
         while True:
-            i, gone, _unknown = remove(*args, hashes, i, _MASKS_CAP)
+            i, gone, _unknown = remove(*args, hashes, i, H.MASKS_CAP)
             removed += gone
             if i >= n:
                 return removed
@@ -243,53 +231,15 @@ class PreciseIndex:
             if key == ORPHAN:  # its last copy went
                 w.orphans -= 1
         if key != ORPHAN:
-            self._release(tier, key, w)  # type: ignore[arg-type]
+            self._inv.release(tier, key, w.bit, w.slot)  # type: ignore[arg-type]
         return 1
-
-    def _hold(self, tier: str, key: int, w: Worker) -> None:
-        holders = self._holders[tier]
-        mask = holders.get(key, 0)
-        if mask & w.bit:
-            d = (tier, key, w.slot)
-            self._dups[d] = self._dups.get(d, 0) + 1
-        else:
-            holders[key] = self._intern(mask | w.bit) if mask else w.bit  # a lone holder shares its bit
-
-    def _release(self, tier: str, key: int, w: Worker) -> None:
-        dups = self._dups
-        if dups:
-            d = (tier, key, w.slot)
-            n = dups.get(d)
-            if n:
-                if n == 1:
-                    del dups[d]
-                else:
-                    dups[d] = n - 1
-                return
-        holders = self._holders[tier]
-        mask = holders.get(key, 0) & ~w.bit
-        if mask:
-            holders[key] = self._intern(mask)
-        else:
-            holders.pop(key, None)
 
     # -- pods ----------------------------------------------------------------------------------
     def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
         """Forget every block of ``pod`` (all ranks, or one) — AllBlocksCleared, restart, removal."""
         for wid in [wid for wid in self._workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             w = self._workers.pop(wid)
-            keep = ~w.bit
-            for medium, blocks in w.media.items():
-                holders = self._holders[tier_of(medium)]
-                for key in blocks.keys_():
-                    mask = holders.get(key, 0) & keep
-                    if mask:
-                        holders[key] = self._intern(mask)
-                    else:
-                        holders.pop(key, None)
-            if self._dups:
-                for d in [d for d in self._dups if d[2] == w.slot]:
-                    del self._dups[d]
+            self._inv.forget(w.bit, w.slot, [(tier_of(m), blocks.keys_()) for m, blocks in w.media.items()])
             self._slots[w.slot] = None
             self._members.clear()
 
@@ -346,7 +296,7 @@ class PreciseIndex:
                 w.orphans += 1
             else:
                 for _ in range(e.copies):
-                    self._hold(tier_of(e.medium), e.key, w)
+                    self._inv.hold(tier_of(e.medium), e.key, w.bit, w.slot)
             n += 1
         return n
 
@@ -356,7 +306,7 @@ class PreciseIndex:
         allowed = (1 << len(self._slots)) - 1 if pods is None else self._mask_of(pods)
         if not allowed:
             return {}
-        return walk.match(keys, self._holders, allowed, self._members_of, self._slots)
+        return walk.match(keys, self._inv.tiers, allowed, self._members_of, self._slots)
 
     def _mask_of(self, pods: Iterable[str]) -> int:
         wanted = set(pods)
