@@ -20,16 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvindex.index.protocol import TIERS
-
 MASKS_CAP = 1 << 16  # interned holder masks kept at most (then the cache starts over)
 
 
 class Holders:
     __slots__ = ("tiers", "dups", "masks")
 
-    def __init__(self) -> None:
-        self.tiers: dict[str, dict[int, int]] = {t: {} for t in TIERS}
+    def __init__(self, tiers: Iterable[str]) -> None:
+        self.tiers: dict[str, dict[int, int]] = {t: {} for t in tiers}
         self.dups: dict[tuple[str, int, int], int] = {}  # (tier, key, slot): holdings beyond the first
         self.masks: dict[int, int] = {}  # interned masks of several holders
 

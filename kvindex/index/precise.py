@@ -53,7 +53,7 @@ class PreciseIndex:
         self._native = native
         self._workers: dict[tuple[str, int], Worker] = {}
         self._slots: list[Worker | None] = []
-        self._inv = Holders()  # the inverted view: tier -> key -> mask of the slots holding it
+        self._inv = Holders(TIERS)  # the inverted view: tier -> key -> mask of the slots holding it
         self._block_size: dict[str, int] = {}
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
 
