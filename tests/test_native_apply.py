@@ -309,7 +309,7 @@ def rss() -> int:
 def test_pure_python_everywhere_with_the_env_var() -> None:
     require()
     assert PreciseIndex()._native is _apply and Table().native is _apply and "kvindex._apply" in native.ACCELERATORS
-    code = ("from kvindex.index import precise as p; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
-            "assert p._APPLY is None and ix._native is None and w.media['GPU'].native is None")
+    code = ("from kvindex.index import precise as p, table; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
+            "assert table.APPLY is None and ix._native is None and w.media['GPU'].native is None")
     env = {**os.environ, "KVINDEX_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)

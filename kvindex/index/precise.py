@@ -34,13 +34,11 @@ from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import holders as H
 from kvindex.index import walk
-from kvindex.index.holders import Holders
 from kvindex.index.protocol import TIERS, Applied, Entry, PodMatch, tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 
 _Table = Table  # WorkerReplay's name for it (goes with WorkerReplay)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
-_APPLY = APPLY  # the C loops (kvindex/_apply.c), or None: the Python ones
 
 
 class PreciseIndex:
@@ -49,11 +47,11 @@ class PreciseIndex:
     ``native``: the C loops (``kvindex._apply``, the default when built) or None for the Python
     ones; either gives the same state (tests/test_native_apply.py)."""
 
-    def __init__(self, native: ModuleType | None = _APPLY) -> None:
+    def __init__(self, native: ModuleType | None = APPLY) -> None:
         self._native = native
         self._workers: dict[tuple[str, int], Worker] = {}
         self._slots: list[Worker | None] = []
-        self._inv = Holders(TIERS)  # the inverted view: tier -> key -> mask of the slots holding it
+        self._inv = H.Holders(TIERS)  # the inverted view: tier -> key -> mask of the slots holding it
         self._block_size: dict[str, int] = {}
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
 
@@ -128,7 +126,8 @@ class PreciseIndex:
         if t is None:
             t = w.media[medium] = Table(native=self._native)
         tier = tier_of(medium)
-        t.reserve(len(hashes))  # room for them all first: no resize mid-loop
+        if t.used + len(hashes) > t.limit:
+            t.reserve(len(hashes))  # room for them all first: no resize mid-loop
         if self._native is not None and len(w.media) == 1 and nkeys == len(hashes):
             orphans = self._store_c(w, medium, tier, t, hashes, keys)  # the common case
         else:
@@ -188,13 +187,14 @@ class PreciseIndex:
         if blocks is None:
             removed, unknown = 0, len(hashes)
         else:
-            tier = tier_of(medium)
+            tier, before = tier_of(medium), blocks.used
             if self._native is not None and not blocks.side:  # removals never add side entries
                 removed = self._remove_c(w, medium, tier, blocks, hashes)
             else:
                 removed = sum([self._remove_one(w, medium, tier, blocks, h) for h in hashes])
             unknown = len(hashes) - removed
-            blocks.shrink()  # once, after the loop
+            if blocks.used < before and blocks.used < blocks.size >> 3:
+                blocks.shrink()  # once, after the loop, if it deleted any
         done.removed_events += 1
         done.removed += removed
         done.unknown_removals += unknown
