@@ -17,7 +17,8 @@ Invariants, for every backend:
   the epoch already moved and change nothing.
 - ``StoreLost`` (a ``StoreUnavailable``) means the store lost what it held since this client
   opened it (a Redis restarted without its data): every stream must be resynchronised.
-- Semantics of the index operations are those of ``kvindex.index.precise.PreciseIndex`` and
+- Semantics of the index operations are those of ``kvindex.index.reference.ReferenceIndex`` (the
+  readable oracle; ``kvindex.index.precise.PreciseIndex`` is its fast twin) and
   ``kvindex.index.approx.ApproxIndex``; the memory backends are thin async views of those classes.
 """
 

@@ -61,7 +61,9 @@ class Worker:
 
 
 class ReferenceIndex:
-    """The precise index, plainly. Same API and answers as ``PreciseIndex``."""
+    """The precise index, plainly. Same API and answers as ``PreciseIndex`` (whose
+    ``frozen_copy``, a snapshot capture of its packed tables, is not part of the contract:
+    ``export_entries`` is)."""
 
     def __init__(self) -> None:
         self.workers: dict[tuple[str, int], Worker] = {}
