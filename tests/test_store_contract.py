@@ -1,8 +1,9 @@
-"""The PreciseStore contract, one suite run against both backends (memory and a real redis-server).
+"""The PreciseStore contract, one suite run against every backend in ``BACKENDS``: memory (the fast
+index), reference (kvindex.index.reference behind the same async view) and a real redis-server.
 
 Every case of test_precise_index.py, through the async store interface; the stream watermark rules
-of base.py (``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real
-vLLM captures and a seeded random workload through both backends, compared after every batch."""
+(``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real vLLM
+captures and a seeded random workload through memory and Redis, compared after every batch."""
 
 from __future__ import annotations
 
