@@ -1,17 +1,23 @@
-/* kvindex._apply: the hot loops of kvindex/precise.py in C, on the index's own Python objects.
+/* kvindex._apply: the one fast path of kvindex/index/precise.py's store and remove loops, in C, on
+ * the index's own Python objects.
  *
- * What it mirrors (kvindex/precise.py is the reference; tests/test_native_apply.py applies the same
- * events to a pure-Python index and an accelerated one and compares every piece of state):
+ * What it mirrors (PreciseIndex._store_one / _remove_one, on kvindex/index/table.py's Table, are the
+ * reference; tests/test_native_apply.py applies the same events to a pure-Python index and an
+ * accelerated one and compares every piece of state, and both to kvindex/index/reference.py):
  *   store(table, holders, masks, bit, hashes, keys, start, cap)
- *       the common-case loop of PreciseIndex._store (one medium, every block keyed): insert
- *       hashes[i] -> keys[i] into the _Table and add ``bit`` to holders[keys[i]] (interning the
+ *       PreciseIndex._store's common case (one medium, every block keyed): insert
+ *       hashes[i] -> keys[i] into the Table and add ``bit`` to holders[keys[i]] (interning the
  *       new mask as PreciseIndex._intern does, ``cap`` = _MASKS_CAP). Adds table.used itself.
  *   remove(table, holders, masks, keep, dups, extra, medium, tier, slot, hashes, start, cap)
- *       the inline branch of PreciseIndex._remove (table without a side dict): backward-shift
- *       deletion and holder release. Subtracts what it deleted from table.used but never shrinks
- *       the table (the caller does, once per event, as the Python loop does).
+ *       PreciseIndex._remove's loop for a table without a side dict: Table.take (backward-shift
+ *       deletion) and the holder release. Subtracts what it deleted from table.used but never
+ *       shrinks the table (the caller does, once per event, as the Python loop does).
  *   rehash(old, new, sh, m, start)
- *       _Table._resize's loop: the non-empty slot pairs of ``old`` into the empty array ``new``.
+ *       Table.resize's loop (Table.rehash): the non-empty slot pairs of ``old`` into ``new``.
+ *
+ * The Table attributes read here by name are its documented C contract (kvindex/index/table.py):
+ * ``tab`` (array("Q") of (hash, key) slot pairs), ``sh`` and ``m`` (home pair = h * MIX >> sh & m),
+ * ``side`` (an exact dict) and ``used``.
  *
  * The fallback rule: C handles an element only the simple way, and decides that before changing
  * anything for it. At the first element it cannot (a side-dict hit, a repeat copy, a duplicate
@@ -20,8 +26,8 @@
  * returns that element's index; Python applies that one element with its own code and calls again
  * for the rest. So the state after any call is the state the Python loop would have reached.
  * Containers must be exact dicts, hashes/keys a tuple or list, slot arrays array("Q") whose last
- * slot is empty (the _Table invariant: every probe then ends inside the array without bounds
- * checks). ``rehash`` only sees arrays _Table made itself, so bad input there is a TypeError.
+ * slot is empty (the Table invariant: every probe then ends inside the array without bounds
+ * checks). ``rehash`` only sees arrays Table made itself, so bad input there is a TypeError.
  * Errors (MemoryError) propagate; counts done before them are written back first where kept.
  * Borrowed pointers (sequence items, holder masks) stay valid across a call: the only objects it
  * allocates are exact ints and tuples, whose creation can run the cyclic GC but no user code that
@@ -75,7 +81,7 @@ static int array_open(Py_buffer *view, PyObject *tab) {
     return 0;
 }
 
-/* Export a _Table's slot array with its shift and mask. 1: usable; 0: not the layout this code
+/* Export a Table's slot array with its shift and mask. 1: usable; 0: not the layout this code
  * assumes (nothing held, no exception). Every home is a pair inside the array, the last slot empty. */
 static int slots_open(Slots *s, PyObject *tab, PyObject *sh, PyObject *m) {
     uint64_t shv, mv;
@@ -105,7 +111,7 @@ static Py_ssize_t probe(const Slots *s, uint64_t h, int *found) {
     return j;
 }
 
-/* _Table.pop's backward shift: later entries of the run whose home is at or before the hole move
+/* Table._delete's backward shift (Table.take): later entries of the run whose home is at or before the hole move
  * in; the final hole's hash becomes 0 (its key half is left as it was, as in Python). */
 static void shift_out(Slots *s, Py_ssize_t j) {
     Py_ssize_t i = j;
@@ -207,14 +213,14 @@ typedef struct {
     Py_ssize_t cap;
 } Store;
 
-/* One stored copy the simple way: DONE, STOP (untouched: Python's _store_one takes it), FAIL. */
+/* One stored copy the simple way: DONE, STOP (untouched: PreciseIndex._store_one takes it), FAIL. */
 static int store_one(Store *c, PyObject *h_obj, PyObject *key_obj) {
     uint64_t h, key;
     int found, rc;
     if (!u64_of(h_obj, &h) || h == 0 || !u64_of(key_obj, &key)) return STOP;
     if (PyDict_GET_SIZE(c->side) && (rc = PyDict_Contains(c->side, h_obj)) != 0) return rc < 0 ? FAIL : STOP;
     Py_ssize_t j = probe(&c->s, h, &found);
-    if (found || j == c->s.n - 2) return STOP;  /* a repeat copy; or _extend's turn */
+    if (found || j == c->s.n - 2) return STOP;  /* a repeat copy; or Table.extend's turn */
     PyObject *mask;
     if ((rc = mask_of(c->holders, key_obj, &mask)) != DONE) return rc;
     if (mask != NULL && (rc = overlaps(mask, c->bit)) != 0) return rc < 0 ? FAIL : STOP;  /* a dup */
@@ -276,7 +282,7 @@ static PyObject *settle(PyObject *table, Py_ssize_t delta, int failed, PyObject 
 
 PyDoc_STRVAR(store_doc,
 "store(table, holders, masks, bit, hashes, keys, start, cap) -> int\n\n"
-"PreciseIndex._store's common-case loop from ``start``: the index of the first element it left\n"
+"PreciseIndex._store's common case from ``start``: the index of the first element it left\n"
 "to Python (len(hashes) when none). Adds what it inserted to table.used.");
 
 static PyObject *store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -353,7 +359,7 @@ static int remove_args(Remove *c, PyObject *const *args) {
 PyDoc_STRVAR(remove_doc,
 "remove(table, holders, masks, keep, dups, extra, medium, tier, slot, hashes, start, cap)\n"
 "    -> (stop, gone, unknown)\n\n"
-"PreciseIndex._remove's inline loop from ``start``: ``stop`` is the first element left to\n"
+"PreciseIndex._remove's loop (no side dict) from ``start``: ``stop`` is the first element left to\n"
 "Python (len(hashes) when none), ``gone`` the entries deleted (subtracted from table.used; the\n"
 "table is not shrunk), ``unknown`` the hashes the table did not hold.");
 
@@ -396,9 +402,9 @@ static Py_ssize_t place_all(const uint64_t *old, Py_ssize_t n_old, Slots *new, P
 
 PyDoc_STRVAR(rehash_doc,
 "rehash(old, new, sh, m, start) -> int\n\n"
-"_Table._resize's loop: the entries of slot array ``old`` from item ``start`` (even) into the\n"
+"Table.resize's loop: the entries of slot array ``old`` from item ``start`` (even) into the\n"
 "fresh slot array ``new`` (homes by ``sh`` and ``m``). Returns len(old) when done, or the item\n"
-"index of the entry that would take ``new``'s last slot: the caller extends ``new`` (_extend) and\n"
+"index of the entry that would take ``new``'s last slot: the caller extends ``new`` (Table.extend) and\n"
 "calls again from there.");
 
 static PyObject *rehash(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -411,7 +417,7 @@ static PyObject *rehash(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!array_open(&old, args[0])) return PyErr_Format(PyExc_TypeError, "rehash() needs an array('Q')");
     if (!slots_open(&new, args[1], args[2], args[3])) {
         PyBuffer_Release(&old);
-        return PyErr_Format(PyExc_TypeError, "rehash() needs a fresh _Table slot array");
+        return PyErr_Format(PyExc_TypeError, "rehash() needs a fresh Table slot array");
     }
     i = place_all(old.buf, old.len / 8, &new, i);
     PyBuffer_Release(&new.view);
@@ -428,7 +434,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_apply",
-    "The hot loops of kvindex.precise (store, remove, rehash) in C; kvindex/precise.py is the reference.",
+    "The fast path of kvindex.index.precise (store, remove, rehash) in C; its Python is the reference.",
     -1, methods,
 };
 

@@ -1,4 +1,4 @@
-/* kvindex._walk: the precise index's prefix walk (kvindex/precise.py ``_walk``), in C.
+/* kvindex._walk: the precise index's prefix walk (kvindex/index/walk.py ``walk``), in C.
  *
  * walk(keys, holders, allowed) -> [(depth, mask), ...]
  *
@@ -7,7 +7,7 @@
  * when no slot is left. Its answer, as in Python: for each depth d >= 1 at which some slots stop
  * (their longest held prefix is d keys), (d, mask of those slots), deepest first.
  * Masks are Python ints of any width; while they fit in 64 bits the walk stays in C integers.
- * ``_walk`` in kvindex/precise.py is the reference; tests compare the two.
+ * ``walk`` in kvindex/index/walk.py is the reference; tests compare the two.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -182,7 +182,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvindex._walk",
-    "The precise index's prefix walk in C (kvindex/precise.py _walk is the reference).", -1, methods,
+    "The precise index's prefix walk in C (kvindex/index/walk.py walk is the reference).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__walk(void) { return PyModule_Create(&module); }

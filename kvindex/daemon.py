@@ -57,8 +57,8 @@ from kvindex.http.app import Services, make_app
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
-from kvindex.index.precise import TIERS, PreciseIndex
-from kvindex.index.protocol import StoreUnavailable
+from kvindex.index.precise import PreciseIndex
+from kvindex.index.protocol import TIERS, StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings

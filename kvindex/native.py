@@ -5,8 +5,8 @@ Invariants:
   the same inputs, so the C code can only be faster:
   ``kvindex._keys``        the chained keys of ``kvindex.keys`` (``py_prompt_keys``, ...);
   ``kvindex._jsontokens``  a body's token ids (``msgspec.json.decode`` / ``go_json_loads``);
-  ``kvindex._walk``        the prefix walk (``precise._walk``);
-  ``kvindex._apply``       the store, remove and rehash loops of ``kvindex.index.precise``;
+  ``kvindex._walk``        the prefix walk (``kvindex.index.walk.walk``);
+  ``kvindex._apply``       the store, remove and rehash loops of ``kvindex.index.precise`` / ``.table``;
   ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``).
 - ``load(name)`` (a module path) returns the compiled module, or None when it is not built (no C
   compiler or no libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set.

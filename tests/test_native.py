@@ -146,7 +146,7 @@ def test_body_scanner_lifts_only_plain_u32_arrays() -> None:
     assert lifted == {"token_ids": array("I", [7, 8]), "prompt": "caf\u00e9 \ufffd"}
 
 
-# -- kvindex._walk: the prefix walk, against precise._walk -----------------------------------------
+# -- kvindex._walk: the prefix walk, against kvindex.index.walk.walk -----------------------------------------
 
 _walk_c = native.load("kvindex._walk")
 
@@ -154,7 +154,7 @@ _walk_c = native.load("kvindex._walk")
 @pytest.mark.parametrize("slots", [1, 8, 64, 65, 200])
 def test_native_walk_equals_python(slots: int) -> None:
     require(_walk_c, "_walk")
-    from kvindex.index.precise import _walk
+    from kvindex.index.walk import walk
 
     rnd = random.Random(slots)
     for _ in range(300):
@@ -163,7 +163,7 @@ def test_native_walk_equals_python(slots: int) -> None:
         for k in rnd.sample(sorted(holders), min(3, len(holders))):  # a few keys held by everyone
             holders[k] = (1 << slots) - 1
         allowed = rnd.choice([(1 << slots) - 1, rnd.getrandbits(slots) or 1, 1 << (slots - 1)])
-        assert _walk_c.walk(keys, holders, allowed) == _walk(keys, holders, None, allowed), (keys, allowed)
+        assert _walk_c.walk(keys, holders, allowed) == walk(keys, holders, None, allowed), (keys, allowed)
     deep = list(range(512))
     assert _walk_c.walk(deep, dict.fromkeys(deep, 3), 3) == [(512, 3)]
     wide = {**dict.fromkeys(deep, 1 << 70), **dict.fromkeys(range(7), 1 << 70 | 1)}  # slot 0 holds 7 keys

@@ -1,10 +1,13 @@
-"""kvindex._apply (the C store/remove/rehash loops) against the Python loops of kvindex.index.precise.
+"""kvindex._apply (the C store/remove/rehash loops) against the Python of kvindex.index.precise,
+and both against the readable oracle, kvindex.index.reference.
 
-The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``) and an
-accelerated one, and every piece of state is compared after every batch: holders per tier, _dups,
-the interned masks, each worker's slot arrays (byte for byte), side dicts, extra copies and
-orphans, the per-batch counts and match() answers. Like tests/test_native.py, these need the
-extension built (``tests.conftest.need_native``: CI fails without it, elsewhere they skip).
+The same seeded event stream goes to a pure-Python index (``PreciseIndex(native=None)``), an
+accelerated one and the ``ReferenceIndex``. The two fast ones are compared piece by piece after
+every batch (holders per tier, duplicate holdings, the interned masks, each worker's slot arrays byte for
+byte, side dicts, extra copies and orphans): a mutant of the C code shows up there. Both are held
+to the reference on what callers see (per-batch counts, pods, blocks held, engine hashes, entries,
+match() answers). Like tests/test_native.py, the C ones need the extension built
+(``tests.conftest.need_native``: CI fails without it, elsewhere they skip).
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import pytest
 from kvindex import keys as K
 from kvindex import native
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.index import precise
-from kvindex.index.precise import _MASKS_CAP, _MIX, PreciseIndex, _Table
+from kvindex.index import holders
+from kvindex.index.holders import MASKS_CAP
+from kvindex.index.precise import PreciseIndex
+from kvindex.index.reference import ReferenceIndex
+from kvindex.index.table import MIX, Table
 from tests.conftest import need_native
 
 _apply = native.load("kvindex._apply")
 BS = 4
 M64 = (1 << 64) - 1
-INV = pow(_MIX, -1, 1 << 64)  # h = v * INV has h * _MIX = v: hashes whose home is chosen
+INV = pow(MIX, -1, 1 << 64)  # h = v * INV has h * MIX = v: hashes whose home is chosen
 
 
 def require() -> None:
@@ -132,15 +138,28 @@ def rnd_medium(rnd: random.Random) -> str:
     return GPU if rnd.random() < 0.8 else rnd.choice(("CPU", "CPU_pinned", "DISK"))
 
 
-def table_state(t: _Table) -> tuple:
+def table_state(t: Table) -> tuple:
     return (t.tab.tobytes(), t.size, t.bits, t.sh, t.m, t.used, t.limit, dict(t.side), list(t.items()))
 
 
-def state(ix: PreciseIndex) -> dict:
+def state(ix: PreciseIndex, pods: list[str] | None = None) -> dict:
+    """Every piece of state (the tables of ``pods``' workers only, when given: a batch changes no other)."""
     workers = {wid: (w.slot, w.bit, list(w.media), {m: table_state(t) for m, t in w.media.items()},
-                     dict(w.extra), w.orphans) for wid, w in ix._workers.items()}
-    return {"holders": ix._holders, "dups": ix._dups, "masks": ix._masks, "workers": workers,
+                     dict(w.extra), w.orphans) for wid, w in ix._workers.items() if pods is None or wid[0] in pods}
+    return {"holders": ix._inv.tiers, "dups": ix._inv.dups, "masks": ix._inv.masks, "workers": workers,
             "slots": [None if w is None else w.ident for w in ix._slots], "block_size": ix._block_size}
+
+
+def public(ix: PreciseIndex | ReferenceIndex, pods: list[str]) -> dict:
+    """What callers see of ``pods`` (the oracle's terms)."""
+    return {"pods": ix.pods(), "sizes": ix.block_sizes(), "held": {p: ix.blocks_held(p) for p in pods},
+            "hashes": {p: ix.engine_hashes(p) for p in pods}}
+
+
+def oracle() -> ReferenceIndex:
+    ix = ReferenceIndex()
+    ix.set_block_size("m", BS)
+    return ix
 
 
 def pair() -> tuple[PreciseIndex, PreciseIndex]:
@@ -158,34 +177,45 @@ def pair() -> tuple[PreciseIndex, PreciseIndex]:
     (4, 4, 2000, 0.5, None),  # runs past the end of the tables: _extend, rehash stops
     (5, 40, 2000, 0.08, 6),  # a tiny interning cache: it starts over often
 ])
-def test_the_c_loops_leave_the_state_the_python_loops_leave(monkeypatch: pytest.MonkeyPatch, seed: int, pods: int,
-                                                            batches: int, crowd: float, masks_cap: int | None) -> None:
+def test_c_and_python_loops_leave_one_state_and_both_the_reference_s(monkeypatch: pytest.MonkeyPatch, seed: int, pods: int,
+                                                                     batches: int, crowd: float, masks_cap: int | None) -> None:
     if masks_cap is not None:
-        monkeypatch.setattr(precise, "_MASKS_CAP", masks_cap)
+        monkeypatch.setattr(holders, "MASKS_CAP", masks_cap)
     ref, fast = pair()
+    truth = oracle()
     wl = Workload(seed, pods, crowd)
     for b in range(batches):
         pod, rank, events = wl.batch()
-        assert fast.apply_batch(pod, "m", rank, events) == ref.apply_batch(pod, "m", rank, events)
+        done = truth.apply_batch(pod, "m", rank, events)
+        assert fast.apply_batch(pod, "m", rank, events) == ref.apply_batch(pod, "m", rank, events) == done
+        touched = [pod]
         if b % 400 == 399:  # a pod goes away (restart, removal)
             gone = wl.rnd.choice(wl.workers)[0]
-            ref.clear_pod(gone), fast.clear_pod(gone)
+            ref.clear_pod(gone), fast.clear_pod(gone), truth.clear_pod(gone)
+            touched.append(gone)
             for m in [m for m in wl.held if m[0] == gone]:
                 del wl.held[m]
-        assert state(fast) == state(ref), f"batch {b}"
+        every = None if b % 50 == 0 else touched
+        assert state(fast, every) == state(ref, every), f"batch {b}"  # C and Python, byte for byte
+        assert public(fast, touched) == public(truth, touched), f"batch {b}"
         q = wl.query()
-        assert fast.match(q) == ref.match(q)
         some = [f"pod-{i}" for i in wl.rnd.sample(range(pods), min(3, pods))]
-        assert fast.match(q, some) == ref.match(q, some)
+        assert fast.match(q) == ref.match(q) and fast.match(q, some) == ref.match(q, some)
+        if b % 8 == 0:  # the reference's match reads every entry: not after every batch
+            assert fast.match(q) == truth.match(q) and fast.match(q, some) == truth.match(q, some)
+        if b % 250 == 0:
+            assert sorted(fast.export_entries()) == sorted(truth.export_entries()), f"batch {b}"
     assert len(fast._slots) > 64 or pods < 64
-    assert sorted(fast.export_entries()) == sorted(ref.export_entries())
+    everyone = [f"pod-{i}" for i in range(pods)]
+    assert public(fast, everyone) == public(truth, everyone)
+    assert sorted(fast.export_entries()) == sorted(ref.export_entries()) == sorted(truth.export_entries())
 
 
 def test_tables_grow_shrink_and_extend_identically() -> None:
     require()
     rnd = random.Random(5)
     pool = [rnd.getrandbits(64) for _ in range(3000)] + [end_hash(rnd) for _ in range(400)] + list(range(1, 300))
-    ref, fast = _Table(native=None), _Table(native=_apply)
+    ref, fast = Table(native=None), Table(native=_apply)
     for step in range(40_000):
         h = rnd.choice(pool)
         if rnd.random() < (0.65 if (step // 8000) % 2 == 0 else 0.3):
@@ -219,23 +249,23 @@ def test_bad_events_fail_or_pass_as_in_python() -> None:
 
 def test_direct_calls_with_the_wrong_types_hand_everything_back() -> None:
     require()
-    t, holders, masks = _Table(native=_apply), {}, {}
-    assert _apply.store(t, holders, masks, 1, (5, 6), [7, 8], 0, _MASKS_CAP) == 2 and t.used == 2
-    assert _apply.store(t, [], masks, 1, (9,), [1], 0, _MASKS_CAP) == 0  # holders not a dict
-    assert _apply.store(t, holders, masks, 1.0, (9,), [1], 0, _MASKS_CAP) == 0  # bit not an int
-    assert _apply.store(t, holders, masks, 1, iter((9,)), [1], 0, _MASKS_CAP) == 0  # not a sequence
-    assert _apply.store(t, holders, masks, 1, (9, 10), [1], 0, _MASKS_CAP) == 1  # keys run out
-    assert _apply.store(t, holders, masks, 1, (11,), [1 << 64], 0, _MASKS_CAP) == 0  # key not a u64
+    t, holders, masks = Table(native=_apply), {}, {}
+    assert _apply.store(t, holders, masks, 1, (5, 6), [7, 8], 0, MASKS_CAP) == 2 and t.used == 2
+    assert _apply.store(t, [], masks, 1, (9,), [1], 0, MASKS_CAP) == 0  # holders not a dict
+    assert _apply.store(t, holders, masks, 1.0, (9,), [1], 0, MASKS_CAP) == 0  # bit not an int
+    assert _apply.store(t, holders, masks, 1, iter((9,)), [1], 0, MASKS_CAP) == 0  # not a sequence
+    assert _apply.store(t, holders, masks, 1, (9, 10), [1], 0, MASKS_CAP) == 1  # keys run out
+    assert _apply.store(t, holders, masks, 1, (11,), [1 << 64], 0, MASKS_CAP) == 0  # key not a u64
     with pytest.raises(AttributeError):
-        _apply.store(object(), holders, masks, 1, (9,), [1], 0, _MASKS_CAP)
-    bad = _Table(native=_apply)
+        _apply.store(object(), holders, masks, 1, (9,), [1], 0, MASKS_CAP)
+    bad = Table(native=_apply)
     bad.tab = array("I", bytes(64))  # not array("Q"): nothing done
-    assert _apply.store(bad, holders, masks, 1, (9,), [1], 0, _MASKS_CAP) == 0
-    assert _apply.remove(bad, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
+    assert _apply.store(bad, holders, masks, 1, (9,), [1], 0, MASKS_CAP) == 0
+    assert _apply.remove(bad, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, MASKS_CAP) == (0, 0, 0)
     holders[7] = "not a mask"
-    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, _MASKS_CAP) == (0, 0, 0)
+    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5,), 0, MASKS_CAP) == (0, 0, 0)
     holders[7] = 1
-    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5, 77), 0, _MASKS_CAP) == (2, 1, 1)
+    assert _apply.remove(t, holders, masks, ~1, {}, {}, GPU, "gpu", 0, (5, 77), 0, MASKS_CAP) == (2, 1, 1)
     assert t.used == 2 and 7 not in holders and t.get(6) == 8 and t.get(5) is None  # 6 and 9 stay
     with pytest.raises(TypeError):
         _apply.rehash(array("I"), t.tab, t.sh, t.m, 0)
@@ -268,7 +298,7 @@ def test_no_reference_leaks() -> None:
     cycle(25_000)
     assert [sys.getrefcount(o) for o in watched] == before
     assert rss() - rss0 < 4 << 20, "RSS grew: a leak"
-    assert fast._holders["gpu"] and len(fast._workers) == 1
+    assert fast._inv.tiers["gpu"] and len(fast._workers) == 1
 
 
 def rss() -> int:
@@ -278,8 +308,8 @@ def rss() -> int:
 
 def test_pure_python_everywhere_with_the_env_var() -> None:
     require()
-    assert PreciseIndex()._native is _apply and _Table().native is _apply and "kvindex._apply" in native.ACCELERATORS
-    code = ("from kvindex.index import precise as p; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
-            "assert p._APPLY is None and ix._native is None and w.media['GPU'].native is None")
+    assert PreciseIndex()._native is _apply and Table().native is _apply and "kvindex._apply" in native.ACCELERATORS
+    code = ("from kvindex.index import precise as p, table; ix = p.PreciseIndex(); w = ix._worker('a', 0);"
+            "assert table.APPLY is None and ix._native is None and w.media['GPU'].native is None")
     env = {**os.environ, "KVINDEX_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)

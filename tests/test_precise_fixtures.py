@@ -1,7 +1,8 @@
-"""The recorded real-vLLM captures, replayed over ZeroMQ into a running daemon.
+"""The recorded real-vLLM captures, replayed over ZeroMQ into a running daemon (and, in process,
+into the fast index and the readable reference, compared batch by batch).
 
-Each test checks kvindex against facts that do not come from kvindex: an independent replay of the
-raw frames (plain msgpack, a dict per pod) and the engine's own ``cached_tokens``."""
+Each daemon test checks kvindex against facts that do not come from kvindex: an independent replay
+of the raw frames (plain msgpack, a dict per pod) and the engine's own ``cached_tokens``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ import pytest
 
 from kvindex.config import Config
 from kvindex.tools.capture import Captured, load_capture
-from tests.conftest import FIXTURES, engine_config, independent_holdings, ipc_endpoint
+from tests.conftest import (
+    FIXTURES,
+    engine_config,
+    independent_holdings,
+    ipc_endpoint,
+    need_native,
+)
 
 CAPTURES = ["small", "small_bytes_hashes", "reset_restart", "two_engines"]
 
@@ -239,3 +246,39 @@ async def test_garbage_on_new_topics_creates_no_pod(make_harness: Any, make_engi
     assert [p["pod"] for p in pods["pods"]] == ["127.0.0.1:8000"]
     status, metrics = await h.get("/metrics")
     assert b"junk" not in metrics
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("loops", ["c", "python"])
+def test_the_fast_index_equals_the_reference_on_the_captures(capture: str, loops: str) -> None:
+    """The captures straight into the fast index (C loops, or Python alone) and the readable
+    reference (kvindex.index.reference), in process: equal counts and holdings after every batch,
+    equal answers for every request's prompt at the time it was sent."""
+    from adapters import DIALECTS
+    from kvindex import keys as K
+    from kvindex.index.precise import PreciseIndex
+    from kvindex.index.reference import ReferenceIndex
+    from kvindex.index.table import APPLY
+    from kvindex.answers import cacheable_tokens
+
+    if loops == "c":
+        need_native(APPLY, "kvindex._apply")
+    fast, truth = PreciseIndex(native=APPLY if loops == "c" else None), ReferenceIndex()
+    decode, bs = DIALECTS["vllm"].decoder().decode, meta(capture)["block_size"]
+    captured, last, pos = load_capture(FIXTURES / capture / "events.jsonl"), {}, 0
+    for req in requests_in_order(capture) + [None]:
+        while pos < len(captured) and (req is None or captured[pos].t < req["t_sent"]):
+            topic, seq, payload = captured[pos].frames
+            _, pod, model = topic.decode().split("@")
+            if pod in last and int.from_bytes(seq, "big") <= last[pod]:  # the engine restarted
+                fast.clear_pod(pod), truth.clear_pod(pod)
+            last[pod], batch, pos = int.from_bytes(seq, "big"), decode(payload), pos + 1
+            assert fast.apply_batch(pod, model, batch.dp_rank, batch.events) == truth.apply_batch(
+                pod, model, batch.dp_rank, batch.events)
+            assert fast.blocks_held(pod) == truth.blocks_held(pod) and fast.engine_hashes(pod) == truth.engine_hashes(pod)
+        if req is not None:
+            ids = req["prompt_token_ids"]
+            ks = K.prompt_keys(K.root_key("tiny"), ids[:cacheable_tokens(ids)], bs)
+            assert fast.match(ks) == truth.match(ks), req["i"]
+    assert fast.pods() == truth.pods() and fast.pods()
+    assert sorted(fast.export_entries()) == sorted(truth.export_entries())

@@ -1,4 +1,7 @@
-"""The precise index's contract, event by event (in-process; the fixture tests drive it over ZeroMQ)."""
+"""The precise index's contract, event by event (in-process; the fixture tests drive it over ZeroMQ).
+
+``idx`` runs each case on the fast index with its C loops, on the fast index's Python alone, and on
+the readable reference (kvindex.index.reference); the layout cases take the fast index only."""
 
 from __future__ import annotations
 
@@ -10,6 +13,11 @@ from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.index.protocol import Entry
+from kvindex.index.reference import ReferenceIndex
+from kvindex.index.table import APPLY
+
+Index = PreciseIndex | ReferenceIndex
+INDEXES = {"c": lambda: PreciseIndex(native=APPLY), "python": lambda: PreciseIndex(native=None), "reference": ReferenceIndex}
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks of 4
@@ -23,14 +31,29 @@ def keys_of(tokens: list[int], model: str = "m", lora: str | None = None, salt: 
     return K.prompt_keys(K.root_key(model, lora, salt), tokens, BS)
 
 
-@pytest.fixture
-def idx() -> PreciseIndex:
-    i = PreciseIndex()
+@pytest.fixture(params=list(INDEXES))
+def idx(request: pytest.FixtureRequest) -> Index:
+    i = INDEXES[request.param]()
     i.set_block_size("m", BS)
     return i
 
 
-def depth(idx: PreciseIndex, pod: str, keys: list[int]) -> int:
+@pytest.fixture(params=["c", "python"])
+def fast(request: pytest.FixtureRequest) -> PreciseIndex:
+    i = INDEXES[request.param]()
+    assert isinstance(i, PreciseIndex)
+    i.set_block_size("m", BS)
+    return i
+
+
+def residue(idx: Index) -> int:
+    """Inverted entries, duplicate counts and workers left (after everything was removed)."""
+    if isinstance(idx, ReferenceIndex):
+        return len(idx.workers)
+    return sum(map(len, idx._inv.tiers.values())) + len(idx._inv.dups) + sum(s is not None for s in idx._slots)
+
+
+def depth(idx: Index, pod: str, keys: list[int]) -> int:
     m = idx.match(keys, [pod]).get(pod)
     return m.gpu if m else 0
 
@@ -39,7 +62,7 @@ def test_keys_match_dynamo_local_hash_vector() -> None:
     assert K.local_hashes(list(range(1000, 1032)), 16) == [17863182269597592868, 14340445833846710668]
 
 
-def test_chain_across_events_and_longest_prefix(idx: PreciseIndex) -> None:
+def test_chain_across_events_and_longest_prefix(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([3], 2, TOKENS[8:12]))
     idx.apply("b", "m", 0, stored([1], None, TOKENS[:4]))
@@ -49,13 +72,13 @@ def test_chain_across_events_and_longest_prefix(idx: PreciseIndex) -> None:
     assert idx.match(ks, ["b"])["b"].gpu == 1 and "a" not in idx.match(ks, ["b"])
 
 
-def test_engine_hashes_need_not_agree_across_pods(idx: PreciseIndex) -> None:
+def test_engine_hashes_need_not_agree_across_pods(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("b", "m", 0, stored([77, 78], None, TOKENS[:8]))  # another seed, same tokens
     assert depth(idx, "b", keys_of(TOKENS)) == 2
 
 
-def test_refcount_per_copy(idx: PreciseIndex) -> None:
+def test_refcount_per_copy(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, BlockRemoved((1,)))
@@ -66,7 +89,7 @@ def test_refcount_per_copy(idx: PreciseIndex) -> None:
     assert idx.apply("a", "m", 0, BlockRemoved((1,))).unknown_removals == 1
 
 
-def test_orphans_are_kept_for_removal_but_never_match(idx: PreciseIndex) -> None:
+def test_orphans_are_kept_for_removal_but_never_match(idx: Index) -> None:
     done = idx.apply("a", "m", 0, stored([5, 6], 999, TOKENS[4:12]))
     assert done.orphans == 2
     assert idx.blocks_held("a") == {"gpu": 2, "cpu": 0, "disk": 0, "orphans": 2}
@@ -75,13 +98,13 @@ def test_orphans_are_kept_for_removal_but_never_match(idx: PreciseIndex) -> None
     assert idx.blocks_held("a")["orphans"] == 1
 
 
-def test_block_size_mismatch_is_an_orphan(idx: PreciseIndex) -> None:
+def test_block_size_mismatch_is_an_orphan(idx: Index) -> None:
     ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=array("I", TOKENS[:8]), block_size=8)
     done = idx.apply("a", "m", 0, ev)
     assert done.block_size_mismatch and done.orphans == 1
 
 
-def test_all_blocks_cleared_clears_every_medium_of_its_rank(idx: PreciseIndex) -> None:
+def test_all_blocks_cleared_clears_every_medium_of_its_rank(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 1, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
@@ -93,14 +116,14 @@ def test_all_blocks_cleared_clears_every_medium_of_its_rank(idx: PreciseIndex) -
     assert idx.match(keys_of(TOKENS)).keys() == {"b"}
 
 
-def test_dp_ranks_reported_separately(idx: PreciseIndex) -> None:
+def test_dp_ranks_reported_separately(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 1, stored([1, 2], None, TOKENS[:8]))
     m = idx.match(keys_of(TOKENS))["a"]
     assert m.dp == {0: 1, 1: 2} and m.gpu == 2
 
 
-def test_tiers_are_cumulative_through_the_device(idx: PreciseIndex) -> None:
+def test_tiers_are_cumulative_through_the_device(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([3], 2, TOKENS[8:12], medium="CPU"))
     idx.apply("a", "m", 0, stored([4], 3, TOKENS[12:16], medium="DISK"))
@@ -111,7 +134,7 @@ def test_tiers_are_cumulative_through_the_device(idx: PreciseIndex) -> None:
     assert idx.blocks_held("a") == {"gpu": 2, "cpu": 2, "disk": 1, "orphans": 0}
 
 
-def test_salts_and_loras_never_match_each_other(idx: PreciseIndex) -> None:
+def test_salts_and_loras_never_match_each_other(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4], cache_salt="tenant-1"))
     idx.apply("a", "m", 0, stored([2], None, TOKENS[:4], lora_name="sql"))
     assert depth(idx, "a", keys_of(TOKENS)) == 0
@@ -121,7 +144,7 @@ def test_salts_and_loras_never_match_each_other(idx: PreciseIndex) -> None:
     assert depth(idx, "a", keys_of(TOKENS, model="other")) == 0
 
 
-def test_a_keyless_copy_learns_its_key_later(idx: PreciseIndex) -> None:
+def test_a_keyless_copy_learns_its_key_later(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
     assert idx.blocks_held("a")["orphans"] == 1
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
@@ -129,20 +152,20 @@ def test_a_keyless_copy_learns_its_key_later(idx: PreciseIndex) -> None:
     assert (m.gpu, m.cpu) == (1, 1) and idx.blocks_held("a")["orphans"] == 0
 
 
-def test_clear_pod_leaves_no_inverted_entries(idx: PreciseIndex) -> None:
+def test_clear_pod_leaves_no_inverted_entries(idx: Index) -> None:
     for pod in ("a", "b"):
         idx.apply(pod, "m", 0, stored([1, 2, 3, 4], None, TOKENS))
     idx.clear_pod("a")
     idx.clear_pod("b")
-    assert idx.pods() == [] and all(not h for h in idx._holders.values())
+    assert idx.pods() == [] and residue(idx) == 0
 
 
-def test_export_and_load_reproduce_the_index(idx: PreciseIndex) -> None:
+def test_export_and_load_reproduce_the_index(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 1, stored([3], 999, TOKENS[4:8]))
     idx.apply("b", "m", 0, stored([1, 2, 3], None, TOKENS[:12], medium="CPU"))
-    copy = PreciseIndex()
+    copy = type(idx)()
     copy.set_block_size("m", BS)
     assert copy.load_entries(idx.export_entries()) == 6
     assert sorted(copy.export_entries()) == sorted(idx.export_entries())
@@ -155,7 +178,7 @@ def test_export_and_load_reproduce_the_index(idx: PreciseIndex) -> None:
     assert depth(copy, "a", ks) == 0
 
 
-def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: PreciseIndex) -> None:
+def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 1, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 1, AllBlocksCleared())
@@ -163,20 +186,21 @@ def test_a_rank_clears_only_itself_and_empty_workers_are_freed(idx: PreciseIndex
     idx.apply("a", "m", 7, BlockRemoved((5,)))  # removals for a rank that holds nothing create nothing
     idx.apply("a", "m", 0, BlockRemoved((1,)))
     idx.apply("a", "m", 0, BlockRemoved((2,)))
-    assert idx.pods() == [] and idx._slots == [None, None]
+    assert idx.pods() == [] and residue(idx) == 0
+    assert not isinstance(idx, PreciseIndex) or idx._slots == [None, None]
 
 
-# -- the packed layout (kvindex.index.precise._Table, interned masks, the members cache) --------------
+# -- the packed layout (kvindex.index.table.Table, interned masks, the members cache) --------------
 def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_array() -> None:
     import random
 
-    from kvindex.index.precise import ORPHAN, _Table
+    from kvindex.index.table import ORPHAN, Table
 
     rng = random.Random(7)
     # random, strided (i << 40, i * 256) and sequential hashes, hash 0 and the largest u64
     pool = [0, 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(300)]
     pool += [i << 40 for i in range(1, 200)] + [i * 256 for i in range(1, 200)] + list(range(2, 200))
-    t, d = _Table(), {}
+    t, d = Table(), {}
     for step in range(30_000):
         h = rng.choice(pool)
         grow = (step // 5000) % 2 == 0
@@ -204,12 +228,12 @@ def test_table_behaves_like_a_dict_through_growth_shrinking_and_the_end_of_the_a
 
 
 def test_table_last_slot_taken_extends_the_array() -> None:
-    from kvindex.index.precise import _MIX, _PAD, _Table
+    from kvindex.index.table import MIX, PAD, Table
 
-    t = _Table(7)
+    t = Table(7)
     n, slots = t.size, len(t.tab) // 2
-    inv, top = pow(_MIX, -1, 1 << 64), (n - 1) << (64 - t.bits)  # hashes whose home is the last slot
-    hs = [(top + i) * inv % (1 << 64) for i in range(1, _PAD + 15)]  # ... so they run past the end
+    inv, top = pow(MIX, -1, 1 << 64), (n - 1) << (64 - t.bits)  # hashes whose home is the last slot
+    hs = [(top + i) * inv % (1 << 64) for i in range(1, PAD + 15)]  # ... so they run past the end
     for h in hs:
         assert t.insert(h, h + 1)
     assert t.size == n and len(t.tab) // 2 > slots  # extended, not resized
@@ -219,7 +243,7 @@ def test_table_last_slot_taken_extends_the_array() -> None:
     assert [t.get(h) for h in hs] == [None if i % 2 == 0 else h + 1 for i, h in enumerate(hs)]
 
 
-def test_hash_zero_and_the_largest_hash_are_held_like_any_other(idx: PreciseIndex) -> None:
+def test_hash_zero_and_the_largest_hash_are_held_like_any_other(idx: Index) -> None:
     top = (1 << 64) - 1
     idx.apply("a", "m", 0, stored([0, top], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([5], top, TOKENS[8:12]))  # the parent is found by its hash
@@ -230,19 +254,19 @@ def test_hash_zero_and_the_largest_hash_are_held_like_any_other(idx: PreciseInde
     assert depth(idx, "a", ks) == 0 and idx.blocks_held("a")["gpu"] == 2
 
 
-def test_a_freed_slot_is_reused_and_matches_name_the_new_owner(idx: PreciseIndex) -> None:
+def test_a_freed_slot_is_reused_and_matches_name_the_new_owner(idx: Index) -> None:
     ks = keys_of(TOKENS)
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("b", "m", 0, stored([1], None, TOKENS[:4]))
     assert set(idx.match(ks)) == {"a", "b"}  # fills the members cache
     idx.apply("a", "m", 0, AllBlocksCleared())
     idx.apply("c", "m", 0, stored([9, 8, 7], None, TOKENS[:12]))  # takes a's slot
-    assert idx._slots[0].pod == "c"  # type: ignore[union-attr]
+    assert not isinstance(idx, PreciseIndex) or idx._slots[0].pod == "c"  # type: ignore[union-attr]
     got = idx.match(ks)
     assert set(got) == {"b", "c"} and got["c"].gpu == 3 and got["b"].gpu == 1
 
 
-def test_more_than_64_workers(idx: PreciseIndex) -> None:
+def test_more_than_64_workers(idx: Index) -> None:
     ks = keys_of(TOKENS)
     for i in range(150):
         idx.apply(f"p{i}", "m", i % 2, stored([1000 + i] + [i, i + 1, i + 2][: i % 4], None, TOKENS[: 4 * (1 + i % 4)]))
@@ -254,7 +278,7 @@ def test_more_than_64_workers(idx: PreciseIndex) -> None:
     assert set(idx.match(ks)) == {f"p{i}" for i in range(1, 150, 2)}
 
 
-def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: PreciseIndex) -> None:
+def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: Index) -> None:
     ks = keys_of(TOKENS)
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))  # a second copy of hash 1
@@ -265,13 +289,14 @@ def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: Prec
     assert depth(idx, "a", ks) == 2
     idx.apply("a", "m", 0, stored([11], None, TOKENS[:4]))
     idx.apply("a", "m", 0, AllBlocksCleared())  # while duplicates exist
-    assert idx._dups == {} and idx.match(ks)["b"].gpu == 2 and "a" not in idx.match(ks)
+    assert idx.match(ks)["b"].gpu == 2 and "a" not in idx.match(ks)
+    assert not isinstance(idx, PreciseIndex) or idx._inv.dups == {}
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
     idx.apply("a", "m", 0, BlockRemoved((1,)))
     assert "a" not in idx.match(ks) and idx.pods() == ["b"]
 
 
-def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: PreciseIndex) -> None:
+def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))  # two keyless copies
     idx.apply("a", "m", 0, stored([1], None, [], medium="DISK"))
@@ -287,13 +312,15 @@ def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: PreciseIn
     m = idx.match(keys_of(TOKENS))["a"]
     assert (m.gpu, m.cpu, m.disk) == (0, 0, 1)
     idx.apply("a", "m", 0, BlockRemoved((1,), medium="DISK"))
-    assert idx.pods() == [] and all(not h for h in idx._holders.values()) and idx._dups == {}
+    assert idx.pods() == [] and residue(idx) == 0
 
 
-def test_interned_masks_cache_overflow_changes_nothing(idx: PreciseIndex, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interned_masks_cache_overflow_changes_nothing(fast: PreciseIndex, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvindex.index.holders as H
     import kvindex.index.precise as P
 
-    monkeypatch.setattr(P, "_MASKS_CAP", 3)
+    idx = fast
+    monkeypatch.setattr(H, "MASKS_CAP", 3)
     monkeypatch.setattr(P, "_MEMBERS_CAP", 2)
     ks = keys_of(TOKENS)
     for i in range(12):
@@ -301,10 +328,11 @@ def test_interned_masks_cache_overflow_changes_nothing(idx: PreciseIndex, monkey
     for _ in range(3):
         assert {p: m.gpu for p, m in idx.match(ks).items()} == {f"p{i}": 1 + i % 4 for i in range(12)}
         assert idx.match(ks[1:]).keys() == {f"p{i}" for i in range(12) if i % 4 == 0} ^ {f"p{i}" for i in range(12)}
-    assert len(idx._masks) <= 3 and len(idx._members) <= 2
+    assert len(idx._inv.masks) <= 3 and len(idx._members) <= 2
 
 
-def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index(idx: PreciseIndex) -> None:
+def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index(fast: PreciseIndex) -> None:
+    idx = fast
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
     idx.apply("a", "m", 0, stored([3], 999, TOKENS[8:12]))  # orphan
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
@@ -322,7 +350,7 @@ def test_frozen_copy_holds_every_worker_and_medium_and_does_not_follow_the_index
 def test_table_spreads_sequential_and_strided_hashes() -> None:
     """Structured engine hashes (numbered blocks, runs per prompt) must not pile into long probe
     runs: a deterministic bound on displacement, not a timing."""
-    from kvindex.index.precise import _MIX, _Table
+    from kvindex.index.table import MIX, Table
 
     patterns = {
         "sequential": [(1 << 63) + i for i in range(20_000)],
@@ -331,11 +359,11 @@ def test_table_spreads_sequential_and_strided_hashes() -> None:
         "strided i * 256 + k": [i * 256 + k for i in range(1, 2_500) for k in range(8)],
     }
     for name, hs in patterns.items():
-        t = _Table()
+        t = Table()
         for h in hs:
             assert t.insert(h, h ^ 1)
         tab, sh, m = t.tab, t.sh, t.m
-        worst = max((j - (tab[j] * _MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
+        worst = max((j - (tab[j] * MIX >> sh & m)) // 2 for j in range(0, len(tab), 2) if tab[j])
         assert worst <= 64, (name, worst)
         assert all(t.get(h) == h ^ 1 for h in hs[::97])
 
@@ -373,3 +401,24 @@ def test_hashes_and_keys_outside_u64_are_held_like_before() -> None:
     assert copy.match([(1 << 64) + 3])["b"].gpu == 1 and copy.match([-7])["b"].gpu == 1
     copy.apply("b", "m", 0, BlockRemoved((-9, -9, 3)))
     assert copy.match([-7]) == {} and "b" not in copy.pods()
+
+
+@pytest.mark.parametrize("seed,pods", [(11, 8), (12, 70)])
+def test_the_python_loops_leave_the_reference_s_state(seed: int, pods: int) -> None:
+    """The seeded workload of tests/test_native_apply.py on the fast index's Python alone (no C
+    needed) against the reference: counts, holdings and answers after every batch."""
+    from tests.test_native_apply import BS as WL_BS
+    from tests.test_native_apply import Workload, public
+
+    fast, truth, wl = PreciseIndex(native=None), ReferenceIndex(), Workload(seed, pods)
+    for ix in (fast, truth):
+        ix.set_block_size("m", WL_BS)
+    for b in range(1500):
+        pod, rank, events = wl.batch()
+        assert fast.apply_batch(pod, "m", rank, events) == truth.apply_batch(pod, "m", rank, events)
+        assert public(fast, [pod]) == public(truth, [pod]), b
+        q = wl.query()
+        assert fast.match(q) == truth.match(q) and fast.match(q, [pod]) == truth.match(q, [pod])
+    everyone = [f"pod-{i}" for i in range(pods)]
+    assert public(fast, everyone) == public(truth, everyone)
+    assert sorted(fast.export_entries()) == sorted(truth.export_entries())

@@ -1,9 +1,10 @@
-"""The PreciseStore contract, one suite run against every backend: memory, a real redis-server, and
+"""The PreciseStore contract, one suite run against every backend in ``BACKENDS``: memory (the fast
+index), reference (kvindex.index.reference behind the same async view), a real redis-server, and
 sharded (two real worker processes over the real channel).
 
 Every case of test_precise_index.py, through the async store interface; the stream watermark rules
-of base.py (``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real
-vLLM captures and a seeded random workload through both backends, compared after every batch."""
+(``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real vLLM
+captures and a seeded random workload through memory and Redis, compared after every batch."""
 
 from __future__ import annotations
 
@@ -18,14 +19,17 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 import zmq.asyncio
+from pytest import FixtureRequest
 
 from adapters import DIALECTS
 from kvindex import keys as K
 from kvindex.answers import cacheable_tokens
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.memory import MemoryPreciseStore
+from kvindex.index.memory import LocalPreciseIndex, MemoryPreciseStore
+from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
 from kvindex.index.redis_precise import RedisPreciseStore
+from kvindex.index.reference import ReferenceIndex
 from kvindex.sequence import Outcome, Position, StreamRef
 from kvindex.shard.channel import ShardChannel, WorkerSettings, owner_of
 from kvindex.shard.store import ShardedPreciseStore
@@ -56,7 +60,8 @@ async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseSt
     return s
 
 
-async def sharded_workers(cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
+async def sharded_peers(request: FixtureRequest, clients: list[aioredis.Redis],
+                        cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
     """Two worker processes; each call a new client of them (its own channels)."""
     ctx = zmq.asyncio.Context()
     shards = Shards(2, WorkerSettings(), ctx)
@@ -79,24 +84,46 @@ async def sharded_workers(cleanup: list[Callable[[], Awaitable[None]]]) -> Facto
     return make
 
 
-@pytest.fixture(params=["memory", "redis", "sharded"])
-async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
-    """Clients of one store: for memory the same object; for Redis and sharded a new client each call."""
-    clients: list[aioredis.Redis] = []
-    cleanup: list[Callable[[], Awaitable[None]]] = []
-    if request.param == "memory":
-        shared = MemoryPreciseStore()
+Backend = Callable[[FixtureRequest, list[aioredis.Redis], list[Callable[[], Awaitable[None]]]], Awaitable[Factory]]
+
+
+def memory_peers(index: Callable[[], LocalPreciseIndex]) -> Backend:
+    """Clients of one in-process store: the same object every call."""
+    async def peers(request: FixtureRequest, clients: list[aioredis.Redis],
+                    cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
+        shared = MemoryPreciseStore(index())
 
         async def make() -> PreciseStore:
             return shared
-    elif request.param == "sharded":
-        make = await sharded_workers(cleanup)
-    else:
-        url = request.getfixturevalue("redis_url")
+        return make
+    return peers
 
-        async def make() -> PreciseStore:
-            return await redis_store(url, clients)
-    yield make
+
+async def redis_peers(request: FixtureRequest, clients: list[aioredis.Redis],
+                      cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
+    """Clients of one Redis store: a new client each call."""
+    url = request.getfixturevalue("redis_url")
+
+    async def make() -> PreciseStore:
+        return await redis_store(url, clients)
+    return make
+
+
+# Every backend of the PreciseStore contract: name -> (request, clients) -> a factory of its clients.
+BACKENDS: dict[str, Backend] = {
+    "memory": memory_peers(PreciseIndex),
+    "reference": memory_peers(ReferenceIndex),  # the readable oracle behind the same async view
+    "redis": redis_peers,
+    "sharded": sharded_peers,  # two worker processes; each call a new client of them
+}
+
+
+@pytest.fixture(params=list(BACKENDS))
+async def peers(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """Clients of one store of the backend ``request.param``."""
+    clients: list[aioredis.Redis] = []
+    cleanup: list[Callable[[], Awaitable[None]]] = []
+    yield await BACKENDS[request.param](request, clients, cleanup)
     for c in clients:
         await c.aclose()
     for close in cleanup:
@@ -140,9 +167,12 @@ async def residue(store: PreciseStore) -> int:
     store's workers are memory stores, checked as such: here, what it still exports.)"""
     if isinstance(store, ShardedPreciseStore):
         return len(await store.export_entries())
+    if isinstance(store, MemoryPreciseStore) and isinstance(store.index, ReferenceIndex):
+        return len(store.index.workers)
     if isinstance(store, MemoryPreciseStore):
         i = store.index
-        return sum(map(len, i._holders.values())) + len(i._dups) + sum(s is not None for s in i._slots)
+        assert isinstance(i, PreciseIndex)
+        return sum(map(len, i._inv.tiers.values())) + len(i._inv.dups) + sum(s is not None for s in i._slots)
     assert isinstance(store, RedisPreciseStore)
     n = 0
     for pattern in ("*}:[gcdGCD]:*", "*}:[bxwk]:*"):

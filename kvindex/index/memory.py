@@ -1,5 +1,8 @@
 """The memory backends: async views of ``PreciseIndex`` and ``ApproxIndex`` in this process.
 
+``MemoryPreciseStore`` wraps any ``LocalPreciseIndex``: the fast ``PreciseIndex`` (the default)
+or the readable ``kvindex.index.reference.ReferenceIndex`` (the contract suite runs both).
+
 Invariants: the embedded default. Nothing here ever raises ``StoreUnavailable``; each coroutine
 runs to completion without awaiting, so an apply is atomic with respect to the event loop. Stream
 positions live beside the index and follow ``judge`` / ``next_position`` exactly as the Redis
@@ -9,21 +12,37 @@ backend's scripts do.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from kvindex.events import KVEvent
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.protocol import ApplyResult, Entry, PodMatch
+from kvindex.index.protocol import Applied, ApplyResult, Entry, PodMatch
 from kvindex.sequence import Outcome, Position, StreamRef, judge, next_position
 from kvindex.settings import ApproxConfig
+
+
+class LocalPreciseIndex(Protocol):
+    """A precise index in this process, synchronous (``PreciseIndex``, ``ReferenceIndex``)."""
+
+    def apply_batch(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> Applied: ...
+    def clear_pod(self, pod: str, dp_rank: int | None = None) -> None: ...
+    def set_block_size(self, model: str, block_size: int) -> None: ...
+    def block_size(self, model: str) -> int | None: ...
+    def block_sizes(self) -> dict[str, int]: ...
+    def pods(self) -> list[str]: ...
+    def blocks_held(self, pod: str) -> dict[str, int]: ...
+    def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]: ...
+    def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]: ...
+    def export_entries(self) -> Iterable[Entry]: ...
+    def load_entries(self, entries: Iterable[Entry]) -> int: ...
 
 
 class MemoryPreciseStore:
     name = "memory"
 
-    def __init__(self, index: PreciseIndex | None = None) -> None:
-        self.index = index if index is not None else PreciseIndex()
+    def __init__(self, index: LocalPreciseIndex | None = None) -> None:
+        self.index: LocalPreciseIndex = index if index is not None else PreciseIndex()
         self._positions: dict[str, Position] = {}
 
     async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],

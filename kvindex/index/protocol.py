@@ -17,7 +17,8 @@ Invariants, for every backend:
   the epoch already moved and change nothing.
 - ``StoreLost`` (a ``StoreUnavailable``) means the store lost what it held since this client
   opened it (a Redis restarted without its data): every stream must be resynchronised.
-- Semantics of the index operations are those of ``kvindex.index.precise.PreciseIndex`` and
+- Semantics of the index operations are those of ``kvindex.index.reference.ReferenceIndex`` (the
+  readable oracle; ``kvindex.index.precise.PreciseIndex`` is its fast twin) and
   ``kvindex.index.approx.ApproxIndex``; the memory backends are thin async views of those classes.
 """
 
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-from kvindex.events import KVEvent
+from kvindex.events import GPU, KVEvent
 from kvindex.sequence import Outcome, Position, StreamRef
 from kvindex.settings import ApproxConfig
 
@@ -74,6 +75,18 @@ class PodMatch(NamedTuple):
     cpu: int
     disk: int
     dp: dict[int, int]
+
+
+TIERS = ("gpu", "cpu", "disk")  # the keys of blocks_held beside "orphans"; match's PodMatch fields
+
+
+def tier_of(medium: str) -> str:
+    """An engine medium's tier: "GPU" is gpu, "CPU*" cpu, anything else disk."""
+    if medium == GPU:
+        return "gpu"
+    if medium.startswith("CPU"):
+        return "cpu"
+    return "disk"
 
 
 class ApplyResult(msgspec.Struct, frozen=True):

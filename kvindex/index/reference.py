@@ -1,0 +1,219 @@
+"""The precise index's rules, plainly: dicts and sets, no packing, no speed tricks (the oracle).
+
+Job: ``ReferenceIndex`` has exactly ``PreciseIndex``'s public API and semantics and is the
+definition both the fast index (kvindex.index.precise) and the Redis backend are tested against.
+Read it to learn what the precise index does; read precise.py to learn how it does it fast.
+
+The rules, once:
+- A *worker* is one (pod, dp_rank): one engine cache (each dp rank publishes its own stream).
+  Per medium ("GPU", "CPU...", anything else) it holds ``engine hash -> key``, and a count of
+  the *copies* of each hash: vLLM stores and removes each physical copy separately, so a store
+  of a held hash adds a copy and a removal takes one; the hash goes with its last copy.
+- A block's key is kvindex's chained key (kvindex.keys) from the event's token ids and its
+  parent's key: the root key of (model, lora, salt) when the event has no parent hash, else the
+  key the worker holds for the parent hash (its GPU entry's if it has one, else the first medium's
+  holding it). Blocks past the tokens' end take the key the worker already holds for their hash.
+- A store whose key cannot be computed (unknown or keyless parent, tokens missing, a block size
+  other than the model's) is an *orphan*: kept keyless, so a later removal finds it, but it never
+  matches. The model's block size is the configured one, else the first BlockStored's.
+- A held hash keeps the key it was first stored with; a keyless one learns the key of a later
+  store of it (in that medium). A new hash stored with a key gives that key to the keyless
+  entries of the same hash in the worker's other media (offload events carry no tokens).
+- AllBlocksCleared empties its rank (every medium); so does ``clear_pod``. A worker left holding
+  nothing at the end of a batch is forgotten (``pods`` no longer lists it).
+- Tiers: a medium's tier is gpu, cpu or disk (``tier_of``). A worker *holds* a key in a tier
+  while any of its hashes in a medium of that tier has that key. A match walks the prompt's keys
+  in order: a worker's depth in a tier is the longest prefix it holds in that tier or a faster one
+  (gpu; gpu+cpu; gpu+cpu+disk). Per pod, each tier's deepest rank; ``dp`` lists the ranks matching
+  >= 1 block in some tier, with their gpu depth; pods with no match are not listed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvindex import keys as K
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.protocol import TIERS, Applied, Entry, PodMatch, tier_of
+
+
+@dataclass
+class Worker:
+    """What one (pod, dp_rank) holds: per medium, hash -> key (None: keyless), and copies."""
+
+    media: dict[str, dict[int, int | None]] = field(default_factory=lambda: {GPU: {}})  # GPU first
+    copies: dict[tuple[str, int], int] = field(default_factory=dict)  # (medium, hash) -> copies >= 1
+
+    def key_of(self, h: int) -> int | None:
+        """The key this worker holds for hash ``h``: GPU's entry if it has one, else the first
+        medium's holding it; None if unknown or keyless."""
+        if h in self.media[GPU]:
+            return self.media[GPU][h]
+        for held in self.media.values():
+            if h in held:
+                return held[h]
+        return None
+
+    def keys_in(self, tiers: Sequence[str]) -> set[int]:
+        """Every key held in a medium of one of ``tiers``."""
+        return {k for m, held in self.media.items() if tier_of(m) in tiers for k in held.values() if k is not None}
+
+
+class ReferenceIndex:
+    """The precise index, plainly. Same API and answers as ``PreciseIndex`` (whose
+    ``frozen_copy``, a snapshot capture of its packed tables, is not part of the contract:
+    ``export_entries`` is)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[tuple[str, int], Worker] = {}
+        self._block_size: dict[str, int] = {}
+
+    # -- configuration -------------------------------------------------------------------------
+    def set_block_size(self, model: str, block_size: int) -> None:
+        self._block_size[model] = block_size
+
+    def block_size(self, model: str) -> int | None:
+        return self._block_size.get(model)
+
+    def block_sizes(self) -> dict[str, int]:
+        return dict(self._block_size)
+
+    # -- events --------------------------------------------------------------------------------
+    def apply(self, pod: str, model: str, dp_rank: int, event: KVEvent) -> Applied:
+        return self.apply_batch(pod, model, dp_rank, (event,))
+
+    def apply_batch(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> Applied:
+        """Apply one engine batch of (pod, dp_rank) in order."""
+        done = Applied()
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self._store(self.workers.setdefault((pod, dp_rank), Worker()), model, ev, done)
+            elif isinstance(ev, BlockRemoved):
+                self._remove(self.workers.get((pod, dp_rank)), ev, done)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear_pod(pod, dp_rank)
+                done.cleared += 1
+            else:
+                raise TypeError(f"not a KV event: {type(ev).__name__}")
+        w = self.workers.get((pod, dp_rank))
+        if w is not None and not w.copies:
+            del self.workers[(pod, dp_rank)]  # holds nothing: forgotten
+        return done
+
+    def _keys(self, w: Worker, model: str, ev: BlockStored) -> list[int]:
+        """The keys the event's tokens give its blocks (fewer than its hashes when they run out)."""
+        parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
+        if parent is None or self._block_size[model] != ev.block_size:
+            return []
+        return K.prompt_keys(parent, ev.token_ids, ev.block_size, limit=len(ev.block_hashes))
+
+    def _store(self, w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
+        done.block_size_mismatch += self._block_size.setdefault(model, ev.block_size) != ev.block_size
+        keys = self._keys(w, model, ev)
+        held = w.media.setdefault(ev.medium, {})
+        for i, h in enumerate(ev.block_hashes):
+            key = keys[i] if i < len(keys) else w.key_of(h)
+            done.orphans += self._store_copy(w, ev.medium, held, h, key)
+        done.stored_events += 1
+        done.stored += len(ev.block_hashes)
+
+    def _store_copy(self, w: Worker, medium: str, held: dict[int, int | None], h: int, key: int | None) -> int:
+        """One more copy of ``h`` in ``medium``; 1 if it is keyless after the store, else 0."""
+        if h in held:
+            w.copies[(medium, h)] += 1
+            if held[h] is None:
+                held[h] = key  # a keyless hash learns its key (or stays keyless)
+            return held[h] is None
+        held[h] = key
+        w.copies[(medium, h)] = 1
+        if key is not None:
+            for other in w.media.values():  # the keyless copies elsewhere adopt the key
+                if h in other and other[h] is None:
+                    other[h] = key
+        return key is None
+
+    def _remove(self, w: Worker | None, ev: BlockRemoved, done: Applied) -> None:
+        held = None if w is None else w.media.get(ev.medium)
+        for h in ev.block_hashes:
+            if w is None or held is None or h not in held:
+                done.unknown_removals += 1
+                continue
+            done.removed += 1
+            w.copies[(ev.medium, h)] -= 1
+            if not w.copies[(ev.medium, h)]:  # its last copy: the hash goes
+                del w.copies[(ev.medium, h)]
+                del held[h]
+        done.removed_events += 1
+
+    # -- pods ----------------------------------------------------------------------------------
+    def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
+        """Forget every block of ``pod`` (all ranks, or one)."""
+        for wid in [wid for wid in self.workers if wid[0] == pod and dp_rank in (None, wid[1])]:
+            del self.workers[wid]
+
+    def pods(self) -> list[str]:
+        return sorted({pod for pod, _ in self.workers})
+
+    def blocks_held(self, pod: str) -> dict[str, int]:
+        """Copies held per tier, plus ``orphans`` (keyless hashes) for ``pod``."""
+        out = {t: 0 for t in TIERS} | {"orphans": 0}
+        for (p, _), w in self.workers.items():
+            if p == pod:
+                for (medium, h), n in w.copies.items():
+                    out[tier_of(medium)] += n
+                    out["orphans"] += w.media[medium][h] is None
+        return out
+
+    def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
+        """Per dp_rank: engine hash -> key (None for orphans), media merged in their first-store
+        order (GPU first)."""
+        out: dict[int, dict[int, int | None]] = {}
+        for (p, rank), w in self.workers.items():
+            if p == pod:
+                merged = out.setdefault(rank, {})
+                for held in w.media.values():
+                    merged.update(held)
+        return out
+
+    # -- state out and in ----------------------------------------------------------------------
+    def export_entries(self) -> Iterator[Entry]:
+        """Every held engine hash: (pod, dp_rank, medium, hash, key or None, copies)."""
+        entries = [Entry(pod, rank, medium, h, key, w.copies[(medium, h)])
+                   for (pod, rank), w in self.workers.items() for medium, held in w.media.items() for h, key in held.items()]
+        return iter(entries)
+
+    def load_entries(self, entries: Iterable[Entry]) -> int:
+        """Add exported entries (to an index that does not hold them yet); returns how many."""
+        n = 0
+        for e in entries:
+            w = self.workers.setdefault((e.pod, e.dp_rank), Worker())
+            w.media.setdefault(e.medium, {})[e.hash] = e.key
+            w.copies[(e.medium, e.hash)] = e.copies
+            n += 1
+        return n
+
+    # -- queries -------------------------------------------------------------------------------
+    def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
+        """Longest prefix of ``keys`` held by each pod (only pods with a match >= 1 are listed)."""
+        wanted = None if pods is None else set(pods)
+        out: dict[str, PodMatch] = {}
+        for (pod, rank), w in self.workers.items():
+            if wanted is not None and pod not in wanted:
+                continue
+            g, c, d = (_prefix(keys, w.keys_in(TIERS[:n])) for n in (1, 2, 3))
+            if not d:
+                continue
+            prev = out.get(pod, PodMatch(0, 0, 0, {}))
+            out[pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), {**prev.dp, rank: g})
+        return out
+
+
+def _prefix(keys: Sequence[int], held: set[int]) -> int:
+    """How many of ``keys``, from the first, are in ``held``."""
+    n = 0
+    for k in keys:
+        if k not in held:
+            break
+        n += 1
+    return n
