@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvindex.index.protocol import PodMatch
+from kvindex.types import PodMatch
 
 
 def cacheable_tokens(token_ids: Sequence[int]) -> int:

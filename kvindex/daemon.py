@@ -58,7 +58,7 @@ from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.protocol import TIERS, StoreUnavailable
+from kvindex.index.protocol import StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
@@ -80,6 +80,7 @@ from kvindex.shard.supervisor import (
 )
 from kvindex.storeurl import describe, is_memory
 from kvindex.tokenize import CachingTokenizer, Tokenizer
+from kvindex.types import TIERS
 from kvindex.views import FleetView, PodsView
 
 log = logging.getLogger("kvindex.daemon")

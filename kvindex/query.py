@@ -31,8 +31,9 @@ from kvindex.answers import ApproxAnswer, PreciseAnswer, QueryError, cacheable_t
 from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
 from kvindex.index.approx import score_matches
-from kvindex.index.protocol import ApproxStore, PodMatch, PreciseStore
+from kvindex.index.protocol import ApproxStore, PreciseStore
 from kvindex.tokenize import Tokenizer
+from kvindex.types import PodMatch
 
 _TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
 

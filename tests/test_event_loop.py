@@ -15,9 +15,9 @@ from kvindex.drift import Decision, DriftAudit
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.protocol import Entry
 from kvindex.persist import snapshot as snapshots
 from kvindex.settings import ApproxConfig, ApproxSettings, DriftSettings
+from kvindex.types import Entry
 
 
 class Ticker:

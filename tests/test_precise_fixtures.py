@@ -256,10 +256,10 @@ def test_the_fast_index_equals_the_reference_on_the_captures(capture: str, loops
     equal answers for every request's prompt at the time it was sent."""
     from adapters import DIALECTS
     from kvindex import keys as K
+    from kvindex.answers import cacheable_tokens
     from kvindex.index.precise import PreciseIndex
     from kvindex.index.reference import ReferenceIndex
     from kvindex.index.table import APPLY
-    from kvindex.answers import cacheable_tokens
 
     if loops == "c":
         need_native(APPLY, "kvindex._apply")

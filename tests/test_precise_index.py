@@ -12,9 +12,9 @@ import pytest
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.index.precise import PreciseIndex, entries_of
-from kvindex.index.protocol import Entry
 from kvindex.index.reference import ReferenceIndex
 from kvindex.index.table import APPLY
+from kvindex.types import Entry
 
 Index = PreciseIndex | ReferenceIndex
 INDEXES = {"c": lambda: PreciseIndex(native=APPLY), "python": lambda: PreciseIndex(native=None), "reference": ReferenceIndex}
@@ -382,7 +382,7 @@ def test_prompt_keys_equal_the_chain_of_local_hashes() -> None:
 
 def test_hashes_and_keys_outside_u64_are_held_like_before() -> None:
     """Events should carry u64 hashes, but any int was accepted (and a snapshot may hold any)."""
-    from kvindex.index.protocol import Entry
+    from kvindex.types import Entry
 
     idx = PreciseIndex()
     idx.set_block_size("m", BS)

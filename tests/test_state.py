@@ -12,7 +12,6 @@ import pytest
 
 from kvindex.config import Config
 from kvindex.index.approx import ApproxIndex
-from kvindex.index.protocol import Entry
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
@@ -26,6 +25,7 @@ from kvindex.persist.wal import (
     segments,
 )
 from kvindex.settings import ApproxConfig, ApproxSettings
+from kvindex.types import Entry
 from tests.conftest import engine_config, ipc_endpoint, wait_for
 from tests.faultkit import stream
 

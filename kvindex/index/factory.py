@@ -12,41 +12,15 @@ Redis client is shared by both stores and closed by ``Stores.close``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
-from kvindex.index.protocol import ApproxStore, PreciseStore
+from kvindex.index.protocol import Stores
 from kvindex.settings import ApproxConfig
 from kvindex.storeurl import check_store_url, is_memory
 
 SOCKET_TIMEOUT = 2.0  # seconds a Redis call may take before the store counts as unavailable
 CONNECT_TIMEOUT = 1.0
-
-
-@dataclass(slots=True)
-class Stores:
-    """Both stores of one daemon and the client they share (None for memory)."""
-
-    url: str
-    precise: PreciseStore
-    approx: ApproxStore
-    client: Any = None
-
-    async def open(self) -> None:
-        """Reach the store (Redis: load scripts, read or create its generation); StoreUnavailable."""
-        for store in (self.precise, self.approx):
-            opener = getattr(store, "open", None)
-            if opener is not None:
-                await opener()
-
-    async def close(self) -> None:
-        for store in (self.precise, self.approx):
-            await store.close()
-        if self.client is not None:
-            client, self.client = self.client, None
-            await client.aclose()
 
 
 def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str], None] | None) -> Stores:

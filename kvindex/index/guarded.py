@@ -22,8 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvindex.index.factory import Stores
-from kvindex.index.protocol import StoreLost, StoreUnavailable
+from kvindex.index.protocol import StoreLost, Stores, StoreUnavailable
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.storeurl import describe

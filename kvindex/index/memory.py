@@ -17,9 +17,10 @@ from typing import Any, Protocol
 from kvindex.events import KVEvent
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.protocol import Applied, ApplyResult, Entry, PodMatch
+from kvindex.index.protocol import ApplyResult
 from kvindex.sequence import Outcome, Position, StreamRef, judge, next_position
 from kvindex.settings import ApproxConfig
+from kvindex.types import Applied, Entry, PodMatch
 
 
 class LocalPreciseIndex(Protocol):

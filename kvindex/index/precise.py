@@ -34,8 +34,9 @@ from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import holders as H
 from kvindex.index import walk
-from kvindex.index.protocol import TIERS, Applied, Entry, PodMatch, tier_of
+from kvindex.index.protocol import tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
+from kvindex.types import TIERS, Applied, Entry, PodMatch
 
 _Table = Table  # WorkerReplay's name for it (goes with WorkerReplay)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from kvindex.events import GPU, KVEvent
 from kvindex.sequence import Outcome, Position, StreamRef
 from kvindex.settings import ApproxConfig
+from kvindex.types import Applied, Entry, PodMatch
 
 
 class StoreUnavailable(RuntimeError):
@@ -41,43 +42,6 @@ class StoreUnavailable(RuntimeError):
 
 class StoreLost(StoreUnavailable):
     """The store's state was lost since it was opened (e.g. Redis restarted empty)."""
-
-
-@dataclass(slots=True)
-class Applied:
-    """What a batch of events did (counts), filled in as it is applied."""
-
-    stored: int = 0  # block copies
-    removed: int = 0
-    orphans: int = 0  # stores kept without a key
-    unknown_removals: int = 0
-    block_size_mismatch: int = 0  # BlockStored events whose block size differs from the model's
-    stored_events: int = 0
-    removed_events: int = 0
-    cleared: int = 0  # AllBlocksCleared events
-
-
-class Entry(NamedTuple):
-    """One held engine hash, as exported and loaded (snapshots, peer recovery)."""
-
-    pod: str
-    dp_rank: int
-    medium: str
-    hash: int
-    key: int | None
-    copies: int
-
-
-class PodMatch(NamedTuple):
-    """Longest matched prefix of one pod, in blocks. ``dp`` per rank; tiers cumulative."""
-
-    gpu: int
-    cpu: int
-    disk: int
-    dp: dict[int, int]
-
-
-TIERS = ("gpu", "cpu", "disk")  # the keys of blocks_held beside "orphans"; match's PodMatch fields
 
 
 def tier_of(medium: str) -> str:
@@ -175,3 +139,27 @@ class ApproxStore(Protocol):
     async def load_state(self, state: dict[str, Any]) -> int: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Stores:
+    """Both stores of one daemon and the client they share (None for memory)."""
+
+    url: str
+    precise: PreciseStore
+    approx: ApproxStore
+    client: Any = None
+
+    async def open(self) -> None:
+        """Reach the store (Redis: load scripts, read or create its generation); StoreUnavailable."""
+        for store in (self.precise, self.approx):
+            opener = getattr(store, "open", None)
+            if opener is not None:
+                await opener()
+
+    async def close(self) -> None:
+        for store in (self.precise, self.approx):
+            await store.close()
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.aclose()

@@ -68,15 +68,9 @@ import redis.exceptions as rex
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.precise import ORPHAN, WorkerReplay, tier_of
-from kvindex.index.protocol import (
-    Applied,
-    ApplyResult,
-    Entry,
-    PodMatch,
-    StoreLost,
-    StoreUnavailable,
-)
+from kvindex.index.protocol import ApplyResult, StoreLost, StoreUnavailable
 from kvindex.sequence import Outcome, Position, StreamRef, judge
+from kvindex.types import Applied, Entry, PodMatch
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 _TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}

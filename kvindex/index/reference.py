@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.protocol import TIERS, Applied, Entry, PodMatch, tier_of
+from kvindex.index.protocol import tier_of
+from kvindex.types import TIERS, Applied, Entry, PodMatch
 
 
 @dataclass

@@ -22,7 +22,7 @@ from operator import and_, neg
 from typing import Any
 
 from kvindex import native
-from kvindex.index.protocol import PodMatch
+from kvindex.types import PodMatch
 
 WALK = native.load("kvindex._walk")  # the C twin of ``walk`` for the device tier, when built
 _tuple_new = tuple.__new__

@@ -22,8 +22,8 @@ from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
     from kvindex.config import EngineConfig
-    from kvindex.index.protocol import Applied
     from kvindex.metrics import Metrics
+    from kvindex.types import Applied
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration

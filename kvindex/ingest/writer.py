@@ -19,12 +19,13 @@ import time
 
 from kvindex.config import EngineConfig
 from kvindex.events import DecodeError, Decoder, EventBatch, Frame
-from kvindex.index.protocol import Applied, ApplyResult, PreciseStore
+from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.streams import Stream, new_stream
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
 from kvindex.sequence import Outcome, Position
+from kvindex.types import Applied
 from kvindex.views import Journal
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name

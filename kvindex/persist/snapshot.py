@@ -30,7 +30,7 @@ from typing import Any
 
 import msgpack
 
-from kvindex.index.protocol import Entry
+from kvindex.types import Entry
 
 FORMAT = "kvindex-state"
 VERSION = 1

@@ -39,8 +39,9 @@ import zmq.asyncio
 
 from kvindex.config import EngineConfig
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.protocol import ApplyResult, Entry, PodMatch, StoreUnavailable
+from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
+from kvindex.types import Entry, PodMatch
 
 R = TypeVar("R", covariant=True)  # a request's answer
 T = TypeVar("T")

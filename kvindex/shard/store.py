@@ -33,10 +33,11 @@ from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 from kvindex.events import KVEvent
-from kvindex.index.protocol import ApplyResult, Entry, PodMatch, StoreUnavailable
+from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import ShardChannel, owner_of, pack_keys
+from kvindex.types import Entry, PodMatch
 
 R = TypeVar("R")
 

@@ -1,0 +1,48 @@
+"""Values every layer shares about held blocks: what a batch did, one held engine hash, one pod's match.
+
+Plain, immutable-by-convention values with no behaviour and no imports from kvindex: the index
+contracts (``kvindex.index.protocol``) return them, every backend builds them, and the query,
+persistence and shard layers read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(slots=True)
+class Applied:
+    """What a batch of events did (counts), filled in as it is applied."""
+
+    stored: int = 0  # block copies
+    removed: int = 0
+    orphans: int = 0  # stores kept without a key
+    unknown_removals: int = 0
+    block_size_mismatch: int = 0  # BlockStored events whose block size differs from the model's
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared: int = 0  # AllBlocksCleared events
+
+
+class Entry(NamedTuple):
+    """One held engine hash, as exported and loaded (snapshots, peer recovery)."""
+
+    pod: str
+    dp_rank: int
+    medium: str
+    hash: int
+    key: int | None
+    copies: int
+
+
+class PodMatch(NamedTuple):
+    """Longest matched prefix of one pod, in blocks. ``dp`` per rank; tiers cumulative."""
+
+    gpu: int
+    cpu: int
+    disk: int
+    dp: dict[int, int]
+
+
+TIERS = ("gpu", "cpu", "disk")  # the keys of blocks_held beside "orphans"; match's PodMatch fields
