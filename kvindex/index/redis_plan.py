@@ -1,0 +1,146 @@
+"""The Redis planner: what one batch changes in one worker, computed client-side.
+
+Job: from a ``WorkerView`` (the worker's entries the batch can see, as the read script returned
+them) and the batch, the ``Plan`` the apply script writes atomically: changed entries, holder
+deltas, the worker's media, orphans and entry count, the block size to set, the batch's counts.
+
+Invariants:
+- The store/remove rule is not here. The batch is applied by a scratch ``PreciseIndex`` through
+  its public API only: ``set_block_size``, ``load_entries`` (the view's entries), ``apply_batch``,
+  ``export_entries`` and ``block_size``; the plan is the difference between the view and what the
+  scratch index holds afterwards. Every key, orphan, copy and block-size rule is the index's own.
+- The view holds every entry of every hash the batch names (stored, removed, parents), in every
+  medium, so the scratch index sees all the batch can read. Before the batch, each of the view's
+  media also gets one *marker* entry, a hash the batch does not name: the scratch worker then has
+  the worker's media in the same order (the order ``PreciseIndex`` searches other media for a
+  key) and is never freed while the real one may still hold entries outside the view.
+- The worker's media after the batch: a BlockStored opens its medium (kept while the worker
+  lives), AllBlocksCleared restarts the worker with the device medium alone: ``media_after``.
+- The orphan count is the number of keyless entries (``PreciseIndex`` keeps it so): the view's
+  count plus the change among the entries the batch could touch; after a clear, the scratch
+  index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
+  afterwards, against an empty worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.precise import PreciseIndex, tier_of
+from kvindex.index.protocol import Applied, Entry
+from kvindex.index.redis_keys import UNCHANGED, WorkerView, value_of
+
+TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+
+Change = tuple[int, int, bytes | None, int]  # (medium index, hash, stored value or None: gone, extra or UNCHANGED)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A batch's effect on one worker, as the apply script takes it."""
+
+    done: Applied
+    reset: bool
+    media: tuple[str, ...]
+    orphans: int
+    changes: list[Change]
+    holders: dict[tuple[str, int], int]  # (tier char, key) -> change of the copies held (non-zero)
+    counted: int  # change of the number of entries (medium, hash) held
+    new_block_size: int | None
+
+
+def hashes_of(events: Sequence[KVEvent]) -> list[int]:
+    """Every engine hash the batch can read or write (stored, removed, parents), once each."""
+    seen: dict[int, None] = {}
+    for ev in events:
+        if type(ev) is BlockStored:
+            if ev.parent_hash is not None:
+                seen[ev.parent_hash] = None
+            seen.update(dict.fromkeys(ev.block_hashes))
+        elif type(ev) is BlockRemoved:
+            seen.update(dict.fromkeys(ev.block_hashes))
+    return list(seen)
+
+
+def media_after(media: tuple[str, ...], events: Iterable[KVEvent]) -> tuple[str, ...]:
+    """The worker's media in first-store order after the batch."""
+    out = list(media) or [GPU]
+    for ev in events:
+        if type(ev) is BlockStored:
+            if ev.medium not in out:
+                out.append(ev.medium)
+        elif type(ev) is AllBlocksCleared:
+            out = [GPU]
+    return tuple(out)
+
+
+def _marker(hashes: Sequence[int]) -> int:
+    """A hash the batch does not name."""
+    named, h = set(hashes), 1
+    while h in named:
+        h += 1
+    return h
+
+
+def _seed(pod: str, rank: int, view: WorkerView, marker: int) -> Iterator[Entry]:
+    """The view's entries medium by medium in the worker's order, each medium opened by a marker."""
+    by_medium: dict[str, list[Entry]] = {m: [Entry(pod, rank, m, marker, marker, 1)] for m in view.media}
+    for (m, h), (key, extra) in view.entries.items():
+        by_medium.setdefault(m, []).append(Entry(pod, rank, m, h, key, 1 + extra))
+    for entries in by_medium.values():
+        yield from entries
+
+
+def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: WorkerView,
+               hashes: list[int]) -> Plan:
+    """Apply ``events`` to a scratch index holding the view, and diff (see the module's docstring)."""
+    scratch = PreciseIndex()
+    if view.block_size is not None:
+        scratch.set_block_size(model, view.block_size)
+    marker = _marker(hashes)
+    scratch.load_entries(_seed(pod, rank, view, marker))
+    done = scratch.apply_batch(pod, model, rank, events)
+    reset = done.cleared > 0
+    after = {(e.medium, e.hash): (e.key, e.copies - 1) for e in scratch.export_entries() if e.hash != marker}
+    before = {} if reset else view.entries
+    media = media_after(() if reset else view.media, events)
+    keyless = sum(key is None for key, _ in after.values())
+    orphans = keyless if reset else view.orphans + keyless - sum(key is None for key, _ in before.values())
+    changes, holders, counted = _diff(media, before, after)
+    new_bs = scratch.block_size(model) if view.block_size is None else None
+    return Plan(done, reset, media, orphans, changes, holders, counted, new_bs)
+
+
+def _diff(media: tuple[str, ...], before: dict[tuple[str, int], tuple[int | None, int]],
+          after: dict[tuple[str, int], tuple[int | None, int]]) -> tuple[list[Change], dict[tuple[str, int], int], int]:
+    """The changed entries, the holder deltas (copies per tier and key) and the change of the
+    number of entries, from ``before`` to ``after``."""
+    changes: list[Change] = []
+    deltas: dict[tuple[str, int], int] = {}
+    index = {m: i for i, m in enumerate(media, 1)}
+    counted = 0
+    for mh in _both(before, after):
+        old, now = before.get(mh), after.get(mh)
+        if old == now:
+            continue
+        m, h = mh
+        counted += (now is not None) - (old is not None)
+        new_x = 0 if now is None else now[1]
+        keep = old is not None and old[1] == new_x or old is None and new_x == 0
+        changes.append((index[m], h, None if now is None else value_of(now[0]), UNCHANGED if keep else new_x))
+        t = TIER_CHAR[tier_of(m)]
+        if old is not None and old[0] is not None:
+            deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
+        if now is not None and now[0] is not None:
+            deltas[(t, now[0])] = deltas.get((t, now[0]), 0) + 1 + new_x
+    return changes, {k: d for k, d in deltas.items() if d}, counted
+
+
+def _both(first: Mapping[tuple[str, int], object], second: Mapping[tuple[str, int], object]) -> Iterator[tuple[str, int]]:
+    """The keys of ``first``, then those of ``second`` not in ``first``."""
+    yield from first
+    for k in second:
+        if k not in first:
+            yield k
