@@ -24,13 +24,13 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.precise import PreciseIndex, tier_of
 from kvindex.index.protocol import Applied, Entry
-from kvindex.index.redis_keys import UNCHANGED, WorkerView, value_of
+from kvindex.index.redis_keys import KEYLESS, UNCHANGED, WorkerView, value_of
 
 TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
 
@@ -85,12 +85,12 @@ def _marker(hashes: Sequence[int]) -> int:
 
 
 def _seed(pod: str, rank: int, view: WorkerView, marker: int) -> Iterator[Entry]:
-    """The view's entries medium by medium in the worker's order, each medium opened by a marker."""
-    by_medium: dict[str, list[Entry]] = {m: [Entry(pod, rank, m, marker, marker, 1)] for m in view.media}
+    """One marker per medium first, in the worker's order (so the scratch worker opens its media in
+    that order), then the view's entries."""
+    for m in view.media:
+        yield Entry(pod, rank, m, marker, marker, 1)
     for (m, h), (key, extra) in view.entries.items():
-        by_medium.setdefault(m, []).append(Entry(pod, rank, m, h, key, 1 + extra))
-    for entries in by_medium.values():
-        yield from entries
+        yield Entry(pod, rank, m, h, key, 1 + extra)
 
 
 def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: WorkerView,
@@ -119,28 +119,34 @@ def _diff(media: tuple[str, ...], before: dict[tuple[str, int], tuple[int | None
     number of entries, from ``before`` to ``after``."""
     changes: list[Change] = []
     deltas: dict[tuple[str, int], int] = {}
-    index = {m: i for i, m in enumerate(media, 1)}
+    where = {m: (i, TIER_CHAR[tier_of(m)]) for i, m in enumerate(media, 1)}  # medium -> (index, tier char)
+    get = deltas.get
     counted = 0
-    for mh in _both(before, after):
-        old, now = before.get(mh), after.get(mh)
-        if old == now:
+    for mh, old in before.items():  # held before: changed or gone
+        now = after.get(mh)
+        if now == old:
             continue
-        m, h = mh
-        counted += (now is not None) - (old is not None)
-        new_x = 0 if now is None else now[1]
-        keep = old is not None and old[1] == new_x or old is None and new_x == 0
-        changes.append((index[m], h, None if now is None else value_of(now[0]), UNCHANGED if keep else new_x))
-        t = TIER_CHAR[tier_of(m)]
-        if old is not None and old[0] is not None:
-            deltas[(t, old[0])] = deltas.get((t, old[0]), 0) - 1 - old[1]
-        if now is not None and now[0] is not None:
-            deltas[(t, now[0])] = deltas.get((t, now[0]), 0) + 1 + new_x
+        (m, h), (key, extra) = mh, old
+        idx, t = where[m]
+        if key is not None:
+            deltas[(t, key)] = get((t, key), 0) - 1 - extra
+        if now is None:
+            counted -= 1
+            changes.append((idx, h, None, UNCHANGED if extra == 0 else 0))
+        else:
+            new, new_x = now
+            changes.append((idx, h, value_of(new), UNCHANGED if new_x == extra else new_x))
+            if new is not None:
+                deltas[(t, new)] = get((t, new), 0) + 1 + new_x
+    for mh, now in after.items():  # new
+        if mh in before:
+            continue
+        (m, h), (new, new_x) = mh, now
+        idx, t = where[m]
+        counted += 1
+        if new is None:
+            changes.append((idx, h, KEYLESS, UNCHANGED if new_x == 0 else new_x))
+        else:
+            changes.append((idx, h, new.to_bytes(8, "big"), UNCHANGED if new_x == 0 else new_x))
+            deltas[(t, new)] = get((t, new), 0) + 1 + new_x
     return changes, {k: d for k, d in deltas.items() if d}, counted
-
-
-def _both(first: Mapping[tuple[str, int], object], second: Mapping[tuple[str, int], object]) -> Iterator[tuple[str, int]]:
-    """The keys of ``first``, then those of ``second`` not in ``first``."""
-    yield from first
-    for k in second:
-        if k not in first:
-            yield k
