@@ -1,5 +1,8 @@
 """The approximate index on Redis: one set of beliefs shared by every kvindex replica and router.
 
+Job: ``ApproxStore`` on Redis: each operation one script (``lua/approx_*.lua``), its arguments and
+its reply; the connection's failures as the contract's errors.
+
 Semantics are exactly ``kvindex.index.approx.ApproxIndex`` (and so ``MemoryApproxStore``): both
 personalities, Kthena's per-pod LRU of ``(hash, model)`` (deepest block first, refresh-only
 re-adds, synchronous eviction, capacity fixed at the pod's first record) and GIE v1.5.0's per-pod
