@@ -7,15 +7,16 @@ deltas, the worker's media, orphans and entry count, the block size to set, the 
 Invariants:
 - The store/remove rule is not here. The batch is applied by a scratch ``PreciseIndex`` through
   its public API only: ``set_block_size``, ``load_entries`` (the view's entries), ``apply_batch``,
-  ``export_entries`` and ``block_size``; the plan is the difference between the view and what the
-  scratch index holds afterwards. Every key, orphan, copy and block-size rule is the index's own.
+  then ``frozen_copy`` / ``entries_of`` (what it holds afterwards, media in order) and
+  ``block_size``; the plan is the difference between the view and what the scratch index holds
+  afterwards. Every key, orphan, copy, media and block-size rule is the index's own.
 - The view holds every entry of every hash the batch names (stored, removed, parents), in every
   medium, so the scratch index sees all the batch can read. Before the batch, each of the view's
   media also gets one *marker* entry, a hash the batch does not name: the scratch worker then has
   the worker's media in the same order (the order ``PreciseIndex`` searches other media for a
   key) and is never freed while the real one may still hold entries outside the view.
-- The worker's media after the batch: a BlockStored opens its medium (kept while the worker
-  lives), AllBlocksCleared restarts the worker with the device medium alone: ``media_after``.
+- The worker's media after the batch are the scratch worker's (a medium emptied by the batch
+  included); a worker the batch left empty is freed by the store, whatever its media.
 - The orphan count is the number of keyless entries (``PreciseIndex`` keeps it so): the view's
   count plus the change among the entries the batch could touch; after a clear, the scratch
   index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
@@ -24,11 +25,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.precise import PreciseIndex, tier_of
+from kvindex.events import GPU, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.precise import PreciseIndex, entries_of, tier_of
 from kvindex.index.protocol import Applied, Entry
 from kvindex.index.redis_keys import KEYLESS, UNCHANGED, WorkerView, value_of
 
@@ -64,18 +65,6 @@ def hashes_of(events: Sequence[KVEvent]) -> list[int]:
     return list(seen)
 
 
-def media_after(media: tuple[str, ...], events: Iterable[KVEvent]) -> tuple[str, ...]:
-    """The worker's media in first-store order after the batch."""
-    out = list(media) or [GPU]
-    for ev in events:
-        if type(ev) is BlockStored:
-            if ev.medium not in out:
-                out.append(ev.medium)
-        elif type(ev) is AllBlocksCleared:
-            out = [GPU]
-    return tuple(out)
-
-
 def _marker(hashes: Sequence[int]) -> int:
     """A hash the batch does not name."""
     named, h = set(hashes), 1
@@ -103,9 +92,10 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     scratch.load_entries(_seed(pod, rank, view, marker))
     done = scratch.apply_batch(pod, model, rank, events)
     reset = done.cleared > 0
-    after = {(e.medium, e.hash): (e.key, e.copies - 1) for e in scratch.export_entries() if e.hash != marker}
+    copy = scratch.frozen_copy()  # the one worker's media in order, empty ones included
+    media = tuple(medium for _, _, medium, _, _ in copy) or (GPU,)
+    after = {(e.medium, e.hash): (e.key, e.copies - 1) for e in entries_of(copy) if e.hash != marker}
     before = {} if reset else view.entries
-    media = media_after(() if reset else view.media, events)
     keyless = sum(key is None for key, _ in after.values())
     orphans = keyless if reset else view.orphans + keyless - sum(key is None for key, _ in before.values())
     changes, holders, counted = _diff(media, before, after)
