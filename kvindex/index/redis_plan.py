@@ -7,7 +7,7 @@ deltas, the worker's media, orphans and entry count, the block size to set, the 
 Invariants:
 - The store/remove rule is not here. The batch is applied by a scratch ``PreciseIndex`` through
   its public API only: ``set_block_size``, ``load_entries`` (the view's entries), ``apply_batch``,
-  then ``frozen_copy`` / ``entries_of`` (what it holds afterwards, media in order) and
+  then ``frozen_copy`` (what it holds afterwards, media in order; its tables read as mappings) and
   ``block_size``; the plan is the difference between the view and what the scratch index holds
   afterwards. Every key, orphan, copy, media and block-size rule is the index's own.
 - The view holds every entry of every hash the batch names (stored, removed, parents), in every
@@ -25,11 +25,12 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvindex.events import GPU, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.precise import PreciseIndex, entries_of, tier_of
+from kvindex.index.precise import ORPHAN, PreciseIndex, tier_of
 from kvindex.index.protocol import Applied, Entry
 from kvindex.index.redis_keys import KEYLESS, UNCHANGED, WorkerView, value_of
 
@@ -94,13 +95,34 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     reset = done.cleared > 0
     copy = scratch.frozen_copy()  # the one worker's media in order, empty ones included
     media = tuple(medium for _, _, medium, _, _ in copy) or (GPU,)
-    after = {(e.medium, e.hash): (e.key, e.copies - 1) for e in entries_of(copy) if e.hash != marker}
+    after = _held(copy)
+    for m in media:
+        after.pop((m, marker), None)
     before = {} if reset else view.entries
     keyless = sum(key is None for key, _ in after.values())
     orphans = keyless if reset else view.orphans + keyless - sum(key is None for key, _ in before.values())
     changes, holders, counted = _diff(media, before, after)
     new_bs = scratch.block_size(model) if view.block_size is None else None
     return Plan(done, reset, media, orphans, changes, holders, counted, new_bs)
+
+
+class _FrozenTable(Protocol):
+    """A ``frozen_copy`` table: a read-only ``hash -> key or ORPHAN`` mapping."""
+
+    def items(self) -> Iterable[tuple[int, int]]: ...
+
+
+def _held(copy: Sequence[tuple[str, int, str, _FrozenTable, dict[tuple[str, int], int]]]
+          ) -> dict[tuple[str, int], tuple[int | None, int]]:
+    """``(medium, hash) -> (key or None, extra copies)`` of a ``frozen_copy`` (``entries_of``'s
+    reading of it, without an ``Entry`` per entry)."""
+    out: dict[tuple[str, int], tuple[int | None, int]] = {}
+    for _, _, medium, table, extra in copy:
+        if extra:
+            out.update({(medium, h): (None if k == ORPHAN else k, extra.get((medium, h), 0)) for h, k in table.items()})
+        else:
+            out.update({(medium, h): (None if k == ORPHAN else k, 0) for h, k in table.items()})
+    return out
 
 
 def _diff(media: tuple[str, ...], before: dict[tuple[str, int], tuple[int | None, int]],
