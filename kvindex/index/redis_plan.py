@@ -99,11 +99,15 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     for m in media:
         after.pop((m, marker), None)
     before = {} if reset else view.entries
-    keyless = sum(key is None for key, _ in after.values())
-    orphans = keyless if reset else view.orphans + keyless - sum(key is None for key, _ in before.values())
+    keyless = _keyless(after)
+    orphans = keyless if reset else view.orphans + keyless - _keyless(before)
     changes, holders, counted = _diff(media, before, after)
     new_bs = scratch.block_size(model) if view.block_size is None else None
     return Plan(done, reset, media, orphans, changes, holders, counted, new_bs)
+
+
+def _keyless(entries: dict[tuple[str, int], tuple[int | None, int]]) -> int:
+    return [key for key, _ in entries.values()].count(None)
 
 
 class _FrozenTable(Protocol):
