@@ -559,6 +559,29 @@ async def test_timeout_is_store_unavailable(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_every_lua_file_is_a_script_or_a_part_of_one() -> None:
+    """The scripts are package data (kvindex/index/lua/*.lua): each file is used, each approximate
+    script starts with its shebang line (Redis reads the flags there) and then the prelude."""
+    from importlib.resources import files
+
+    from kvindex.index.redis_scripts import (
+        APPROX,
+        READ,
+        WRITE,
+        approx_scripts,
+        lua,
+        precise_script,
+    )
+    names = {p.name[:-4] for p in (files("kvindex.index") / "lua").iterdir() if p.name.endswith(".lua")}
+    assert names == {"redis_precise", "approx_prelude"} | {part for _, parts in APPROX.values() for part in parts}
+    scripts = approx_scripts()
+    assert set(scripts) == set(APPROX)
+    for name, src in scripts.items():
+        shebang = APPROX[name][0]
+        assert shebang in (READ, WRITE) and src.startswith(shebang + lua("approx_prelude")), name
+    assert "local op, base = ARGV[1], ARGV[3]" in precise_script()
+
+
 async def test_unopened_store_refuses(redis_url: str) -> None:
     client = aioredis.from_url(redis_url)
     try:

@@ -688,33 +688,49 @@ class ChainFleet:
         return events
 
 
+def worker_of(mem: MemoryPreciseStore, pod: str, rank: int) -> tuple[tuple[str, ...], dict[tuple[str, int], tuple[int | None, int]]]:
+    """The memory backend's worker: its media in first-store order and its entries
+    ``(medium, hash) -> (key or None, extra copies)``."""
+    from kvindex.index.precise import entries_of
+    copy = [c for c in mem.index.frozen_copy() if c[:2] == (pod, rank)]
+    return tuple(c[2] for c in copy), {(e.medium, e.hash): (e.key, e.copies - 1) for e in entries_of(copy)}
+
+
 def view_from(mem: MemoryPreciseStore, pod: str, rank: int, model: str, hashes: list[int]) -> Any:
     """What the read script returns for a batch, taken from the memory backend's worker."""
-    from kvindex.index.precise import ORPHAN, entries_of
-    from kvindex.index.redis_precise import _WorkerView
-    copy = [c for c in mem.index.frozen_copy() if c[:2] == (pod, rank)]
-    held = [e for e in entries_of(copy)]
+    from kvindex.index.redis_keys import WorkerView
+    media, held = worker_of(mem, pod, rank)
     wanted = set(hashes)
-    entries = {(e.medium, e.hash): (ORPHAN if e.key is None else e.key, e.copies - 1) for e in held if e.hash in wanted}
-    orphans = sum(e.key is None for e in held)
-    return _WorkerView(None, mem.index.block_size(model), "1", tuple(c[2] for c in copy), orphans, entries)
+    entries = {mh: v for mh, v in held.items() if mh[1] in wanted}
+    orphans = sum(key is None for key, _ in held.values())
+    return WorkerView(None, mem.index.block_size(model), "1", media, orphans, entries)
 
 
-def plan_summary(plan: Any) -> tuple[Any, ...]:
-    return (plan.done, plan.reset, plan.media, plan.orphans, sorted(plan.changes, key=str), plan.holders,
-            plan.counted, plan.new_block_size)
+def patched(media: tuple[str, ...], held: dict[tuple[str, int], tuple[int | None, int]], plan: Any) -> dict[tuple[str, int], tuple[int | None, int]]:
+    """A worker's entries with a plan's changes applied, as the apply script writes them."""
+    from kvindex.index.redis_keys import UNCHANGED, key_of
+    out = {} if plan.reset else dict(held)
+    for idx, h, value, extra in plan.changes:
+        mh = (plan.media[idx - 1], h)
+        if value is None:
+            out.pop(mh, None)
+        else:
+            out[mh] = (key_of(value), out.get(mh, (None, 0))[1] if extra == UNCHANGED else extra)
+    return out
 
 
 @pytest.mark.parametrize("seed", [3, 4])
-async def test_the_fast_plan_equals_the_overlay_replay(seed: int) -> None:
-    """Every batch the fast path plans (common vLLM traffic, and the random fleet's odd cases) gets
-    the very plan the PreciseIndex overlay replay computes; the others fall back to it."""
-    from kvindex.index.redis_precise import _hashes_of, plan_fast, plan_replayed
+async def test_the_plan_is_what_the_memory_index_does(seed: int) -> None:
+    """Every batch's plan (common vLLM traffic, and the random fleet's odd cases), applied to the
+    worker as the apply script does, gives the memory backend's worker after the same batch:
+    entries, extra copies, media order, orphans, entry count, holder changes and counts."""
+    from kvindex.index.precise import tier_of
+    from kvindex.index.redis_plan import TIER_CHAR, hashes_of, plan_batch
     workers, odd_workers = [("a", 0), ("a", 1), ("b", 0)], [("c", 0), ("c", 1)]
     chains, odd = ChainFleet(seed, workers), RandomFleet(seed)
     mem = MemoryPreciseStore()
-    fast = slow = 0
     seqs: dict[str, int] = {}
+    resets = 0
     for step in range(400):
         if step % 4 == 3:
             pod, rank = odd.rng.choice(odd_workers)
@@ -722,19 +738,27 @@ async def test_the_fast_plan_equals_the_overlay_replay(seed: int) -> None:
         else:
             pod, rank = chains.rng.choice(workers)
             events = chains.batch((pod, rank))
-        hashes = _hashes_of(events)
+        hashes = hashes_of(events)
         view = view_from(mem, pod, rank, "m", hashes)
-        want = plan_replayed(pod, "m", rank, events, view, hashes)
-        got = plan_fast("m", events, view, hashes)
-        if got is None:
-            slow += 1
-        else:
-            fast += 1
-            assert plan_summary(got) == plan_summary(want), (step, events)
+        media_before, held_before = worker_of(mem, pod, rank)
+        plan = plan_batch(pod, "m", rank, events, view, hashes)
         stream = StreamRef(f"{pod}|{rank}", pod, "m")
         seq = seqs[stream.id] = seqs.get(stream.id, -1) + 1
-        assert (await mem.apply(stream, seq, 0, rank, events)).applied == want.done
-    assert fast > 150 and slow > 50
+        assert (await mem.apply(stream, seq, 0, rank, events)).applied == plan.done, (step, events)
+        media_after, held_after = worker_of(mem, pod, rank)
+        assert patched(media_before, held_before, plan) == held_after, (step, events)
+        assert plan.counted == len(held_after) - (0 if plan.reset else len(held_before)), (step, events)
+        if held_after:  # else the store frees the worker
+            assert plan.media == media_after, (step, events)
+            assert plan.orphans == sum(key is None for key, _ in held_after.values()), (step, events)
+        copies: dict[tuple[str, int], int] = {}
+        for entries, sign in ((held_after, 1), ({} if plan.reset else held_before, -1)):
+            for (m, _), (key, extra) in entries.items():
+                if key is not None:
+                    copies[(TIER_CHAR[tier_of(m)], key)] = copies.get((TIER_CHAR[tier_of(m)], key), 0) + sign * (1 + extra)
+        assert plan.holders == {k: d for k, d in copies.items() if d}, (step, events)
+        resets += plan.reset
+    assert resets > 3
 
 
 async def test_many_workers_sharing_prefixes_give_equal_state(pair: Any) -> None:

@@ -38,7 +38,6 @@ from kvindex.index.protocol import tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 from kvindex.types import TIERS, Applied, Entry, PodMatch
 
-_Table = Table  # WorkerReplay's name for it (goes with WorkerReplay)
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
 
 
@@ -327,71 +326,6 @@ class PreciseIndex:
                 self._members.clear()
             self._members[mask] = got
         return got
-
-
-class WorkerReplay:
-    """One worker's batch replayed by the index's own rules on a partial view of what it holds.
-
-    For a store that reads only the entries a batch names (the Redis backend): seed it with the
-    worker's media in first-store order, the known entries ``(medium, hash) -> (key or ORPHAN,
-    extra copies)`` and the worker's orphan count; ``run(events)`` applies the batch
-    (AllBlocksCleared restarts the worker empty and sets ``reset``); then read ``media``,
-    ``orphans``, ``entry(medium, hash)`` and ``held()``. Holders are not part of the view.
-    """
-
-    def __init__(self, pod: str, model: str, rank: int, block_size: int | None, media: Sequence[str],
-                 entries: dict[tuple[str, int], tuple[int, int]], orphans: int) -> None:
-        self._index = PreciseIndex()
-        self._pod, self._model, self._rank = pod, model, rank
-        if block_size is not None:
-            self._index.set_block_size(model, block_size)
-        w = self._w = self._index._worker(pod, rank)
-        if media:
-            w.media = {m: _Table(native=self._index._native) for m in media}
-        for (m, h), (key, extra) in entries.items():
-            w.media[m].put(h, key)
-            if extra:
-                w.extra[(m, h)] = extra
-        w.orphans = orphans
-        self.reset = False
-
-    def run(self, events: Iterable[KVEvent]) -> Applied:
-        done, ix = Applied(), self._index
-        for ev in events:
-            t = type(ev)
-            if t is BlockRemoved:
-                ix._remove(self._w, ev, done)  # type: ignore[arg-type]
-            elif t is BlockStored:
-                ix._store(self._w, self._model, ev, done)  # type: ignore[arg-type]
-            elif t is AllBlocksCleared:  # as apply_batch: the rank's cache restarts empty
-                ix.clear_pod(self._pod, self._rank)
-                self._w = ix._worker(self._pod, self._rank)
-                done.cleared += 1
-                self.reset = True
-            else:
-                raise TypeError(f"not a KV event: {t.__name__}")
-        return done
-
-    @property
-    def media(self) -> tuple[str, ...]:
-        return tuple(self._w.media)
-
-    @property
-    def orphans(self) -> int:
-        return self._w.orphans
-
-    def block_size(self) -> int | None:
-        return self._index.block_size(self._model)
-
-    def entry(self, medium: str, h: int) -> tuple[int, int] | None:
-        """``(key or ORPHAN, extra copies)`` of ``h`` in ``medium``; None when not held."""
-        blocks = self._w.media.get(medium)
-        key = blocks.get(h) if blocks is not None else None
-        return None if key is None else (key, self._w.extra.get((medium, h), 0))
-
-    def held(self) -> list[tuple[str, int]]:
-        """Every ``(medium, hash)`` the worker holds in the replay."""
-        return [(m, h) for m, blocks in self._w.media.items() for h, _ in blocks.items()]
 
 
 def entries_of(copy: list[tuple[str, int, str, Table, dict[tuple[str, int], int]]]) -> Iterator[Entry]:

@@ -1,5 +1,8 @@
 """The approximate index on Redis: one set of beliefs shared by every kvindex replica and router.
 
+Job: ``ApproxStore`` on Redis: each operation one script (``lua/approx_*.lua``), its arguments and
+its reply; the connection's failures as the contract's errors.
+
 Semantics are exactly ``kvindex.index.approx.ApproxIndex`` (and so ``MemoryApproxStore``): both
 personalities, Kthena's per-pod LRU of ``(hash, model)`` (deepest block first, refresh-only
 re-adds, synchronous eviction, capacity fixed at the pod's first record) and GIE v1.5.0's per-pod
@@ -30,7 +33,8 @@ the index is bounded by one node's memory and one node's CPU: it does not spread
 benchmarks/redis_approx.py measures about 300 bytes per entry (190 when 4 pods share each
 block) on Redis 7.0, so 64 pods x 50000 entries is about 1 GB on one node; past that, give each
 router fleet its own prefix (a separate tag, so a separate slot).
-Scripts declare only ``T:gen`` in KEYS and build the other names inside the same tag.
+Scripts declare only ``T:gen`` in KEYS and build the other names inside the same tag. Their
+sources are ``kvindex/index/lua/approx_*.lua`` (assembled by ``redis_scripts.approx_scripts``).
 
 Invariants:
 - Every operation is ONE script (EVALSHA): ``record`` applies a whole request atomically and
@@ -66,267 +70,10 @@ from kvindex.index.approx import (
     score_matches,
 )
 from kvindex.index.protocol import StoreLost, StoreUnavailable
+from kvindex.index.redis_scripts import approx_scripts
 from kvindex.settings import GIE_V1_5, ApproxConfig
 
 LOST_MARK = "KVI_LOST"
-
-# Every script: KEYS[1] = T:gen, ARGV[1] = the generation read at open(); P = "T:". Hashes travel
-# as one argument of space-separated decimals, pod lists as one msgpack array (few arguments:
-# each one costs the client more than the server's work per block).
-_GUARD = """
-local P = string.sub(KEYS[1], 1, -4)
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
-  return redis.error_reply('KVI_LOST the approximate index generation vanished or changed')
-end
-local function words(text)
-  local out = {}
-  for w in string.gmatch(text, '%S+') do out[#out + 1] = w end
-  return out
-end
-local function top_score(key)
-  local top = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  if top[2] then return tonumber(top[2]) end
-  return 0
-end
-local function split_key(member)
-  local sp = string.find(member, ' ', 1, true)
-  return string.sub(member, 1, sp - 1), string.sub(member, sp + 1)
-end
--- The pods of `list` (all in the set `wanted`) that are fields of the holders hash `key`.
-local function holders(key, list, wanted)
-  local out = {}
-  if #list <= 16 then
-    if #list == 0 then return out end
-    local vals = redis.call('HMGET', key, unpack(list))
-    for k = 1, #list do if vals[k] then out[#out + 1] = list[k] end end
-  else
-    for _, pod in ipairs(redis.call('HKEYS', key)) do if wanted[pod] then out[#out + 1] = pod end end
-  end
-  return out
-end
-"""
-_WRITE = "#!lua\n" + _GUARD
-_READ = "#!lua flags=no-writes\n" + _GUARD
-
-# ARGV: gen, pod, model, capacity, hashes (first block first). Returns the evicted keys' models.
-# Invariant used: (hash, model) is in the pod's LRU iff the pod is a field of its holders hash,
-# so a refresh touches the LRU only.
-_RECORD_KTHENA = _WRITE + """
-local pod, model = ARGV[2], ARGV[3]
-redis.call('HSETNX', P .. 'k:cap', pod, ARGV[4])
-local cap = tonumber(redis.call('HGET', P .. 'k:cap', pod))
-local lru, hashes = P .. 'k:lru:' .. pod, words(ARGV[5])
-local seq, size, evicted = top_score(lru), redis.call('ZCARD', lru), {}
-local start_size = size
-for i = #hashes, 1, -1 do
-  local h = hashes[i]
-  seq = seq + 1
-  if redis.call('ZADD', lru, seq, h .. ' ' .. model) == 1 then
-    redis.call('HSET', P .. 'k:h:' .. h .. ':' .. model, pod, '')
-    size = size + 1
-    if size > cap then
-      local eh, em = split_key(redis.call('ZPOPMIN', lru)[1])
-      redis.call('HDEL', P .. 'k:h:' .. eh .. ':' .. em, pod)
-      size = size - 1
-      evicted[#evicted + 1] = em
-    end
-  end
-end
-redis.call('INCRBY', P .. 'entries', size - start_size)
-redis.call('INCRBY', P .. 'evictions', #evicted)
-return evicted
-"""
-
-# ARGV: gen, pod, capacity, hashes. Returns the number of evictions. The stale pops of the
-# record's hashes are done first in one call: they commute with the LRU adds.
-_RECORD_GIE = _WRITE + """
-local pod, hashes = ARGV[2], words(ARGV[4])
-local cap = tonumber(redis.call('HGET', P .. 'g:cap', pod) or '0')
-if cap == 0 then
-  redis.call('HSET', P .. 'g:cap', pod, ARGV[3])
-  cap = tonumber(ARGV[3])
-end
-local lru, stale = P .. 'g:lru:' .. pod, P .. 'g:stale:' .. pod
-for i = 1, #hashes, 1000 do redis.call('ZREM', stale, unpack(hashes, i, math.min(i + 999, #hashes))) end
-local seq, sseq = top_score(lru), top_score(stale)
-local size, ssize, evicted, in_lru = redis.call('ZCARD', lru), redis.call('ZCARD', stale), 0, {}
-local start_size = size
-for _, h in ipairs(hashes) do
-  seq = seq + 1
-  in_lru[h] = true
-  if redis.call('ZADD', lru, seq, h) == 1 then
-    size = size + 1
-    if size > cap then
-      local old = redis.call('ZPOPMIN', lru)[1]
-      redis.call('HDEL', P .. 'g:h:' .. old, pod)
-      in_lru[old], size, evicted = false, size - 1, evicted + 1
-    end
-  end
-end
-for _, h in ipairs(hashes) do
-  redis.call('HSET', P .. 'g:h:' .. h, pod, '')
-  if not in_lru[h] then
-    sseq = sseq + 1
-    if redis.call('ZADD', stale, sseq, h) == 1 then ssize = ssize + 1 end
-    if ssize > cap then
-      redis.call('HDEL', P .. 'g:h:' .. redis.call('ZPOPMIN', stale)[1], pod)
-      ssize = ssize - 1
-    end
-  end
-end
-redis.call('INCRBY', P .. 'entries', size - start_size)
-redis.call('INCRBY', P .. 'evictions', evicted)
-return evicted
-"""
-
-# ARGV: gen, model, top_k, candidates (msgpack, distinct), hashes. Walks deepest first; returns
-# flat [depth, count, pods...] for each depth that matched new candidates, up to the cut-off's.
-_MATCH_KTHENA = _READ + """
-local model, top_k = ARGV[2], tonumber(ARGV[3])
-local remaining, hashes = cmsgpack.unpack(ARGV[4]), words(ARGV[5])
-local open, out, found = {}, {}, 0
-for _, pod in ipairs(remaining) do open[pod] = true end
-for j = #hashes, 1, -1 do
-  if #remaining == 0 or found >= top_k then break end
-  local new = holders(P .. 'k:h:' .. hashes[j] .. ':' .. model, remaining, open)
-  if #new > 0 then
-    out[#out + 1] = j
-    out[#out + 1] = #new
-    for _, pod in ipairs(new) do open[pod] = nil; out[#out + 1] = pod end
-    local rest = {}
-    for _, pod in ipairs(remaining) do if open[pod] then rest[#rest + 1] = pod end end
-    remaining, found = rest, found + #new
-  end
-end
-return out
-"""
-
-# ARGV: gen, candidates (msgpack, distinct), hashes. Forward walk, stopping at the first hash no
-# pod holds (candidate or not); returns the candidates' counts in their order.
-_MATCH_GIE = _READ + """
-local cands, hashes = cmsgpack.unpack(ARGV[2]), words(ARGV[3])
-local index, counts = {}, {}
-for i, pod in ipairs(cands) do index[pod] = i; counts[i] = 0 end
-for _, h in ipairs(hashes) do
-  local key = P .. 'g:h:' .. h
-  local hit = holders(key, cands, index)
-  if #hit == 0 and redis.call('HLEN', key) == 0 then break end
-  for _, pod in ipairs(hit) do counts[index[pod]] = counts[index[pod]] + 1 end
-end
-return counts
-"""
-
-# ARGV: gen, "k" or "g", pod, model, hash.
-_BELIEVES = _READ + """
-local key = P .. 'g:h:' .. ARGV[5]
-if ARGV[2] == 'k' then key = P .. 'k:h:' .. ARGV[5] .. ':' .. ARGV[4] end
-return redis.call('HEXISTS', key, ARGV[3])
-"""
-
-# ARGV: gen [, pod]. Entries of one pod, or the total.
-_ENTRIES = _READ + """
-if ARGV[2] then
-  return redis.call('ZCARD', P .. 'k:lru:' .. ARGV[2]) + redis.call('ZCARD', P .. 'g:lru:' .. ARGV[2])
-end
-return tonumber(redis.call('GET', P .. 'entries') or '0')
-"""
-
-_EVICTIONS = _READ + """
-return tonumber(redis.call('GET', P .. 'evictions') or '0')
-"""
-
-_PODS = _READ + """
-local out = {}
-for _, pod in ipairs(redis.call('HKEYS', P .. 'k:cap')) do
-  if redis.call('ZCARD', P .. 'k:lru:' .. pod) > 0 then out[#out + 1] = pod end
-end
-for _, pod in ipairs(redis.call('HKEYS', P .. 'g:cap')) do
-  if redis.call('ZCARD', P .. 'g:lru:' .. pod) > 0 or redis.call('EXISTS', P .. 'g:stale:' .. pod) == 1 then
-    out[#out + 1] = pod
-  end
-end
-return out
-"""
-
-# Forget one pod in both personalities (no eviction counted); returns the LRU keys dropped.
-_FORGET_POD = """
-local function forget_pod(pod)
-  local klru, glru, gstale = P .. 'k:lru:' .. pod, P .. 'g:lru:' .. pod, P .. 'g:stale:' .. pod
-  for _, member in ipairs(redis.call('ZRANGE', klru, 0, -1)) do
-    local h, m = split_key(member)
-    redis.call('HDEL', P .. 'k:h:' .. h .. ':' .. m, pod)
-  end
-  for _, key in ipairs({glru, gstale}) do
-    for _, h in ipairs(redis.call('ZRANGE', key, 0, -1)) do redis.call('HDEL', P .. 'g:h:' .. h, pod) end
-  end
-  local dropped = redis.call('ZCARD', klru) + redis.call('ZCARD', glru)
-  redis.call('DEL', klru, glru, gstale)
-  redis.call('HDEL', P .. 'k:cap', pod)
-  redis.call('HDEL', P .. 'g:cap', pod)
-  return dropped
-end
-"""
-
-_REMOVE_POD = _WRITE + _FORGET_POD + """
-redis.call('DECRBY', P .. 'entries', forget_pod(ARGV[2]))
-return 1
-"""
-
-# Returns {evictions, {{pod, cap, {"<hash> <model>"...}}...}, {{pod, cap, {hash...}, {hash...}}...}}.
-_EXPORT = _READ + """
-local kthena, gie = {}, {}
-local caps = redis.call('HGETALL', P .. 'k:cap')
-for i = 1, #caps, 2 do
-  kthena[#kthena + 1] = {caps[i], caps[i + 1], redis.call('ZRANGE', P .. 'k:lru:' .. caps[i], 0, -1)}
-end
-caps = redis.call('HGETALL', P .. 'g:cap')
-for i = 1, #caps, 2 do
-  gie[#gie + 1] = {caps[i], caps[i + 1], redis.call('ZRANGE', P .. 'g:lru:' .. caps[i], 0, -1),
-                   redis.call('ZRANGE', P .. 'g:stale:' .. caps[i], 0, -1)}
-end
-return {redis.call('GET', P .. 'evictions') or '0', kthena, gie}
-"""
-
-# ARGV: gen, msgpack {evictions = "n", kthena = {{pod, cap, {hash, model, ...}}...},
-# gie = {{pod, cap, {hash...}, {stale hash...}}...}} with hashes as text: an export already
-# validated and normalised by ApproxIndex. Replaces everything.
-_LOAD = _WRITE + _FORGET_POD + """
-local state = cmsgpack.unpack(ARGV[2])
-local pods = redis.call('HKEYS', P .. 'k:cap')
-for _, pod in ipairs(redis.call('HKEYS', P .. 'g:cap')) do pods[#pods + 1] = pod end
-for _, pod in ipairs(pods) do forget_pod(pod) end
-local total = 0
-for _, saved in ipairs(state.kthena) do
-  local pod, keys = saved[1], saved[3]
-  redis.call('HSET', P .. 'k:cap', pod, saved[2])
-  for i = 1, #keys, 2 do
-    redis.call('ZADD', P .. 'k:lru:' .. pod, (i + 1) / 2, keys[i] .. ' ' .. keys[i + 1])
-    redis.call('HSET', P .. 'k:h:' .. keys[i] .. ':' .. keys[i + 1], pod, '')
-  end
-  total = total + #keys / 2
-end
-for _, saved in ipairs(state.gie) do
-  local pod = saved[1]
-  redis.call('HSET', P .. 'g:cap', pod, saved[2])
-  for part, kind in ipairs({'g:lru:', 'g:stale:'}) do
-    for s, h in ipairs(saved[2 + part]) do
-      redis.call('ZADD', P .. kind .. pod, s, h)
-      redis.call('HSET', P .. 'g:h:' .. h, pod, '')
-    end
-  end
-  total = total + #saved[3]
-end
-redis.call('SET', P .. 'entries', total)
-redis.call('SET', P .. 'evictions', state.evictions)
-return total
-"""
-
-_SCRIPTS = {
-    "record_kthena": _RECORD_KTHENA, "record_gie": _RECORD_GIE, "match_kthena": _MATCH_KTHENA,
-    "match_gie": _MATCH_GIE, "believes": _BELIEVES, "entries": _ENTRIES, "evictions": _EVICTIONS,
-    "pods": _PODS, "remove_pod": _REMOVE_POD, "export": _EXPORT, "load": _LOAD,
-}
-
 
 def _text(value: Any) -> str:
     """A reply element as text (the client may or may not decode responses)."""
@@ -392,7 +139,8 @@ class RedisApproxStore:
         self._on_evict = on_evict
         self._gen_key = f"{{{prefix}:approx}}:gen"
         self._gen: str | None = None
-        self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
+        self._sources = approx_scripts()
+        self._scripts = {name: client.register_script(src) for name, src in self._sources.items()}
 
     @property
     def config(self) -> ApproxConfig:
@@ -407,7 +155,7 @@ class RedisApproxStore:
         """Load the scripts; read the store's generation, creating it if the store is new."""
         fresh = uuid.uuid4().hex
         try:
-            for src in _SCRIPTS.values():
+            for src in self._sources.values():
                 await self._client.script_load(src)
             old = await self._client.set(self._gen_key, fresh, nx=True, get=True)
         except (rx.ConnectionError, rx.TimeoutError, OSError) as exc:

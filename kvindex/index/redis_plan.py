@@ -1,0 +1,170 @@
+"""The Redis planner: what one batch changes in one worker, computed client-side.
+
+Job: from a ``WorkerView`` (the worker's entries the batch can see, as the read script returned
+them) and the batch, the ``Plan`` the apply script writes atomically: changed entries, holder
+deltas, the worker's media, orphans and entry count, the block size to set, the batch's counts.
+
+Invariants:
+- The store/remove rule is not here. The batch is applied by a scratch ``PreciseIndex`` through
+  its public API only: ``set_block_size``, ``load_entries`` (the view's entries), ``apply_batch``,
+  then ``frozen_copy`` (what it holds afterwards, media in order; its tables read as mappings) and
+  ``block_size``; the plan is the difference between the view and what the scratch index holds
+  afterwards. Every key, orphan, copy, media and block-size rule is the index's own.
+- The view holds every entry of every hash the batch names (stored, removed, parents), in every
+  medium, so the scratch index sees all the batch can read. Before the batch, each of the view's
+  media also gets one *marker* entry, a hash the batch does not name: the scratch worker then has
+  the worker's media in the same order (the order ``PreciseIndex`` searches other media for a
+  key) and is never freed while the real one may still hold entries outside the view.
+- The worker's media after the batch are the scratch worker's (a medium emptied by the batch
+  included); a worker the batch left empty is freed by the store, whatever its media.
+- The orphan count is the number of keyless entries (``PreciseIndex`` keeps it so): the view's
+  count plus the change among the entries the batch could touch; after a clear, the scratch
+  index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
+  afterwards, against an empty worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvindex.events import GPU, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.precise import PreciseIndex
+from kvindex.index.protocol import tier_of
+from kvindex.index.redis_keys import KEYLESS, UNCHANGED, WorkerView, value_of
+from kvindex.index.table import ORPHAN
+from kvindex.types import Applied, Entry
+
+TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+
+Change = tuple[int, int, bytes | None, int]  # (medium index, hash, stored value or None: gone, extra or UNCHANGED)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A batch's effect on one worker, as the apply script takes it."""
+
+    done: Applied
+    reset: bool
+    media: tuple[str, ...]
+    orphans: int
+    changes: list[Change]
+    holders: dict[tuple[str, int], int]  # (tier char, key) -> change of the copies held (non-zero)
+    counted: int  # change of the number of entries (medium, hash) held
+    new_block_size: int | None
+
+
+def hashes_of(events: Sequence[KVEvent]) -> list[int]:
+    """Every engine hash the batch can read or write (stored, removed, parents), once each."""
+    seen: dict[int, None] = {}
+    for ev in events:
+        if type(ev) is BlockStored:
+            if ev.parent_hash is not None:
+                seen[ev.parent_hash] = None
+            seen.update(dict.fromkeys(ev.block_hashes))
+        elif type(ev) is BlockRemoved:
+            seen.update(dict.fromkeys(ev.block_hashes))
+    return list(seen)
+
+
+def _marker(hashes: Sequence[int]) -> int:
+    """A hash the batch does not name."""
+    named, h = set(hashes), 1
+    while h in named:
+        h += 1
+    return h
+
+
+def _seed(pod: str, rank: int, view: WorkerView, marker: int) -> Iterator[Entry]:
+    """One marker per medium first, in the worker's order (so the scratch worker opens its media in
+    that order), then the view's entries."""
+    for m in view.media:
+        yield Entry(pod, rank, m, marker, marker, 1)
+    for (m, h), (key, extra) in view.entries.items():
+        yield Entry(pod, rank, m, h, key, 1 + extra)
+
+
+def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: WorkerView,
+               hashes: list[int]) -> Plan:
+    """Apply ``events`` to a scratch index holding the view, and diff (see the module's docstring)."""
+    scratch = PreciseIndex()
+    if view.block_size is not None:
+        scratch.set_block_size(model, view.block_size)
+    marker = _marker(hashes)
+    scratch.load_entries(_seed(pod, rank, view, marker))
+    done = scratch.apply_batch(pod, model, rank, events)
+    reset = done.cleared > 0
+    copy = scratch.frozen_copy()  # the one worker's media in order, empty ones included
+    media = tuple(medium for _, _, medium, _, _ in copy) or (GPU,)
+    after = _held(copy)
+    for m in media:
+        after.pop((m, marker), None)
+    before = {} if reset else view.entries
+    keyless = _keyless(after)
+    orphans = keyless if reset else view.orphans + keyless - _keyless(before)
+    changes, holders, counted = _diff(media, before, after)
+    new_bs = scratch.block_size(model) if view.block_size is None else None
+    return Plan(done, reset, media, orphans, changes, holders, counted, new_bs)
+
+
+def _keyless(entries: dict[tuple[str, int], tuple[int | None, int]]) -> int:
+    return [key for key, _ in entries.values()].count(None)
+
+
+class _FrozenTable(Protocol):
+    """A ``frozen_copy`` table: a read-only ``hash -> key or ORPHAN`` mapping."""
+
+    def items(self) -> Iterable[tuple[int, int]]: ...
+
+
+def _held(copy: Sequence[tuple[str, int, str, _FrozenTable, dict[tuple[str, int], int]]]
+          ) -> dict[tuple[str, int], tuple[int | None, int]]:
+    """``(medium, hash) -> (key or None, extra copies)`` of a ``frozen_copy`` (``entries_of``'s
+    reading of it, without an ``Entry`` per entry)."""
+    out: dict[tuple[str, int], tuple[int | None, int]] = {}
+    for _, _, medium, table, extra in copy:
+        if extra:
+            out.update({(medium, h): (None if k == ORPHAN else k, extra.get((medium, h), 0)) for h, k in table.items()})
+        else:
+            out.update({(medium, h): (None if k == ORPHAN else k, 0) for h, k in table.items()})
+    return out
+
+
+def _diff(media: tuple[str, ...], before: dict[tuple[str, int], tuple[int | None, int]],
+          after: dict[tuple[str, int], tuple[int | None, int]]) -> tuple[list[Change], dict[tuple[str, int], int], int]:
+    """The changed entries, the holder deltas (copies per tier and key) and the change of the
+    number of entries, from ``before`` to ``after``."""
+    changes: list[Change] = []
+    deltas: dict[tuple[str, int], int] = {}
+    where = {m: (i, TIER_CHAR[tier_of(m)]) for i, m in enumerate(media, 1)}  # medium -> (index, tier char)
+    get = deltas.get
+    counted = 0
+    for mh, old in before.items():  # held before: changed or gone
+        now = after.get(mh)
+        if now == old:
+            continue
+        (m, h), (key, extra) = mh, old
+        idx, t = where[m]
+        if key is not None:
+            deltas[(t, key)] = get((t, key), 0) - 1 - extra
+        if now is None:
+            counted -= 1
+            changes.append((idx, h, None, UNCHANGED if extra == 0 else 0))
+        else:
+            new, new_x = now
+            changes.append((idx, h, value_of(new), UNCHANGED if new_x == extra else new_x))
+            if new is not None:
+                deltas[(t, new)] = get((t, new), 0) + 1 + new_x
+    for mh, now in after.items():  # new
+        if mh in before:
+            continue
+        (m, h), (new, new_x) = mh, now
+        idx, t = where[m]
+        counted += 1
+        if new is None:
+            changes.append((idx, h, KEYLESS, UNCHANGED if new_x == 0 else new_x))
+        else:
+            changes.append((idx, h, new.to_bytes(8, "big"), UNCHANGED if new_x == 0 else new_x))
+            deltas[(t, new)] = get((t, new), 0) + 1 + new_x
+    return changes, {k: d for k, d in deltas.items() if d}, counted
