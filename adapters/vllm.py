@@ -125,7 +125,7 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     data_parallel_rank: int | None = None
 
 
-_TYPED = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+_TYPED: tuple[msgspec.msgpack.Decoder[Any], ...] = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
 _KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU)  # what adapters._vllm builds
 
 

@@ -37,6 +37,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import aiohttp
 import zmq
@@ -95,7 +96,7 @@ class Daemon:
         self.registry = registry if registry is not None else default_registry
         self.metrics = Metrics(self.registry)
         memory = self._wire_stores(config)
-        self._gauges: tuple[list[dict[str, object]], int] = ([], 0)
+        self._gauges: tuple[list[dict[str, Any]], int] = ([], 0)
         self._gauges_at = float("-inf")
         self.ctx = zmq.asyncio.Context()
         # the default of every socket made from this context: the lanes' SUB and replay DEALER
