@@ -1,0 +1,5 @@
+"""Ingest: engine frames in, ordered per engine, judged by seq, applied to the precise store.
+
+``transport`` (ZeroMQ SUB, replay DEALER) -> the adapter's decoder -> ``sequencer`` (pure seq/gap/restart
+rules) -> ``writer`` (store calls); ``lane`` runs one engine's loop, ``fleet`` holds the lanes.
+"""
