@@ -7,7 +7,7 @@
  *   store(table, holders, masks, bit, hashes, keys, start, cap)
  *       PreciseIndex._store's common case (one medium, every block keyed): insert
  *       hashes[i] -> keys[i] into the Table and add ``bit`` to holders[keys[i]] (interning the
- *       new mask as PreciseIndex._intern does, ``cap`` = _MASKS_CAP). Adds table.used itself.
+ *       new mask as Holders.intern does, ``cap`` = holders.MASKS_CAP). Adds table.used itself.
  *   remove(table, holders, masks, keep, dups, extra, medium, tier, slot, hashes, start, cap)
  *       PreciseIndex._remove's loop for a table without a side dict: Table.take (backward-shift
  *       deletion) and the holder release. Subtracts what it deleted from table.used but never
@@ -139,7 +139,7 @@ static int table_slots(Slots *s, PyObject *table) {
 
 /* -- holder masks -------------------------------------------------------------------------- */
 
-/* ``masks.get(mask) or self._intern(mask)``: the shared object for ``mask`` (a new reference). */
+/* ``masks.get(mask) or holders.intern(mask)``: the shared object for ``mask`` (a new reference). */
 static PyObject *interned(PyObject *masks, PyObject *mask, Py_ssize_t cap) {
     PyObject *got = PyDict_GetItemWithError(masks, mask);
     if (got != NULL) return Py_NewRef(got);
@@ -317,7 +317,7 @@ typedef struct {
 static int release(Remove *c, PyObject *key) {
     PyObject *mask;
     int rc = PyDict_GET_SIZE(c->dups) ? holds_pair(c->dups, c->tier, key, c->slot) : 0;
-    if (rc != 0) return rc < 0 ? FAIL : STOP;  /* a duplicate holding: _release counts it down */
+    if (rc != 0) return rc < 0 ? FAIL : STOP;  /* a duplicate holding: Holders.release counts it down */
     if ((rc = mask_of(c->holders, key, &mask)) != DONE) return rc;
     return drop_holder(c->holders, c->masks, key, mask, c->keep, c->cap) < 0 ? FAIL : DONE;
 }

@@ -6,7 +6,7 @@
  * a general JSON decoder spends ~200 us turning those digits into Python ints that kvindex
  * packs into an array("I") right after. Here one pass parses the digits straight into u32s.
  *
- * Contract (kvindex/http_api.py's read_body is the caller; msgspec.json.decode is the reference):
+ * Contract (kvindex/http/bodies.py's read_body (decode_json) is the caller; msgspec.json.decode is the reference):
  * - Only the top-level member named exactly ``key`` is lifted, and only when its value is an
  *   array of plain non-negative integers below 2**32 (no sign, fraction, exponent or leading zero).
  * - ``remainder`` is ``raw`` with that array replaced by ``[]``. The caller decodes the remainder

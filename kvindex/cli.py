@@ -118,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DEMO_CACHE_BLOCKS = 256  # the demo's default cache (kvindex.tools.demo.DemoOptions.cache_blocks)
 DEMO_DESCRIPTION = """Run a whole fleet in one process, nothing else to install: N simulated vLLM engine
 replicas (a block cache with vLLM's prefix-caching semantics and LRU eviction, publishing real
 vLLM KV events over ZeroMQ on loopback, with a replay endpoint), a traffic generator (tenants with
@@ -151,8 +150,8 @@ def add_demo_parser(sub: Any) -> None:
                        description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--replicas", type=_positive(int), default=3, help="simulated engine replicas (default 3)")
     d.add_argument("--tenants", type=_positive(int), default=8, help="tenants, each with its own long system prompt (default 8)")
-    d.add_argument("--cache-blocks", type=_positive(int), default=DEMO_CACHE_BLOCKS,
-                   help=f"KV-cache blocks per engine, 16 tokens each (default {DEMO_CACHE_BLOCKS}: small, so engines evict)")
+    d.add_argument("--cache-blocks", type=_positive(int),
+                   help="KV-cache blocks per engine, 16 tokens each (default: the demo's, 256: small, so engines evict)")
     d.add_argument("--rate", type=_positive(float), default=10.0, help="requests per second (default 10)")
     d.add_argument("--duration", type=_positive(float), help="stop after this many seconds and print a final summary "
                    "(default: run until Ctrl-C)")

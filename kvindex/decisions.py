@@ -128,7 +128,9 @@ class Decisions:
         if r.hashes:
             await q.record_approx(pod, r.model, r.hashes)
         self._drift.add(decision)
-        self._metrics.observe_decision(decision.pod, decision.approx, decision.precise, decision.actual)
+        self._metrics.observe_decision(
+            pod, {"approx": decision.approx, "precise": decision.precise, "actual": decision.actual},
+            {"approx": decision.approx_error, "precise": decision.precise_error})
         if approx is not None:
             answer["approx"]["ratio"] = round(decision.approx, 6)
         answer.update(pod=pod, model=r.model, prompt_tokens=prompt_tokens,

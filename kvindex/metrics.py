@@ -51,17 +51,16 @@ class Metrics:
         self.decision_error = Histogram("kvindex_decision_abs_error", "Per decision: |prediction - actual| of each index",
                                         ["pod", "predictor"], buckets=RATIO_BUCKETS, registry=r)
 
-    def observe_decision(self, pod: str, approx: float, precise: float | None, actual: float | None) -> None:
-        """One routing decision: each index's predicted cached fraction, and the engine's own."""
+    def observe_decision(self, pod: str, fractions: dict[str, float | None], errors: dict[str, float | None]) -> None:
+        """One routing decision: the cached fraction per source (approx, precise, actual) and each
+        index's error against the engine's own report (``kvindex.drift.Decision`` computes both)."""
         self.decisions.labels(pod).inc()
-        for source, value in (("approx", approx), ("precise", precise), ("actual", actual)):
+        for source, value in fractions.items():
             if value is not None:
                 self.decision_fraction.labels(pod, source).observe(value)
-        if actual is None:
-            return
-        for predictor, value in (("approx", approx), ("precise", precise)):
-            if value is not None:
-                self.decision_error.labels(pod, predictor).observe(abs(value - actual))
+        for predictor, err in errors.items():
+            if err is not None:
+                self.decision_error.labels(pod, predictor).observe(abs(err))
 
 
 class StateCollector(Collector):

@@ -15,13 +15,14 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from kvindex.answers import QueryError
 from kvindex.config import ConfigError, EngineConfig
 from kvindex.index.protocol import PreciseStore
+from kvindex.views import FleetView, PodsView
 
 DEFAULT_GROUP = "default"
 
@@ -85,40 +86,10 @@ class Registrations:
                 and (group is None or r.group == group) and (dp_rank is None or r.dp_rank == dp_rank)]
 
 
-class _Connection(Protocol):
-    @property
-    def connected_peers(self) -> int: ...
-
-
-class _Lane(Protocol):
-    @property
-    def state(self) -> _Connection: ...
-
-
-class Lanes(Protocol):
-    """What the registry needs of the fleet (``kvindex.ingest.lane.Fleet``, or the sharded one)."""
-
-    def add(self, key: str, engine: EngineConfig) -> object: ...
-
-    async def remove(self, key: str) -> object: ...
-
-    def lanes(self) -> Mapping[str, _Lane]: ...
-
-    def lane_task_failed(self, key: str) -> str | None: ...
-
-
-class Pods(Protocol):
-    """What the registry needs of the pod directory (``kvindex.pods.PodDirectory``, or the sharded one)."""
-
-    async def views(self) -> list[dict[str, Any]]: ...
-
-    async def remove(self, pod: str) -> bool: ...
-
-
 class EngineRegistry:
     """Registering and unregistering engines: the rules between a request and the fleet."""
 
-    def __init__(self, registrations: Registrations, store: PreciseStore, fleet: Lanes, pods: Pods) -> None:
+    def __init__(self, registrations: Registrations, store: PreciseStore, fleet: FleetView, pods: PodsView) -> None:
         self.registrations = registrations
         self._store, self._fleet, self._pods = store, fleet, pods
 

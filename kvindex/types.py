@@ -1,8 +1,8 @@
 """Values every layer shares about held blocks: what a batch did, one held engine hash, one pod's match.
 
-Plain, immutable-by-convention values with no behaviour and no imports from kvindex: the index
-contracts (``kvindex.index.protocol``) return them, every backend builds them, and the query,
-persistence and shard layers read them.
+Plain, immutable-by-convention values and no imports from kvindex: the index contracts
+(``kvindex.index.protocol``) return them, every backend builds them, and the query, persistence and
+shard layers read them. ``merged`` is the one rule for a pod matched on several ranks (or workers).
 """
 
 from __future__ import annotations
@@ -46,3 +46,10 @@ class PodMatch(NamedTuple):
 
 
 TIERS = ("gpu", "cpu", "disk")  # the keys of blocks_held beside "orphans"; match's PodMatch fields
+
+
+def merged(a: PodMatch | None, b: PodMatch) -> PodMatch:
+    """Two matches of one pod, on other ranks, as one: per tier the deeper, ``dp`` the union."""
+    if a is None:
+        return b
+    return PodMatch(max(a.gpu, b.gpu), max(a.cpu, b.cpu), max(a.disk, b.disk), {**a.dp, **b.dp})

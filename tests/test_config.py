@@ -161,6 +161,8 @@ def test_engine_spec_keys_are_checked_like_the_file() -> None:
         parse_engine_spec("endpoint=tcp://h:1,pod=a,pod=b")
     for word, value in (("true", True), ("yes", True), ("1", True), ("false", False), ("no", False), ("0", False)):
         assert parse_engine_spec(f"endpoint=tcp://h:1,bind={word}").bind is value
+        toml = {"engines": [{"endpoint": "tcp://h:1", "bind": word}]}
+        assert config_from_toml(toml).engines[0].bind is value, word  # the file accepts the same words
 
 
 def readme_toml() -> str:

@@ -188,6 +188,11 @@ async def test_score_prompt_without_tokenizer_is_approx_only(make_harness: Any) 
     assert s["pods"] == {"pod-a": {"approx": {"blocks": 3, "score": 75}, "drift": None, "precise": None}}
     status, s = await h.post("/v1/score", {"model": "m", "prompt": "y" * 70, "pods": ["pod-a", "pod-b"]})
     assert status == 200 and s["pods"] == {p: {"approx": {"blocks": 0, "score": 0}, "drift": None, "precise": None} for p in ("pod-a", "pod-b")}
+    # lora_name / cache_salt matter only to the precise side: an approximate-only score never refuses them
+    status, s = await h.post("/v1/score", {"model": "m", "prompt": p1 + "tail", "cache_salt": "", "lora_name": 3})
+    assert status == 200 and s["pods"]["pod-a"]["approx"] == {"blocks": 3, "score": 75}, s
+    status, s = await h.post("/v1/score", {"model": "m", "prompt": p1, "token_ids": [1, 2, 3], "cache_salt": ""})
+    assert status == 400 and s == {"error": "cache_salt must be a non-empty string", "field": "cache_salt"}, s
 
 
 def fnv1a32(s: str) -> int:

@@ -98,8 +98,8 @@ class ScoreBody(Body, frozen=True):
     bad = {"pods": _PODS_BAD}
     model: Text
     pods: Pods | None = None
-    lora_name: Text | None = None
-    cache_salt: Text | None = None
+    lora_name: Any = None  # read (``optional_text``) only when the precise side is asked
+    cache_salt: Any = None
 
 
 class ModelBody(Body, frozen=True):
@@ -192,6 +192,15 @@ def refusal(kind: type[Body], detail: str) -> ApiError:
     if missing:
         return ApiError(kind.missing.get(name, f"{name} is required"), field=name, reason=kind.reasons[0])
     return ApiError(kind.bad.get(name, f"{name} must be a non-empty string"), field=name, reason=kind.reasons[1])
+
+
+def optional_text(value: Any, name: str) -> str | None:
+    """``value`` if it is a non-empty string, None if absent; else the one-line 400 naming ``name``."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ApiError(f"{name} must be a non-empty string", field=name, reason="bad_field")
+    return value
 
 
 def instance_id(value: int | str) -> str:

@@ -25,6 +25,7 @@ from kvindex.http.bodies import (
     decision_list,
     explain_request,
     json_response,
+    optional_text,
     parse,
     pods_limit,
     read_body,
@@ -119,7 +120,8 @@ async def score(request: web.Request) -> web.Response:
     token_ids = await q.token_ids_for(model, body)
     precise = None
     if token_ids is not None:
-        precise = await q.precise(model, token_ids, pods, args.lora_name, args.cache_salt)
+        precise = await q.precise(model, token_ids, pods, optional_text(args.lora_name, "lora_name"),
+                                  optional_text(args.cache_salt, "cache_salt"))
         q.scores.remember(model, token_ids, pods, precise)
     candidates = await q.candidates(pods, precise)
     approx = await q.approx_answer(model, body, candidates)

@@ -1,4 +1,4 @@
-"""Where the indexes live: the contracts (``base``) and their backends (``memory``, ``redis``).
+"""Where the indexes live: ``--store URL`` -> the backends of both contracts (``memory``, ``redis``).
 
 ``--store URL`` picks the backend: ``memory://`` (the default: this process) or a Redis server
 shared by every kvindex replica: ``redis://host:port/db``, ``rediss://host:port/db`` (TLS) or

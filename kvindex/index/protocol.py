@@ -1,15 +1,18 @@
 """The storage contracts: where the precise and the approximate index live.
 
-Two backends implement each contract — ``memory`` (this process; the embedded default) and
-``redis`` (one store shared by every kvindex replica) — and one contract suite runs against both
-(``tests/test_store_contract.py``, ``tests/test_approx_store_contract.py``).
+Backends of ``PreciseStore``: ``memory`` (this process, the embedded default; over the fast
+``PreciseIndex`` or, in tests, the readable ``ReferenceIndex``), ``redis`` (one store shared by every
+kvindex replica) and ``sharded`` (``kvindex.shard.store``: the workers of ``--workers N``). Of
+``ApproxStore``: ``memory`` and ``redis``. One contract suite per Protocol runs against all of them
+(``tests/test_store_contract.py``, ``tests/test_approx_store_contract.py``). ``judge`` and
+``next_position`` are ``kvindex.sequence``'s.
 
 Invariants, for every backend:
 - Every method touching state is a coroutine. A backend that cannot reach its store raises
   ``StoreUnavailable`` (with a one-line reason) and has changed nothing: a batch is applied
   entirely or not at all, so no caller ever sees half-applied state.
 - ``PreciseStore.apply`` is atomic and idempotent per stream. Whether a batch applies is decided by
-  ``judge`` (below) against the stream's stored ``Position``, inside the same atomic step as the
+  ``judge`` against the stream's stored ``Position``, inside the same atomic step as the
   apply, so when several replicas offer the same batch exactly one applies it and the others get
   ``DUPLICATE``. ``next_position`` is the position after an applied batch.
 - An engine restart (its seq went back) is announced with ``restart(stream, seen_epoch, ranks)``:
@@ -62,7 +65,7 @@ class ApplyResult(msgspec.Struct, frozen=True):
 class PreciseStore(Protocol):
     """The precise index behind an async, replica-safe interface (see ``PreciseIndex``)."""
 
-    name: str  # "memory" or "redis", for logs and /v1/pods
+    name: str  # "memory", "redis" or "sharded", for logs and /v1/pods
 
     async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
                     *, force: str | None = None) -> ApplyResult: ...

@@ -60,7 +60,7 @@ from kvindex.index.redis_keys import (
 from kvindex.index.redis_plan import Plan, hashes_of, plan_batch
 from kvindex.index.redis_scripts import precise_script
 from kvindex.sequence import Outcome, Position, StreamRef, judge
-from kvindex.types import Entry, PodMatch
+from kvindex.types import Entry, PodMatch, merged
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 
@@ -371,16 +371,11 @@ class RedisPreciseStore:
 
 
 def _per_pod(replies: list[list[Any]]) -> dict[str, PodMatch]:
-    """Per-worker depths (name, gpu, cpu, disk) into per-pod matches, as PreciseIndex._per_pod."""
+    """Per-worker depths (name, gpu, cpu, disk) into per-pod matches (``kvindex.types.merged``)."""
     out: dict[str, PodMatch] = {}
     for flat in replies:
         for i in range(0, len(flat), 4):
             rank, _, pod = text(flat[i]).partition("|")
-            g, c, d = int(flat[i + 1]), int(flat[i + 2]), int(flat[i + 3])
-            prev = out.get(pod)
-            if prev is None:
-                out[pod] = PodMatch(g, c, d, {int(rank): g})
-            else:
-                prev.dp[int(rank)] = g
-                out[pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), prev.dp)
+            g = int(flat[i + 1])
+            out[pod] = merged(out.get(pod), PodMatch(g, int(flat[i + 2]), int(flat[i + 3]), {int(rank): g}))
     return out

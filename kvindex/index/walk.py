@@ -22,7 +22,7 @@ from operator import and_, neg
 from typing import Any
 
 from kvindex import native
-from kvindex.types import PodMatch
+from kvindex.types import PodMatch, merged
 
 WALK = native.load("kvindex._walk")  # the C twin of ``walk`` for the device tier, when built
 _tuple_new = tuple.__new__
@@ -59,13 +59,8 @@ def _per_pod(gpu: dict[int, int], cpu: dict[int, int], disk: dict[int, int], slo
     out: dict[str, PodMatch] = {}
     for slot, d in disk.items():
         w = slots[slot]
-        g, c = gpu.get(slot, 0), cpu.get(slot, 0)
-        prev = out.get(w.pod)
-        if prev is None:
-            out[w.pod] = PodMatch(g, c, d, {w.rank: g})
-        else:
-            prev.dp[w.rank] = g
-            out[w.pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), prev.dp)
+        g = gpu.get(slot, 0)
+        out[w.pod] = merged(out.get(w.pod), PodMatch(g, cpu.get(slot, 0), d, {w.rank: g}))
     return out
 
 

@@ -199,11 +199,13 @@ class Recovery:
         """Re-apply the write-ahead log's records through lanes that are not running yet."""
         assert self.config.state_dir is not None
         lanes: dict[str, RestorableLane] = {}
-        n = skipped = 0
+        n = skipped = unknown = 0
         for rec in read_from(self.config.state_dir, first):
             applied = False
-            if isinstance(rec, Unknown):
-                log.warning("write-ahead log: skipping a record this kvindex does not know: %s", rec.why)
+            if isinstance(rec, Unknown):  # e.g. a newer release's record: the first is logged, all counted
+                unknown += 1
+                if unknown == 1:
+                    log.warning("write-ahead log: skipping records this kvindex does not know, first: %s", rec.why)
             else:
                 try:
                     applied = await self._replay_record(rec, lanes)
@@ -214,7 +216,7 @@ class Recovery:
         for key, lane in lanes.items():
             self._restored_streams[key] = [snapshots.stream_state(st) for st in lane.state.streams.values()]
         if n or skipped:
-            log.info("write-ahead log: re-applied %d records (%d skipped)", n, skipped)
+            log.info("write-ahead log: re-applied %d records (%d skipped, %d of them unknown)", n, skipped, unknown)
         return n
 
     async def _replay_record(self, rec: Record, lanes: dict[str, RestorableLane]) -> bool:

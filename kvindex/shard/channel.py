@@ -184,7 +184,7 @@ class Metrics(Request[bytes], frozen=True, tag="metrics"):
     """The worker's metrics as Prometheus text."""
 
 
-class Stats(Request[dict[str, float]], frozen=True, tag="stats"):
+class Stats(Request[dict[str, int | float]], frozen=True, tag="stats"):
     """Ingest totals (benchmarks): batches, gaps, the wall clock of the last batch applied."""
 
 
@@ -335,7 +335,7 @@ class ShardChannel:
         fut: asyncio.Future[T] = loop.create_future()
         self._waiting[rid] = (type(req), fut)
         limit = timeout if timeout is not None else self.timeout
-        op = type(req).__name__
+        op = type(req).__struct_config__.tag  # the operation as the old channel named it ("match", ...)
         timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
         frames = [rid, encode(req)] + ([extra] if extra is not None else [])
         try:

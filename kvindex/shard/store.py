@@ -37,7 +37,7 @@ from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import ShardChannel, owner_of, pack_keys
-from kvindex.types import Entry, PodMatch
+from kvindex.types import Entry, PodMatch, merged
 
 R = TypeVar("R")
 
@@ -47,9 +47,7 @@ def merge_matches(parts: Iterable[dict[str, PodMatch]]) -> dict[str, PodMatch]:
     out: dict[str, PodMatch] = {}
     for part in parts:
         for pod, m in part.items():
-            prev = out.get(pod)
-            out[pod] = m if prev is None else PodMatch(max(prev.gpu, m.gpu), max(prev.cpu, m.cpu),
-                                                       max(prev.disk, m.disk), {**prev.dp, **m.dp})
+            out[pod] = merged(out.get(pod), m)
     return out
 
 

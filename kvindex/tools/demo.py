@@ -375,9 +375,9 @@ async def run_demo(opts: DemoOptions, make_daemon: Callable[[Config], Served], s
 # -- command line ----------------------------------------------------------------------------
 async def demo_main(args: argparse.Namespace, make_daemon: Callable[[Config], Served]) -> int:
     """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
-    opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks, rate=args.rate,
-                       duration=args.duration, host=args.host, port=args.port, seed=args.seed, quiet=args.quiet,
-                       store=args.store)
+    opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks or DEFAULT_CACHE_BLOCKS,
+                       rate=args.rate, duration=args.duration, host=args.host, port=args.port, seed=args.seed,
+                       quiet=args.quiet, store=args.store)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kvindex").setLevel(logging.WARNING)  # keep the terminal for the table
     stop = asyncio.Event()
