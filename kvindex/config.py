@@ -245,9 +245,8 @@ def parse_engine_spec(spec: str) -> EngineConfig:
         if key.strip() in table:
             raise ConfigError(f"--engine {spec}: {key.strip()} is given twice")
         table[key.strip()] = value.strip()
-    _bind_yes_no(table)
     try:
-        return strict.decode(table, EngineConfig, label=f"--engine {spec}")
+        return strict.decode(_bind_yes_no(table), EngineConfig, label=f"--engine {spec}")
     except strict.Refused as exc:
         raise ConfigError(str(exc)) from None
 
@@ -267,16 +266,18 @@ def load_file(path: Path) -> Config:
     return config_from_toml(load_toml(path), source=str(path))
 
 
-def _bind_yes_no(table: Any) -> None:
-    """An engine's ``bind`` may also be "yes" / "no" (accepted as ever, besides true/false and 1/0)."""
+def _bind_yes_no(table: Any) -> Any:
+    """An engine table whose ``bind`` may also be "yes" / "no" (accepted as ever, besides
+    true/false and 1/0), with that word as a bool; anything else as it is."""
     if isinstance(table, dict) and str(table.get("bind")).lower() in ("yes", "no"):
-        table["bind"] = str(table["bind"]).lower() == "yes"
+        return {**table, "bind": str(table["bind"]).lower() == "yes"}
+    return table
 
 
 def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
     try:
-        for table in doc.get("engines", ()) if isinstance(doc.get("engines"), list) else ():
-            _bind_yes_no(table)
+        if isinstance(doc.get("engines"), list):
+            doc = {**doc, "engines": [_bind_yes_no(t) for t in doc["engines"]]}
         f = strict.decode(doc, ConfigFile)
         try:
             approx = ApproxConfig.from_toml(msgspec.to_builtins(f.approx))
