@@ -163,3 +163,25 @@ def test_hostile_names_do_not_grow_a_real_daemons_memory() -> None:
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=30)
+
+
+async def test_queries_for_unknown_models_register_nothing_in_redis(make_harness: Any, redis_url: str) -> None:
+    """Before: every model name a /v1/score or /query carried got a model id in Redis (and a cached
+    key prefix in every replica), forever; now a model is registered only by what writes it."""
+    import redis.asyncio as aioredis
+
+    h = await make_harness(Config(store=redis_url))
+    for i in range(200):
+        status, _ = await h.post("/v1/score", {"model": f"junk-{i}".ljust(2000, "j"), "token_ids": [1, 2, 3]})
+        assert status == 200
+        status, _ = await h.post("/query", {"model_name": f"junk-q-{i}", "token_ids": [1, 2, 3]})
+        assert status == 200
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await client.hlen("kvi:mid") == 0
+        await h.daemon.store.set_block_size("real", 16)  # what writes a model still registers it
+        assert await client.hlen("kvi:mid") == 1
+        status, s = await h.post("/v1/score", {"model": "real", "token_ids": list(range(40)), "pods": ["p"]})
+        assert status == 200 and s["block_size"] == 16
+    finally:
+        await client.aclose()
