@@ -32,12 +32,15 @@ from tests.test_cli import KVINDEX, free_port
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 8  # several approximate blocks
 
 
-async def post_big(h: Any, path: str, body: Any) -> int:
+async def post_json(h: Any, path: str, body: Any) -> tuple[int, Any]:
     """A body over aiohttp's 1 MiB "large body" warning, streamed from a buffer."""
     data = io.BytesIO(json.dumps(body).encode())
     async with h.session.post(h.url + path, data=data, headers={"Content-Type": "application/json"}) as r:
-        await r.read()
-        return r.status
+        return r.status, json.loads(await r.read())
+
+
+async def post_big(h: Any, path: str, body: Any) -> int:
+    return (await post_json(h, path, body))[0]
 
 
 def label_values(text: str, name: str) -> set[str]:
@@ -185,3 +188,22 @@ async def test_queries_for_unknown_models_register_nothing_in_redis(make_harness
         assert status == 200 and s["block_size"] == 16
     finally:
         await client.aclose()
+
+
+async def test_the_drift_sample_keeps_a_byte_budget(make_harness: Any) -> None:
+    """A decision keeps its prompt's token ids until the model's block size is known (no engine
+    yet): 1M of them are 4 MB. The sample is bounded by bytes, the oldest leaving first."""
+    h = await make_harness(Config())
+    drift = h.daemon.drift
+    drift.max_bytes = 16 << 20  # a small budget for the test (the default is DRIFT_SAMPLE_BYTES)
+    tokens = list(range(1 << 20))
+    for i in range(12):
+        status, d = await post_json(h, "/v1/decisions", {"pod": f"p{i}", "request": {"model": "m", "prompt": PROMPT},
+                                                         "token_ids": tokens, "cached_tokens": 0})
+        assert status == 200, d
+    assert 0 < drift.sample_bytes <= 16 << 20
+    sampled = drift.decisions()
+    assert 0 < len(sampled) < 12 and sampled[-1].pod == "p11"  # the newest stay
+    for i in range(100):  # small decisions are sampled next to them, within the same budget
+        await h.post("/v1/decisions", {"pod": "small", "request": {"model": "m", "prompt": PROMPT}})
+    assert drift.sample_bytes <= 16 << 20 and drift.decisions()[-1].pod == "small"
