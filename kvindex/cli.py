@@ -1,9 +1,12 @@
 """Command line: ``kvindex serve | record | replay | demo``.
 
 Invariants: arguments become frozen config objects here, before the event loop starts, and bad
-ones (an unknown TOML key or table, an engine address ZeroMQ cannot use) end the program with exit
-code 2 and a one-line message (so does a store that cannot be reached at start); SIGINT and SIGTERM
-stop the daemon cleanly (tasks cancelled and awaited, sockets closed) and exit 0.
+ones (an unknown TOML key or table, an engine address ZeroMQ cannot use, a set but empty
+``$KVINDEX_TOKEN``, ``--auth all`` without a token) end the program with exit code 2 and a
+one-line message (so does a store that cannot be reached at start); the token, from the file or
+the environment, is stripped of surrounding whitespace; an HTTP bind other than loopback without
+a token is logged as a warning; SIGINT and SIGTERM stop the daemon cleanly (tasks cancelled and
+awaited, sockets closed) and exit 0.
 """
 
 from __future__ import annotations
