@@ -1,15 +1,19 @@
 """Command line: ``kvindex serve | record | replay | demo``.
 
 Invariants: arguments become frozen config objects here, before the event loop starts, and bad
-ones (an unknown TOML key or table, an engine address ZeroMQ cannot use) end the program with exit
-code 2 and a one-line message (so does a store that cannot be reached at start); SIGINT and SIGTERM
-stop the daemon cleanly (tasks cancelled and awaited, sockets closed) and exit 0.
+ones (an unknown TOML key or table, an engine address ZeroMQ cannot use, a set but empty
+``$KVINDEX_TOKEN``, ``--auth all`` without a token) end the program with exit code 2 and a
+one-line message (so does a store that cannot be reached at start); the token, from the file or
+the environment, is stripped of surrounding whitespace; an HTTP bind other than loopback without
+a token is logged as a warning; SIGINT and SIGTERM stop the daemon cleanly (tasks cancelled and
+awaited, sockets closed) and exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -19,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from kvindex import loops
-from kvindex.config import Config, ConfigError, load_file, with_overrides
+from kvindex.config import AUTH_MODES, Config, ConfigError, load_file, with_overrides
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.storeurl import describe
+
+log = logging.getLogger("kvindex.cli")
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -72,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="TOML file: [server], [[engines]], [models.\"<name>\"], [approx], [drift], "
                    "[state]; an unknown key or table is an error (exit 2)")
     s.add_argument("--engine", action="append", default=[], metavar="SPEC", help=ENGINE_HELP)
-    s.add_argument("--token-file", type=Path, help="bearer token required by mutating endpoints and GET /v1/state "
-                   "(also $KVINDEX_TOKEN)")
+    s.add_argument("--token-file", type=Path, help="bearer token (also $KVINDEX_TOKEN; surrounding whitespace is "
+                   "stripped, an empty one is refused); what it guards is --auth")
+    s.add_argument("--auth", choices=AUTH_MODES, help="what the token guards (also [server] auth): writes (the "
+                   "default: every mutation, /v1/decisions, GET /v1/state and GET /dump, which carry every pod's keys) "
+                   "or all (every endpoint but /healthz, /readyz, /health and the dashboard page; open the dashboard "
+                   "as /#token=TOKEN). Without a token nothing is guarded; --auth all then is refused")
     s.add_argument("--state-dir", type=Path, help="keep state across restarts in DIR: a snapshot of both indexes, "
                    "every stream's seq watermark and /register registrations, plus a write-ahead log of everything "
                    "applied since; on start kvindex loads both, then asks each engine's replay endpoint for what it "
@@ -167,7 +177,7 @@ def load_config(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
-                          store=args.store, store_buffer=args.store_buffer, workers=args.workers)
+                          store=args.store, store_buffer=args.store_buffer, workers=args.workers, auth=args.auth)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -179,7 +189,31 @@ def read_token(path: Path | None) -> str | None:
         if not token:
             raise ConfigError(f"token file {path} is empty")
         return token
-    return os.environ.get("KVINDEX_TOKEN") or None
+    if "KVINDEX_TOKEN" not in os.environ:
+        return None
+    token = os.environ["KVINDEX_TOKEN"].strip()
+    if not token:  # an empty token would silently guard nothing
+        raise ConfigError("KVINDEX_TOKEN is set but empty: set a token or unset the variable")
+    return token
+
+
+def check_exposure(config: Config, token: str | None) -> None:
+    """``--auth all`` without a token is refused (it would guard nothing); a bind address other
+    than loopback without a token is served, with a warning (anyone who reaches it may write)."""
+    if token is None and config.auth == "all":
+        raise ConfigError("--auth all needs a token (--token-file or $KVINDEX_TOKEN)")
+    if token is None and not is_loopback(config.host):
+        log.warning("HTTP on %s without a token: anyone who can reach it can register engines, delete pods and read "
+                    "every pod's keys (set --token-file or $KVINDEX_TOKEN)", config.host)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname or "" (every interface): assume it is reachable
 
 
 async def serve(config: Config, token: str | None) -> int:
@@ -215,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":  # refused before anything starts (event loop, sockets, workers)
             args.config_values, args.token = load_config(args), read_token(args.token_file)
+            check_exposure(args.config_values, args.token)
         os.environ[loops.ENV] = args.event_loop  # ingest workers (kvindex.shard.worker) run on the same loop
         return loops.run(dispatch(args), args.event_loop)
     except ConfigError as exc:

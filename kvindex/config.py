@@ -36,6 +36,7 @@ from kvindex.settings import (
 from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
 
 MAX_WORKERS = 64
+AUTH_MODES = ("writes", "all")  # what the bearer token guards (--auth; kvindex.http.app)
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
 TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
 # ZeroMQ transports a SUB (and the replay DEALER) socket can use; each needs libzmq built with it
@@ -138,6 +139,7 @@ class Config:
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
     workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
+    auth: str = "writes"  # with a token: writes (and bulk exports) need it, or all but the health checks
 
     def __post_init__(self) -> None:
         try:
@@ -152,6 +154,8 @@ class Config:
         self._check_workers()
         if type(self.store_buffer) is not int or self.store_buffer < 1:
             raise ConfigError("store_buffer must be a positive integer (batches per engine lane)")
+        if self.auth not in AUTH_MODES:
+            raise ConfigError(f"auth {self.auth!r}: expected one of {', '.join(AUTH_MODES)}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"fsync {self.fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if type(self.max_message_bytes) is not int or self.max_message_bytes <= 0:
@@ -189,6 +193,7 @@ class ServerTable(_Table, frozen=True):
     store: str | UnsetType = UNSET
     store_buffer: int | UnsetType = UNSET
     workers: int | UnsetType = UNSET
+    auth: str | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):
@@ -296,7 +301,7 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
                    peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
-                   workers: int | None = None) -> Config:
+                   workers: int | None = None, auth: str | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -310,6 +315,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         store=store if store is not None else cfg.store,
         store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
         workers=workers if workers is not None else cfg.workers,
+        auth=auth if auth is not None else cfg.auth,
     )
 
 

@@ -95,6 +95,10 @@ class Daemon:
         default_registry = MergedRegistry() if config.workers > 1 else CollectorRegistry()
         self.registry = registry if registry is not None else default_registry
         self.metrics = Metrics(self.registry)
+        for name in [*config.models, *config.approx.models]:
+            self.metrics.known(None, name)
+        for engine in config.engines:
+            self.metrics.known(engine.pod, engine.model)
         memory = self._wire_stores(config)
         self._gauges: tuple[list[dict[str, Any]], int] = ([], 0)
         self._gauges_at = float("-inf")
@@ -141,7 +145,8 @@ class Daemon:
     def _wire_stores(self, config: Config) -> bool:
         """The stores of ``config.store`` (not opened yet), guarded unless in memory; True for memory."""
         self.stores = build_stores(config.store, config.approx,
-                                   on_evict=lambda model: self.metrics.approx_evictions.labels(model).inc())
+                                   on_evict=lambda model: self.metrics.approx_evictions.labels(
+                                       self.metrics.models.label(model)).inc())
         self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
         self.guard.on_lost = self._store_lost
         memory = is_memory(config.store)
@@ -221,6 +226,9 @@ class Daemon:
             pass  # kvindex_store_up says so
 
     def _tokenizer_for(self, model: str) -> Tokenizer | None:
+        """The tokenizer of ``model``'s table (``[models."*"]`` for a model without one): one per
+        configured table, never one per model name a request carries."""
+        model = model if model in self.config.models else "*"
         if model not in self._tokenizers:
             mc = self.config.model(model)
             inner: Tokenizer | None = None
@@ -234,21 +242,28 @@ class Daemon:
         return self._tokenizers[model]
 
     def _state_gauges(self) -> Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
+        """Per-pod gauges: a pod no engine, registration or (up to a few) decision made known is
+        summed under "other" (``Metrics.pods``), so what requests name cannot grow /metrics."""
         views, approx_entries = self._gauges
+        fold = self.metrics.pods.fold
+        for v in views:  # an engine's pods (a stream, or blocks in the precise index, e.g. restored ones)
+            if v.get("endpoint") or any(v["blocks"].values()):
+                self.metrics.pods.admit(v["pod"])
         yield ("kvindex_blocks_held", "Block copies held per pod and tier (precise index)", ["pod", "tier"],
-               [([v["pod"], t], v["blocks"][t]) for v in views for t in TIERS])
+               fold(([v["pod"], t], v["blocks"][t]) for v in views for t in TIERS))
         yield ("kvindex_orphan_blocks_held", "Keyless (orphan) engine hashes held per pod", ["pod"],
-               [([v["pod"]], v["blocks"]["orphans"]) for v in views])
+               fold(([v["pod"]], v["blocks"]["orphans"]) for v in views))
         yield ("kvindex_pod_synced", "1 when the pod's event stream is complete, 0 when unsynced", ["pod"],
-               [([v["pod"]], 1.0 if v.get("synced", True) else 0.0) for v in views])
+               fold(([v["pod"]], 1.0 if v.get("synced", True) else 0.0) for v in views))
         yield ("kvindex_engine_connected", "1 when the engine's publisher is connected", ["pod"],
-               [([v["pod"]], 1.0 if v.get("connected") else 0.0) for v in views if v.get("endpoint")])
+               fold(([v["pod"]], 1.0 if v.get("connected") else 0.0) for v in views if v.get("endpoint")))
         drift = self.drift.pods
         yield ("kvindex_drift_stale", "Sampled decisions whose prefix the router believes but the engine evicted",
-               ["pod"], [([p], d.stale) for p, d in drift.items()])
+               ["pod"], fold(([p], d.stale) for p, d in drift.items()))
         yield ("kvindex_drift_unseen", "Sampled requests whose prefix the pod holds but the router never recorded there",
-               ["pod"], [([p], d.unseen) for p, d in drift.items()])
-        yield ("kvindex_drift_sampled", "Decisions in the drift sample", ["pod"], [([p], d.sampled) for p, d in drift.items()])
+               ["pod"], fold(([p], d.unseen) for p, d in drift.items()))
+        yield ("kvindex_drift_sampled", "Decisions in the drift sample", ["pod"],
+               fold(([p], d.sampled) for p, d in drift.items()))
         yield ("kvindex_wal_degraded", "1 while a change is missing from the write-ahead log (a failed append) "
                "and no snapshot covers it yet", [], [([], 1.0 if self.wal_degraded else 0.0)])
         yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",

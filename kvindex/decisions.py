@@ -126,6 +126,7 @@ class Decisions:
         if precise is not None and precise.block_size == 0 and r.token_ids is not None:
             decision.pending = (precise.root, array("I", r.token_ids[:cacheable_tokens(r.token_ids)]))
         if r.hashes:
+            self._metrics.models.learn(r.model)  # the approximate index now holds the model (evictions name it)
             await q.record_approx(pod, r.model, r.hashes)
         self._drift.add(decision)
         self._metrics.observe_decision(

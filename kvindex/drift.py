@@ -17,8 +17,9 @@ Definitions (the README repeats them):
   it is first seen stale (decisions not yet stale are censored at their current age); ``None``
   until half of the decisions are expected to go stale.
 
-Invariants: memory is bounded by ``sample_size`` decisions (keys kept as packed u64 arrays) and
-``history`` snapshots; re-checks read both stores and never change them; a re-check that cannot
+Invariants: memory is bounded by ``sample_size`` decisions and ``max_bytes`` (each decision's
+ids, hashes, keys and pending token ids, estimated by ``decision_bytes``; the oldest leave first;
+a decision over the budget is not sampled) and ``history`` snapshots; re-checks read both stores and never change them; a re-check that cannot
 reach the store (``StoreUnavailable``) changes nothing (the timer tries again next period).
 """
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvindex import keys as K
+from kvindex.budget import str_bytes
 from kvindex.index.protocol import ApproxStore, PreciseStore, StoreUnavailable
 from kvindex.settings import DriftSettings
 
@@ -79,16 +81,27 @@ class Snapshot:
 
 
 RECHECK_SLICE = 32  # decisions re-checked between two yields to the event loop
+DRIFT_SAMPLE_BYTES = 256 << 20  # what the sample may retain, estimated (decision_bytes)
+
+
+def decision_bytes(d: Decision) -> int:
+    """What a sampled decision retains, an upper bound over its life (pending token ids become at
+    most one u64 key each)."""
+    pending = 8 * len(d.pending[1]) if d.pending is not None else 0
+    return 300 + str_bytes(d.pod) + str_bytes(d.model) + 8 * (len(d.hashes) + len(d.keys)) + pending
 
 
 class DriftAudit:
     def __init__(self, precise: PreciseStore, approx: ApproxStore, settings: DriftSettings,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, max_bytes: int = DRIFT_SAMPLE_BYTES) -> None:
         self._precise = precise
         self._approx = approx
         self.settings = settings
         self._clock = clock
-        self._sample: deque[Decision] = deque(maxlen=settings.sample_size)
+        self._sample: deque[Decision] = deque()
+        self._sizes: deque[int] = deque()  # decision_bytes of each sampled decision, in order
+        self.max_bytes = max_bytes
+        self.sample_bytes = 0
         self.pods: dict[str, PodDrift] = {}
         self.history: deque[Snapshot] = deque(maxlen=settings.history)
         self.rechecks = 0
@@ -96,12 +109,22 @@ class DriftAudit:
 
     # -- decisions -----------------------------------------------------------------------------
     def add(self, decision: Decision) -> None:
+        size = decision_bytes(decision)
+        if size > self.max_bytes:
+            return
+        while self._sample and (len(self._sample) >= self.settings.sample_size
+                                or self.sample_bytes + size > self.max_bytes):
+            self._sample.popleft()
+            self.sample_bytes -= self._sizes.popleft()
         self._sample.append(decision)
+        self._sizes.append(size)
+        self.sample_bytes += size
 
     def forget_pod(self, pod: str) -> None:
-        kept = [d for d in self._sample if d.pod != pod]
-        self._sample.clear()
-        self._sample.extend(kept)
+        kept = [(d, n) for d, n in zip(self._sample, self._sizes) if d.pod != pod]
+        self._sample = deque(d for d, _ in kept)
+        self._sizes = deque(n for _, n in kept)
+        self.sample_bytes = sum(self._sizes)
         self.pods.pop(pod, None)
         for forgotten in self._watchers:
             forgotten.add(pod)

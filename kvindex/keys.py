@@ -38,14 +38,30 @@ def chain(parent_key: int, local: int) -> int:
     return _xxh3(_PAIR.pack(parent_key, local))
 
 
-@lru_cache(maxsize=4096)
+ROOT_CACHE_ENTRIES = 4096
+ROOT_CACHE_CHARS = 1024  # roots of longer (model, lora, salt) ids are computed each time, never cached
+
+
 def root_key(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-    """The key a prompt's first block chains from. Fields are length-prefixed: no ambiguity."""
+    """The key a prompt's first block chains from. Fields are length-prefixed: no ambiguity.
+
+    Cached for ids up to ``ROOT_CACHE_CHARS`` in all: the cache retains at most
+    ``ROOT_CACHE_ENTRIES`` x ~``ROOT_CACHE_CHARS`` x 4 bytes (~16 MiB at the very worst, all
+    four-byte characters), whatever the requests name."""
+    if len(model) + len(lora_name or "") + len(cache_salt or "") <= ROOT_CACHE_CHARS:
+        return _cached_root(model, lora_name, cache_salt)
+    return _root(model, lora_name, cache_salt)
+
+
+def _root(model: str, lora_name: str | None, cache_salt: str | None) -> int:
     parts = [model, lora_name or "", cache_salt or ""]
     data = b"kvindex-root-v1" + b"".join(
         struct.pack("<I", len(p.encode())) + p.encode() for p in parts
     )
     return _xxh3(data)
+
+
+_cached_root = lru_cache(maxsize=ROOT_CACHE_ENTRIES)(_root)
 
 
 def _u32(token_ids: Sequence[int]) -> array:

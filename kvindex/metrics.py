@@ -3,6 +3,9 @@
 Invariants: labels come from fixed vocabularies (event types, reason labels chosen in code) or
 pod/model ids, never from exception text. State that can be read off the indexes (blocks held,
 entries, sync state) is computed at scrape time by a collector, not maintained on the hot path.
+A pod or model id a *request* carries is a label only when it is known (``KnownNames``: configured,
+registered or seen in an engine's events, at most ``MAX_LABEL_CHARS`` long, at most ``limit`` of
+them); any other id is counted under ``OTHER``, so requests cannot grow ``/metrics``.
 """
 
 from __future__ import annotations
@@ -15,12 +18,55 @@ from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 RATIO_BUCKETS = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1)
+OTHER = "other"  # the label of every pod or model id that is not a known one
+MAX_LABEL_CHARS = 256  # a longer id is never a label value
+
+
+class KnownNames:
+    """The ids (pods or models) that may be label values: at most ``limit`` ids from trusted
+    sources (configuration, registrations, engine events; ``admit``) plus at most ``learned``
+    ids that authorised writes named (``learn``: a router's decisions about pods no engine
+    reports). ``label`` maps any other id to ``OTHER``."""
+
+    def __init__(self, limit: int = 4096, learned: int = 64) -> None:
+        self._limit, self._learned_limit = limit, learned
+        self._names: set[str] = set()
+        self._learned = 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def admit(self, name: str | None) -> None:
+        if name and len(name) <= MAX_LABEL_CHARS and name != OTHER and len(self._names) < self._limit:
+            self._names.add(name)
+
+    def learn(self, name: str) -> None:
+        if name not in self._names and self._learned < self._learned_limit:
+            before = len(self._names)
+            self.admit(name)
+            self._learned += len(self._names) - before
+
+    def label(self, name: str) -> str:
+        return name if name in self._names else OTHER
+
+    def fold(self, samples: Iterable[tuple[list[str], float]]) -> list[tuple[list[str], float]]:
+        """Gauge samples whose first label is an id: unknown ids summed under ``OTHER``."""
+        out: dict[tuple[str, ...], float] = {}
+        for values, value in samples:
+            key = (self.label(values[0]), *values[1:])
+            out[key] = out.get(key, 0.0) + value
+        return [(list(k), v) for k, v in out.items()]
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.registry = registry
+        self.pods = KnownNames()  # pod ids that may be label values of the request-fed metrics
+        self.models = KnownNames()  # model ids likewise
         self.events_applied = Counter("kvindex_events_applied", "KV events applied, by pod and type", ["pod", "type"], registry=r)
         self.blocks_stored = Counter("kvindex_blocks_stored", "Block copies stored by BlockStored events", ["pod"], registry=r)
         self.blocks_removed = Counter("kvindex_blocks_removed", "Block copies removed by BlockRemoved events", ["pod"], registry=r)
@@ -51,9 +97,17 @@ class Metrics:
         self.decision_error = Histogram("kvindex_decision_abs_error", "Per decision: |prediction - actual| of each index",
                                         ["pod", "predictor"], buckets=RATIO_BUCKETS, registry=r)
 
+    def known(self, pod: str | None, model: str | None) -> None:
+        """A pod and model a trusted source names (configuration, a registration, an engine's events)."""
+        self.pods.admit(pod)
+        self.models.admit(model)
+
     def observe_decision(self, pod: str, fractions: dict[str, float | None], errors: dict[str, float | None]) -> None:
         """One routing decision: the cached fraction per source (approx, precise, actual) and each
-        index's error against the engine's own report (``kvindex.drift.Decision`` computes both)."""
+        index's error against the engine's own report (``kvindex.drift.Decision`` computes both).
+        A decision is an authorised write: its pod may become a label (``KnownNames.learn``)."""
+        self.pods.learn(pod)
+        pod = self.pods.label(pod)
         self.decisions.labels(pod).inc()
         for source, value in fractions.items():
             if value is not None:

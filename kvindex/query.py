@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any
 
@@ -30,6 +29,7 @@ from kvindex import keys as K
 from kvindex.answers import ApproxAnswer, PreciseAnswer, QueryError, cacheable_tokens
 from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
+from kvindex.budget import ByteLRU, str_bytes
 from kvindex.index.approx import score_matches
 from kvindex.index.protocol import ApproxStore, PreciseStore
 from kvindex.tokenize import Tokenizer
@@ -38,29 +38,46 @@ from kvindex.types import PodMatch
 _TOKEN_IDS = list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]
 
 
+SCORE_MEMORY_BYTES = 32 << 20  # what the score memory may retain, estimated (kvindex.budget)
+_ENTRY_BYTES = 400  # an entry's own objects: key tuple, timestamp, frozenset and dict shells
+_POD_BYTES = 64  # per pod asked about: a set slot and a hash
+_MATCH_BYTES = 200  # per pod matched: a dict slot and its PodMatch
+
+
 class ScoreMemory:
     """The precise answers of recent ``/v1/score`` calls, so a decision reported after the request
     was served is judged by what kvindex predicted *before* it (by then the engine has usually
     published the request's own blocks, and a fresh lookup would predict a full hit).
 
-    Bounded: at most ``size`` answers, each forgotten after ``ttl`` seconds; keyed by model, key
-    root and an XXH3 of the prompt's token ids; only per-pod depths are kept, never the keys.
+    Bounded: at most ``size`` answers and ``budget`` bytes (estimated from the lengths of the ids
+    an answer keeps; least recently remembered first out), each forgotten after ``ttl`` seconds;
+    keyed by model, key root and an XXH3 of the prompt's token ids; only per-pod depths are kept,
+    never the keys. The HTTP layer remembers only the answers of callers who may write decisions.
     """
 
-    def __init__(self, size: int = 4096, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._size, self._ttl, self._clock = size, ttl, clock
-        self._entries: OrderedDict[tuple[str, int, int], tuple[float, frozenset[str] | None, dict[str, PodMatch]]] = OrderedDict()
+    def __init__(self, size: int = 4096, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 budget: int = SCORE_MEMORY_BYTES) -> None:
+        self._ttl, self._clock = ttl, clock
+        self._entries: ByteLRU[tuple[str, int, int], tuple[float, frozenset[str] | None, dict[str, PodMatch]]] = \
+            ByteLRU(budget, size)
+
+    @property
+    def bytes(self) -> int:
+        """The estimated bytes the remembered answers retain."""
+        return self._entries.bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     @staticmethod
     def _key(model: str, root: int, token_ids: Sequence[int]) -> tuple[str, int, int]:
         return model, root, xxhash.xxh3_64_intdigest(K.packed(token_ids))
 
     def remember(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None, answer: PreciseAnswer) -> None:
-        key = self._key(model, answer.root, token_ids)
-        self._entries[key] = (self._clock(), None if pods is None else frozenset(pods), dict(answer.matches))
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._size:
-            self._entries.popitem(last=False)
+        asked = None if pods is None else frozenset(pods)
+        size = _ENTRY_BYTES + str_bytes(model) + sum(str_bytes(p) + _POD_BYTES for p in asked or ()) + \
+            sum(str_bytes(p) + _MATCH_BYTES for p in answer.matches)
+        self._entries.put(self._key(model, answer.root, token_ids), (self._clock(), asked, dict(answer.matches)), size)
 
     def recall(self, model: str, token_ids: Sequence[int], pod: str, answer: PreciseAnswer) -> PreciseAnswer | None:
         """``answer`` with ``pod``'s match as the last score saw it, or None if none did."""

@@ -7,7 +7,8 @@ Invariants:
 - ``tokenize_input(body)`` is the part of a body that decides its tokens; two bodies with equal
   ``tokenize_input`` (and model) tokenize identically, so it is the cache key. Sampling parameters,
   ``max_tokens``, ``stream``... are not part of it.
-- ``CachingTokenizer`` holds at most ``maxsize`` entries, evicting the least recently used; it never
+- ``CachingTokenizer`` holds at most ``maxsize`` entries and ``budget`` bytes (estimated: the key's
+  str and the token tuple; an entry over the budget is not kept), evicting the least recently used; it never
   caches a failure; every call counts as exactly one hit or one miss (a failed miss still counts);
   callers get a fresh list they may mutate.
 """
@@ -15,8 +16,10 @@ Invariants:
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
+import sys
 from typing import Any, Protocol, runtime_checkable
+
+from kvindex.budget import ByteLRU, str_bytes
 
 TOKENIZE_KEYS = (
     "prompt",
@@ -29,6 +32,8 @@ TOKENIZE_KEYS = (
     "chat_template_kwargs",
 )
 """Body fields that can change a prompt's tokens (vLLM /tokenize accepts all of them)."""
+TOKENIZER_CACHE_BYTES = 64 << 20  # what one model table's tokenizer cache may retain, estimated
+_TOKEN_BYTES = 32  # a token id in the cached tuple: its int object (most are not small ints)
 
 
 @runtime_checkable
@@ -53,12 +58,12 @@ def cache_key(model: str, body: dict[str, Any]) -> str:
 class CachingTokenizer:
     """Wraps a ``Tokenizer`` with a bounded LRU cache keyed by ``cache_key``."""
 
-    def __init__(self, inner: Tokenizer, maxsize: int = 4096) -> None:
+    def __init__(self, inner: Tokenizer, maxsize: int = 4096, budget: int = TOKENIZER_CACHE_BYTES) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be >= 1")
         self._inner = inner
         self._maxsize = maxsize
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._cache: ByteLRU[str, tuple[int, ...]] = ByteLRU(budget, maxsize)
         self._hits = 0
         self._misses = 0
 
@@ -77,6 +82,11 @@ class CachingTokenizer:
         """The most entries the cache holds."""
         return self._maxsize
 
+    @property
+    def bytes(self) -> int:
+        """The estimated bytes the cached entries retain."""
+        return self._cache.bytes
+
     def __len__(self) -> int:
         return len(self._cache)
 
@@ -89,13 +99,10 @@ class CachingTokenizer:
         key = cache_key(model, body)
         cached = self._cache.get(key)
         if cached is not None:
-            self._cache.move_to_end(key)
             self._hits += 1
             return list(cached)
         self._misses += 1
         tokens = await self._inner.tokenize(model, body)
-        self._cache[key] = tuple(tokens)
-        self._cache.move_to_end(key)
-        while len(self._cache) > self._maxsize:
-            self._cache.popitem(last=False)
+        kept = tuple(tokens)
+        self._cache.put(key, kept, str_bytes(key) + sys.getsizeof(kept) + _TOKEN_BYTES * len(kept))
         return list(tokens)

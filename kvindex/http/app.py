@@ -12,6 +12,13 @@ Invariants:
 - Handlers read parts from ``Services`` and call their methods; they hold no state of their own and
   never reach through a service into a store.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
+- Every route has a scope (``scope``; a handler without one is ``READ``), checked by
+  ``auth_middleware`` before the handler runs: ``OPEN`` (the health checks and the static
+  dashboard page) never needs the token; ``WRITE`` (every mutation and the bulk exports
+  ``/v1/state`` and ``/dump``, which carry every pod's keys, salted tenants' included) needs it
+  whenever one is configured; ``READ`` needs it only with ``auth = "all"``. A caller who may not
+  write leaves no trace in what writers read (``authorized``: ``/v1/score`` remembers its answer
+  for ``/v1/decisions`` only for a caller who may write).
 """
 
 from __future__ import annotations
@@ -34,6 +41,20 @@ from kvindex.registrations import EngineRegistry
 from kvindex.views import FleetView, PodsView
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN, READ, WRITE = "open", "read", "write"  # route scopes, see the module docstring
+SCOPE_ATTR = "kvindex_scope"
+
+
+def scope(level: str) -> Callable[[Handler], Handler]:
+    """Mark a handler's scope (``OPEN``, ``READ`` or ``WRITE``)."""
+    def mark(handler: Handler) -> Handler:
+        setattr(handler, SCOPE_ATTR, level)
+        return handler
+    return mark
+
+
+def route_scope(handler: object) -> str:
+    return str(getattr(handler, SCOPE_ATTR, READ))
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +67,7 @@ class Services:
     decisions: Decisions
     drift: DriftAudit
     engines: EngineRegistry  # engines registered at runtime (the compatibility API)
-    token: str | None = None  # bearer token for mutating endpoints
+    token: str | None = None  # the bearer token: what it guards is config.auth (see the module docstring)
     state: Callable[[], Awaitable[bytes]] | None = None  # the snapshot format, for GET /v1/state
     before_metrics: Callable[[], Awaitable[None]] | None = None  # reads the store-backed gauges
     store_problem: Callable[[], str | None] | None = None  # why the store cannot serve, for /readyz
@@ -85,20 +106,33 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     return web.Response(status=err.status_code, text=err.text, content_type="application/json")
 
 
-def require_token(request: web.Request) -> None:
-    """Mutating endpoints: when a token is configured, a matching bearer token is required."""
+def authorized(request: web.Request) -> bool:
+    """No token is configured, or the request carries it (``Authorization: Bearer <token>``)."""
     token = services(request).token
     if token is None:
-        return
+        return True
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def needs_token(svc: Services, level: str) -> bool:
+    return svc.token is not None and (level == WRITE or (level == READ and svc.config.auth == "all"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The route's scope, checked before its handler runs (an unmatched path or method is not a
+    route: its 404 / 405 needs no token)."""
+    level = route_scope(request.match_info.handler)
+    if request.match_info.http_exception is None and needs_token(services(request), level) and not authorized(request):
         raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
+    return await handler(request)
 
 
 def make_app(svc: Services, routes: Iterable[web.RouteDef]) -> web.Application:
     """The application: ``routes`` (``native.routes()``, ``dynamo.routes()``) behind the error
-    middleware, bodies capped at ``max_body_bytes``."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=svc.config.max_body_bytes)
+    and the auth middlewares, bodies capped at ``max_body_bytes``."""
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
     app.add_routes(list(routes))
     return app

@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from kvindex.answers import PreciseAnswer
-from kvindex.http.app import require_token, services
+from kvindex.http.app import OPEN, WRITE, scope, services
 from kvindex.http.bodies import (
     QueryBody,
     QueryByHashBody,
@@ -42,18 +42,19 @@ from kvindex.http.bodies import (
 from kvindex.registrations import DEFAULT_GROUP
 
 
+@scope(WRITE)
 async def register(request: web.Request) -> web.Response:
-    require_token(request)
     args = parse(await read_body(request), RegisterBody)
     iid = instance_id(args.instance_id)
     reg = await services(request).engines.register(
         iid, args.model_name, args.routing_group or DEFAULT_GROUP, args.block_size, args.dp_rank, args.endpoint,
         args.replay_endpoint)
+    services(request).metrics.known(iid, args.model_name)
     return json_response({"status": "registered", "instance_id": iid, "dp_rank": reg.dp_rank}, status=201)
 
 
+@scope(WRITE)
 async def unregister(request: web.Request) -> web.Response:
-    require_token(request)
     args = parse(await read_body(request), UnregisterBody)
     iid = instance_id(args.instance_id)
     found = await services(request).engines.unregister(iid, args.model_name, args.routing_group, args.dp_rank)
@@ -129,11 +130,14 @@ async def query_by_hash(request: web.Request) -> web.Response:
     return reply(request, query_answer(answer))
 
 
+@scope(WRITE)
 async def dump(request: web.Request) -> web.Response:
-    """Every held keyed block as a Dynamo-style stored event; ``tokens_hash`` carries kvindex's key."""
+    """Every held keyed block as a Dynamo-style stored event; ``tokens_hash`` carries kvindex's key.
+    Bulk data (every pod's keys, salted tenants' included): ``WRITE``, like ``GET /v1/state``."""
     return json_response(await services(request).engines.dump())
 
 
+@scope(OPEN)
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="OK")
 

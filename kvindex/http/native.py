@@ -3,8 +3,11 @@
 Invariants:
 - A handler checks its request (``kvindex.http.bodies``), calls the services' methods, and shapes
   the answer; it holds no state and reads no store itself.
-- Mutating endpoints (pod removal and resync, decisions, the state export) require the bearer
-  token when one is configured.
+- Mutating endpoints (pod removal and resync, decisions, the state export) are ``WRITE``: they
+  require the bearer token when one is configured; the health checks and the dashboard page are
+  ``OPEN``; every other route is ``READ`` (the token only with ``auth = "all"``; ``kvindex.http.app``).
+- ``/v1/score`` remembers its precise answer for a later ``/v1/decisions`` only when the caller
+  may write decisions (no token configured, or the caller sent it).
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
 """
 
@@ -18,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.answers import PodAnswer
-from kvindex.http.app import require_token, services
+from kvindex.http.app import OPEN, WRITE, authorized, scope, services
 from kvindex.http.bodies import (
     ApiError,
     ScoreBody,
@@ -48,16 +51,19 @@ def load_dashboard() -> bytes:
 
 
 def dashboard_handler(page: bytes) -> web.RouteDef:
+    @scope(OPEN)  # the page is static (no data); what it shows comes from READ routes
     async def dashboard(request: web.Request) -> web.Response:
         return web.Response(body=page, content_type="text/html", charset="utf-8", headers={"Cache-Control": "no-cache"})
     return web.get("/", dashboard)
 
 
 # -- health ------------------------------------------------------------------------------------
+@scope(OPEN)
 async def healthz(request: web.Request) -> web.Response:
     return json_response({"status": "ok"})
 
 
+@scope(OPEN)
 async def readyz(request: web.Request) -> web.Response:
     svc = services(request)
     try:
@@ -93,16 +99,16 @@ async def get_pod(request: web.Request) -> web.Response:
     raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
 
 
+@scope(WRITE)
 async def delete_pod(request: web.Request) -> web.Response:
-    require_token(request)
     pod = pod_from_path(request)
     if not await services(request).pods.remove(pod):
         raise ApiError(f"unknown pod {pod!r}", field="pod", status=404, reason="unknown_pod")
     return json_response({"removed": pod})
 
 
+@scope(WRITE)
 async def resync_pod(request: web.Request) -> web.Response:
-    require_token(request)
     pod = pod_from_path(request)
     if not await services(request).fleet.resync(pod):
         raise ApiError(f"no engine stream feeds pod {pod!r}", field="pod", status=404, reason="unknown_pod")
@@ -122,13 +128,14 @@ async def score(request: web.Request) -> web.Response:
     if token_ids is not None:
         precise = await q.precise(model, token_ids, pods, optional_text(args.lora_name, "lora_name"),
                                   optional_text(args.cache_salt, "cache_salt"))
-        q.scores.remember(model, token_ids, pods, precise)
+        if authorized(request):  # what a decision reads, only a caller who may write decisions writes
+            q.scores.remember(model, token_ids, pods, precise)
     candidates = await q.candidates(pods, precise)
     approx = await q.approx_answer(model, body, candidates)
     if precise is None and approx is None:
         raise ApiError("nothing to score: give token_ids, prompt, messages or input", field="request", reason="missing_field")
     if approx is not None and approx.hashes:
-        svc.metrics.approx_match_ratio.labels(model).observe(max(approx.blocks.values(), default=0) / len(approx.hashes))
+        svc.metrics.approx_match_ratio.labels(svc.metrics.models.label(model)).observe(max(approx.blocks.values(), default=0) / len(approx.hashes))
     answer = {
         "model": model,
         "prompt_tokens": precise.prompt_tokens if precise else None,
@@ -139,8 +146,8 @@ async def score(request: web.Request) -> web.Response:
     return json_response(answer)
 
 
+@scope(WRITE)
 async def decisions(request: web.Request) -> web.Response:
-    require_token(request)
     svc = services(request)
     t0 = time.perf_counter()
     items, batch = decision_list(await read_body(request, u32_field="token_ids"))
@@ -179,10 +186,10 @@ async def drift_history(request: web.Request) -> web.Response:
     return json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
 
 
+@scope(WRITE)
 async def state(request: web.Request) -> web.Response:
     """Everything kvindex holds, in the snapshot format (``kvindex/persist/snapshot.py``): what
     ``--peer`` loads. Bulk data: guarded by the bearer token when one is configured."""
-    require_token(request)
     svc = services(request)
     if svc.state is None:
         raise ApiError("state export is not available: the state lives in the shared store (--store redis://) or in "

@@ -147,6 +147,20 @@ class RedisPreciseStore:
             self._ready_pods.add((pod, model))
         return base
 
+    async def _has_id(self, model: str) -> bool:
+        """Read-only: a model name a query carries is neither stored in Redis nor remembered here."""
+        if self._gen is None:
+            raise StoreUnavailable(f"redis at {self._url}: store not opened")
+        async def probe() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.get(f"{self._prefix}:gen")
+            pipe.hexists(f"{self._prefix}:mid", model)
+            return await pipe.execute()
+        gen, exists = await self._call(probe)
+        if text(gen) != self._gen:
+            raise self._lost()
+        return bool(exists)
+
     async def _register(self, model: str) -> str:
         """The model's short id (``<prefix>:mid``; the first client to need one allocates it) and
         its slot's generation copy: set if absent, then the store's generation read after it, so
@@ -268,6 +282,8 @@ class RedisPreciseStore:
         known = self._block_sizes.get(model)
         if known is not None:
             return known
+        if model not in self._bases and not await self._has_id(model):
+            return None  # no engine or replica named the model: a query registers nothing
         reply = await self._run(await self._ensure(model), "getbs")
         if reply[1] is None:
             return None

@@ -167,6 +167,7 @@ def new_stream(engine: EngineConfig, topic: str, first_seq: int, metrics: Metric
     pod, model = split_topic(topic)
     pod_id = engine.pod or pod or engine.endpoint
     model_id = engine.model or model or "unknown"
+    metrics.known(pod_id, model_id)  # an engine's ids are label values (kvindex.metrics.KnownNames)
     name = f"{topic}|dp{engine.dp_rank}" if engine.dp_rank is not None else f"{topic}|{engine.endpoint}"
     st = Stream(topic=topic, pod=pod_id, model=model_id, expect_from=first_seq,
                 counters=StreamCounters(metrics, pod_id), ref=StreamRef.of(pod_id, name, model_id))
