@@ -27,7 +27,7 @@ class Metrics:
         self.decode_errors = Counter("kvindex_decode_errors", "Messages, events or fields that could not be used, by reason", ["pod", "reason"], registry=r)
         self.seq_gaps = Counter("kvindex_seq_gaps", "Sequence gaps detected on an engine stream", ["pod"], registry=r)
         self.replays = Counter("kvindex_replays", "Replay requests to an engine's replay endpoint, by outcome: ok, history_lost, failed, or the bound that cut the answer short (replay_timeout, replay_too_large, replay_too_many_frames)", ["pod", "outcome"], registry=r)
-        self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went backwards)", ["pod"], registry=r)
+        self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went back with other bytes, or a watermark the engine no longer holds)", ["pod"], registry=r)
         self.orphan_blocks = Counter("kvindex_orphan_blocks", "Stored blocks kept without a key (unknown parent, no tokens, block size mismatch)", ["pod"], registry=r)
         self.unknown_removals = Counter("kvindex_unknown_removals", "BlockRemoved for a hash the pod does not hold", ["pod"], registry=r)
         self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between the engine's batch timestamp and its application", ["pod"], registry=r)

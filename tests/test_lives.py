@@ -6,6 +6,7 @@ uninterrupted control fed the same batches, or with the simulated engine's own t
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,31 @@ async def test_resync_with_the_whole_history_rebuilds_the_pod_synced(make_harnes
     assert status == 200 and h.stream("sim-0").synced and held(h) == set(truth.held())
     status, ready = await h.get("/readyz")
     assert status == 200, ready
+
+
+async def test_a_failed_resync_is_still_unsynced_after_a_crash(make_harness: Any, make_engine: Any,
+                                                               tmp_path: Path) -> None:
+    """The write-ahead log holds the resync and the batches after it, not its outcome: re-applied
+    at start, a resync followed by a batch past the first seq is the history it could not rebuild."""
+    state_dir = tmp_path / "state"
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "rep"),
+                               buffer_steps=8)
+    h = await make_harness(Config(engines=(engine_config(engine),), state_dir=state_dir))
+    await h.wait_connected()
+    frames, _ = stream(21, seed=52)
+    for f in frames[:20]:
+        await engine.publish(f)
+    await h.wait_seq("sim-0", 19)
+    await h.daemon.snapshot()  # what follows is in the write-ahead log only
+    assert (await h.post("/v1/pods/sim-0/resync", {}))[0] == 200
+    await engine.publish(frames[20])
+    await h.wait_seq("sim-0", 20)
+    assert not h.stream("sim-0").synced
+    crashed = tmp_path / "crashed"  # a SIGKILL at this instant: the files as they are on disk
+    shutil.copytree(state_dir, crashed)
+    h2 = await make_harness(Config(engines=(engine_config(engine),), state_dir=crashed))
+    await wait_for(lambda: (s := h2.stream("sim-0")) is not None and s.last_seq == 20, 10, "restored")
+    _, pods = await h2.get("/v1/pods")
+    (view,) = [p for p in pods["pods"] if p["pod"] == "sim-0"]
+    assert view["synced"] is False and view["unsynced_reason"] == "history_lost", view
+    assert held(h2) == held(h)

@@ -5,16 +5,22 @@ bound's name (issue 13, class 13). A real ``kvindex serve``, real sockets, real 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import zmq
+import zmq.asyncio
 
-from tests.conftest import ROOT
+from kvindex.config import Config, ConfigError
+from kvindex.ingest.transport import fetch_replay
+from tests.conftest import ROOT, ipc_endpoint
 from tests.faultkit import (
     free_port,
     http,
@@ -101,3 +107,76 @@ def test_a_misbehaving_replay_holds_neither_the_loop_nor_memory(kind: str, tmp_p
 def _blocks(url: str, pod: str) -> list[dict[str, int]]:
     return [b for entry in http(url + "/dump")[1].values() for e in entry["events"]
             if e["worker_id"] == pod for b in e["event"]["data"]["stored"]["blocks"]]
+
+
+# -- the bounds, at the transport ------------------------------------------------------------------
+def _flood(endpoint: str, payload: bytes, stop: threading.Event) -> None:
+    """A ROUTER (its own thread and context) answering the first request with endless frames."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    try:
+        if not sock.poll(5000):
+            return
+        ident, *_ = sock.recv_multipart()
+        seq = 0
+        while not stop.is_set():
+            try:
+                sock.send_multipart([ident, b"", b"kv@sim-0@m", seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+                seq += 1
+            except zmq.Again:
+                time.sleep(0.001)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("payload", "max_bytes", "cut"), [
+    (b"x" * 4, 128 << 20, "replay_timeout"),  # endless tiny frames: the deadline ends it
+    (b"x" * (256 << 10), 4 << 20, "replay_too_large"),  # endless big frames: the byte bound ends it
+])
+async def test_an_endless_answer_ends_at_its_bound_and_never_holds_the_loop(
+        payload: bytes, max_bytes: int, cut: str, tmp_path: Path) -> None:
+    endpoint = ipc_endpoint(tmp_path, "rep")
+    stop = threading.Event()
+    flood = threading.Thread(target=_flood, args=(endpoint, payload, stop), daemon=True)
+    flood.start()
+    ctx = zmq.asyncio.Context()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        t0 = time.monotonic()
+        result = await fetch_replay(ctx, endpoint, 0, timeout=0.5, max_bytes=max_bytes)
+        took = time.monotonic() - t0
+        assert not result.complete and result.cut == cut and result.frames, (result.cut, len(result.frames))
+        assert sum(len(f.payload) for f in result.frames) <= max_bytes
+        assert took < 2.0, took
+        assert max(gaps) < 0.1, f"the event loop was held {max(gaps):.3f}s"
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+        stop.set()
+        flood.join(5)
+        ctx.destroy(linger=0)
+
+
+def test_the_bounds_are_checked_where_they_enter() -> None:
+    for bad in ({"replay_max_bytes": 0}, {"replay_max_bytes": 1.5}, {"replay_timeout": 0},
+                {"replay_timeout": -1.0}, {"replay_timeout": True}):
+        with pytest.raises(ConfigError):
+            Config(**bad)  # type: ignore[arg-type]
+    assert (Config().replay_timeout, Config().replay_max_bytes) == (2.0, 128 << 20)
+    for flag, value in (("--replay-max-bytes", "0"), ("--replay-timeout", "0")):
+        done = subprocess.run([sys.executable, "-m", "kvindex", "serve", "--port", "0", flag, value],
+                              capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 2 and "replay_" in done.stderr, done.stderr

@@ -22,9 +22,12 @@ Invariants:
   recovers ``[last_seq + 1, seq)`` from the engine's replay endpoint and then applies, with
   ``force=<reason>`` when history is gone (the stream is then unsynced in the store); BEHIND (the
   store lost writes) resynchronises the stream: clear, then replay the engine's history.
-- A seq that goes back means the engine restarted: ``store.restart(stream, epoch, ranks)`` clears
+- A seq that goes back with the very bytes the stream had there (its payload CRC, remembered for
+  the current life's recent batches; past them the engine's replay is asked about the watermark)
+  is a duplicate: dropped and counted (``kvindex_batches_skipped_total{outcome="duplicate"}``).
+  With other bytes the engine restarted: ``store.restart(stream, epoch, ranks)`` clears
   the stream's ranks once (the first replica to announce it); the epoch it returns is adopted, so
-  a later replica's copies of what the first one applied come back DUPLICATE. A stream's first
+  a later replica's copies of what the first one applied come back DUPLICATE (``ingest.life``). A stream's first
   batch with a seq past the dialect's first seq and no stored history means kvindex joined
   mid-stream: recovered the same way. Whether a batch belongs to the engine's current life is
   asked of its replay endpoint where the store alone cannot tell (a replica's first batch, a
@@ -41,8 +44,12 @@ Invariants:
 - Restored state (snapshot, write-ahead log, peer; memory store only) enters only before
   ``run()``: ``restore_streams`` seeds the seq state, ``apply_logged``/``resync_logged`` re-apply
   logged changes through the same decode and apply (no network); ``run()`` first asks the replay
-  endpoint for everything after each restored watermark, then subscribes. Every applied batch goes
-  to ``journal`` when set.
+  endpoint for everything after each restored watermark, then subscribes; a watermark whose batch
+  the engine no longer holds (other bytes at that seq, or a history that stops before it) is an
+  engine restart kvindex did not see: the stream restarts and is replayed from the first seq,
+  unsynced until that completes. Every applied batch goes to ``journal`` when set.
+- An operator's resync clears the pod and replays the engine's history; when that history no
+  longer reaches the first seq the pod is left unsynced with the reason, never empty and synced.
 """
 
 from __future__ import annotations
@@ -186,7 +193,7 @@ class EngineLane:
         step = seqr.live(st.last_seq, st.replayed, seq, payload, bool(batch.events), st.recent)
         if step is not OFFER:
             if step is Live.CHECK_LIFE:  # went back past what the stream remembers: the replay tells
-                step = await self._lives.went_back(st, seq)
+                step = await self._lives.went_back(st)
             if step is Live.REPLAYED:
                 return  # already applied from the replay that ran ahead of the socket
             if step is Live.DUPLICATE:  # delivered twice: not a restart
@@ -307,9 +314,9 @@ class EngineLane:
                 raise
             return True
 
-    async def _resync_reset(self, streams: list[Stream]) -> None:
+    async def _resync_reset(self, streams: list[Stream], expect_from: int | None = None) -> None:
         for st in streams:
-            await self.writer.clear(st, st.epoch, None)  # without a replay, the next batch is the new baseline
+            await self.writer.clear(st, st.epoch, expect_from)  # None: the next batch is the new baseline
             self._buffer.resync_done(st)
 
     # -- restored state (snapshot, write-ahead log, peer) ----------------------------------------
@@ -349,9 +356,11 @@ class EngineLane:
         await self.writer.apply(st, seq, batch, payload, force)
 
     async def resync_logged(self, pod: str) -> None:
-        """Re-apply an operator's resync from the write-ahead log (the batches it replayed follow)."""
+        """Re-apply an operator's resync from the write-ahead log (the batches it replayed follow:
+        with a replay endpoint, from the first seq; a first logged batch past it is the history the
+        resync could not rebuild, and the stream is unsynced again, as it was)."""
         streams = [s for s in self.state.streams.values() if s.pod == pod]
-        await self._resync_reset(streams)
+        await self._resync_reset(streams, self._first_seq if self.engine.replay else None)
         for st in streams:
             st.mark_synced("resync requested")
 

@@ -46,7 +46,7 @@ class EngineReplay(Protocol):
 class StoreCalls(Protocol):
     async def seed(self, st: Stream) -> Position | None: ...
 
-    async def restart_unseen(self, st: Stream, pos: Position) -> Position: ...
+    async def restart_unseen(self, st: Stream, pos: Position, why: str = ...) -> Position: ...
 
     async def apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes,
                     force: str | None) -> ApplyResult: ...
@@ -90,7 +90,7 @@ class Lives:
         adopted. Checks are spaced (every ``LIFE_CHECK_EVERY`` STALE batches in a row)."""
         st.stale_run += 1
         if not seqr.check_life(st.stale_run) or not await self._replay.life_of(st, seq, payload):
-            st.last_seq = seq
+            st.last_seq, st.last_crc = seq, None  # handled, not applied: no CRC of this life's batch there
             return ApplyResult(Outcome.STALE, pos)
         log.info("pod %s: the store is at epoch %d (another replica saw the engine restart): adopting it",
                  st.pod, pos.epoch)
@@ -98,17 +98,13 @@ class Lives:
         st.expect_from = self._first_seq
         return await self._writer.apply(st, seq, batch, payload, None)
 
-    async def went_back(self, st: Stream, seq: int) -> Live:
-        """``Live.CHECK_LIFE``: ``seq`` went back past what the stream remembers; DUPLICATE when
+    async def went_back(self, st: Stream) -> Live:
+        """``Live.CHECK_LIFE``: the seq went back past what the stream remembers; DUPLICATE when
         the engine still holds the watermark batch, else RESTART."""
         same = None
         if st.last_seq is not None and st.last_crc is not None:
             same = await self._replay.same_life(st, st.last_seq, st.last_crc)
-        step = seqr.went_back_to(same)
-        if step is Live.DUPLICATE:
-            log.info("pod %s: seq went back from %s to %d, but the engine still holds seq %s as this kvindex saw "
-                     "it: an old batch delivered again, not a restart", st.pod, st.last_seq, seq, st.last_seq)
-        return step
+        return seqr.went_back_to(same)
 
     async def restarted_unseen(self, st: Stream) -> bool:
         """Whether a restored stream's watermark is of an earlier life of the engine (its replay
@@ -122,10 +118,8 @@ class Lives:
         """The engine restarted while kvindex was down: clear the stream, replay the engine's
         history from its first seq; unsynced meanwhile, and after with the reason when the
         replay cannot rebuild it. The reason, or None (synced)."""
-        log.warning("pod %s: restored at seq %s, but the engine holds other bytes there (or its history ends "
-                    "before): it restarted while kvindex was down; clearing its blocks and replaying", st.pod,
-                    st.last_seq)
-        pos = await self._writer.restart_unseen(st, st.stored or Position(st.last_seq, st.epoch))
+        pos = await self._writer.restart_unseen(st, st.stored or Position(st.last_seq, st.epoch),
+                                                "the engine's replay holds other bytes there (or nothing)")
         st.reset(pos, self._first_seq)
         await self._writer.mark(st, RESTARTED_UNSEEN)
         reason = await replay_from(st, self._first_seq, None)

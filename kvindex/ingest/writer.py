@@ -89,8 +89,8 @@ class StreamWriter:
         """A live batch this life delivered already (same seq, same bytes): dropped, counted."""
         st.skipped += 1
         st.counters.duplicate.inc()
-        self._burst.warning((st.pod, "duplicate"), "pod %s: seq %d delivered again (same bytes): a duplicate, "
-                         "dropped", st.pod, seq)
+        self._burst.warning((st.pod, "duplicate"), "pod %s: seq %d delivered again (a batch of this engine life "
+                         "handled already): a duplicate, dropped", st.pod, seq)
 
     async def mark(self, st: Stream, reason: str | None) -> None:
         """The stream's history is complete (``reason`` None) or not, with the reason, in the store
@@ -136,13 +136,15 @@ class StreamWriter:
         st.reset(pos, self._first_seq)
         st.mark_synced("engine restarted")
 
-    async def restart_unseen(self, st: Stream, pos: Position) -> Position:
+    async def restart_unseen(self, st: Stream, pos: Position,
+                             why: str = "the engine's history ends before it") -> Position:
         """The engine restarted while no replica was watching: the store holds its earlier life."""
-        log.warning("pod %s: the store is at seq %d but the engine's history ends before it: the engine restarted "
-                    "while no replica watched; clearing its blocks", st.pod, pos.last_seq)
+        log.warning("pod %s: the store is at seq %s but %s: the engine restarted while no replica watched; "
+                    "clearing its blocks", st.pod, pos.last_seq, why)
         st.restarts += 1
         self._metrics.restarts.labels(st.pod).inc()
-        after = await self._store.restart(st.ref, pos.epoch, None)
+        ranks = None if self._engine.dp_rank is None else [self._engine.dp_rank]  # a rank's own publisher: its rank
+        after = await self._store.restart(st.ref, pos.epoch, ranks)
         st.expect_from = self._first_seq
         return after
 
