@@ -57,12 +57,12 @@ def test_a_misbehaving_replay_holds_neither_the_loop_nor_memory(kind: str, tmp_p
     daemon = serve(port, "--engine", f"endpoint={tcp(bad_pub)},replay={tcp(bad_rep)}",
                    "--engine", f"endpoint={tcp(good_pub)},replay={tcp(good_rep)}",
                    "--replay-max-bytes", str(MAX_BYTES), "--replay-timeout", "1", log=tmp_path / "kvindex.log")
+    rss0 = rss_kib(daemon.pid)  # before the hostile engine is up
     hostile = subprocess.Popen([sys.executable, "-m", "tests.hostile_engine", tcp(bad_pub), tcp(bad_rep), kind],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     good = None
     try:
         wait_until(lambda: replays(url, "hostile"), 15, "the hostile engine's replay asked")
-        rss0 = rss_kib(daemon.pid)
         good = replay(capture, good_pub, good_rep, "--speed", "1", "--linger", "1")
         latencies: list[float] = []
         rss: list[int] = []
