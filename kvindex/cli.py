@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "streams are unsynced and replayed from the engine when the store answers (default 10000)")
 
     s.add_argument("--workers", type=int, metavar="N", help=WORKERS_HELP)
+    s.add_argument("--replay-timeout", type=float, metavar="S", help="seconds an engine's replay endpoint has to "
+                   "deliver one whole answer (default 2; kvindex's own time applying "
+                   "the batches does not count). An answer cut short leaves the pod unsynced (replay_timeout)")
+    s.add_argument("--replay-max-bytes", type=int, metavar="N", help="bytes one replay answer may hold "
+                   "(default 134217728, 128 MiB); past N kvindex stops reading it and "
+                   "the pod is unsynced (replay_too_large). Batches are applied as they arrive, yielding to HTTP "
+                   "and the other engines' lanes, so one misbehaving engine never stalls them")
 
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -177,7 +184,8 @@ def load_config(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
-                          store=args.store, store_buffer=args.store_buffer, workers=args.workers, auth=args.auth)
+                          store=args.store, store_buffer=args.store_buffer, workers=args.workers,
+                          replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth)
 
 
 def read_token(path: Path | None) -> str | None:

@@ -129,7 +129,8 @@ class Config:
     drift: DriftSettings = field(default_factory=DriftSettings)
     max_body_bytes: int = 8 << 20
     max_token_ids: int = 1 << 20
-    replay_timeout: float = 2.0
+    replay_timeout: float = 2.0  # seconds an engine has to deliver one whole replay answer (--replay-timeout)
+    replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold (--replay-max-bytes)
     rcvhwm: int = 1_000_000
     max_message_bytes: int = 64 << 20  # ZeroMQ MAXMSGSIZE of the SUB and replay sockets ([server] max_message_bytes)
     state_dir: Path | None = None  # snapshots + write-ahead log; None: state lives in memory only
@@ -160,6 +161,11 @@ class Config:
             raise ConfigError(f"fsync {self.fsync!r}: expected one of {', '.join(FSYNC_POLICIES)}")
         if type(self.max_message_bytes) is not int or self.max_message_bytes <= 0:
             raise ConfigError("max_message_bytes must be a positive integer (bytes)")
+        if type(self.replay_max_bytes) is not int or self.replay_max_bytes <= 0:
+            raise ConfigError("replay_max_bytes must be a positive integer (bytes)")
+        if isinstance(self.replay_timeout, bool) or not isinstance(self.replay_timeout, (int, float)) \
+                or not 0 < self.replay_timeout <= 3600:
+            raise ConfigError("replay_timeout must be a number of seconds, > 0 and at most 3600")
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
@@ -301,7 +307,8 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
                    peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
-                   workers: int | None = None, auth: str | None = None) -> Config:
+                   workers: int | None = None, replay_timeout: float | None = None,
+                   replay_max_bytes: int | None = None, auth: str | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -316,6 +323,8 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
         workers=workers if workers is not None else cfg.workers,
         auth=auth if auth is not None else cfg.auth,
+        replay_timeout=replay_timeout if replay_timeout is not None else cfg.replay_timeout,
+        replay_max_bytes=replay_max_bytes if replay_max_bytes is not None else cfg.replay_max_bytes,
     )
 
 

@@ -72,8 +72,8 @@ class Metrics:
         self.blocks_removed = Counter("kvindex_blocks_removed", "Block copies removed by BlockRemoved events", ["pod"], registry=r)
         self.decode_errors = Counter("kvindex_decode_errors", "Messages, events or fields that could not be used, by reason", ["pod", "reason"], registry=r)
         self.seq_gaps = Counter("kvindex_seq_gaps", "Sequence gaps detected on an engine stream", ["pod"], registry=r)
-        self.replays = Counter("kvindex_replays", "Replay requests to an engine's replay endpoint, by outcome", ["pod", "outcome"], registry=r)
-        self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went backwards)", ["pod"], registry=r)
+        self.replays = Counter("kvindex_replays", "Replay requests to an engine's replay endpoint, by outcome: ok, history_lost, failed, or the bound that cut the answer short (replay_timeout, replay_too_large, replay_too_many_frames)", ["pod", "outcome"], registry=r)
+        self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went back with other bytes, or a watermark the engine no longer holds)", ["pod"], registry=r)
         self.orphan_blocks = Counter("kvindex_orphan_blocks", "Stored blocks kept without a key (unknown parent, no tokens, block size mismatch)", ["pod"], registry=r)
         self.unknown_removals = Counter("kvindex_unknown_removals", "BlockRemoved for a hash the pod does not hold", ["pod"], registry=r)
         self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between the engine's batch timestamp and its application", ["pod"], registry=r)
@@ -82,7 +82,7 @@ class Metrics:
         self.approx_match_ratio = Histogram("kvindex_approx_match_ratio", "Approximate index: longest match / prompt blocks per scored request (Kthena's prefix_cache_match_ratio)", ["model"], buckets=RATIO_BUCKETS, registry=r)
         self.approx_evictions = Counter("kvindex_approx_evictions", "Approximate index: capacity evictions (Kthena's prefix_cache_evictions_total)", ["model"], registry=r)
         self.batches_skipped = Counter("kvindex_batches_skipped", "Engine batches not applied by this replica, by "
-                                       "outcome: duplicate (applied already, e.g. by another replica), stale (an "
+                                       "outcome: duplicate (applied already: by another replica, or delivered twice), stale (an "
                                        "engine life that has ended), dropped (past the store buffer)",
                                        ["pod", "outcome"], registry=r)
         self.store_errors = Counter("kvindex_store_errors", "Store calls that failed (store unreachable or lost), by "

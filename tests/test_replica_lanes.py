@@ -28,12 +28,13 @@ from tests.conftest import FIXTURES, independent_holdings, ipc_endpoint
 POD, TOPIC, BS = "p0", "kv@p0@m", 4
 
 
-def batch(seq: int, life_start: int = 0) -> Frame:
-    """Engine batch ``seq``: stores block ``1000 + seq`` chained on the previous one of its life."""
+def batch(seq: int, life_start: int = 0, ts: float = 1.0) -> Frame:
+    """Engine batch ``seq``: stores block ``1000 + seq`` chained on the previous one of its life
+    (``ts``: its timestamp; an engine's next life publishes other bytes at the same seqs)."""
     parent = None if seq == life_start else 1000 + seq - 1
     ev = {"type": "BlockStored", "block_hashes": [1000 + seq], "parent_block_hash": parent,
           "token_ids": [seq * BS + i for i in range(BS)], "block_size": BS}
-    return Frame(TOPIC, seq, msgpack.packb([1.0, [ev], 0]))
+    return Frame(TOPIC, seq, msgpack.packb([ts, [ev], 0]))
 
 
 def _other(f: Frame) -> Frame:
@@ -159,9 +160,9 @@ async def test_a_store_behind_the_replica_is_resynchronised_from_the_replay(tmp_
         (a,) = lanes(store, 1, ctx, replay=engine.replay_address)
         for seq in range(6):
             await a.handle(batch(seq))
-        engine.clear_buffer()  # the engine restarts: its history starts again
+        engine.clear_buffer()  # the engine restarts: its history starts again (other timestamps)
         for seq in range(8):
-            f = batch(seq)
+            f = batch(seq, ts=2.0)
             await publish(engine, f)
             if seq < 7:
                 await a.handle(f)
@@ -170,7 +171,7 @@ async def test_a_store_behind_the_replica_is_resynchronised_from_the_replay(tmp_
         # the store lost writes: it is back at the first life (epoch 0) with that life's blocks
         await store.set_position(st.ref, Position(5, 0, True, None))
         store.index.apply_batch(POD, "m", 0, DIALECTS["vllm"].decoder().decode(batch(5, life_start=5).payload).events)
-        await a.handle(batch(7))  # BEHIND: cleared, the engine's history replayed, then 7 is a duplicate
+        await a.handle(batch(7, ts=2.0))  # BEHIND: cleared, the engine's history replayed, then 7 is a duplicate
         assert (await store.position(st.ref)) == Position(7, 1, True, None) and st.epoch == 1
         assert held(store) == {1000 + s for s in range(8)}
         assert engine.replays_served == 1

@@ -7,33 +7,57 @@ import zlib
 from collections.abc import Set as AbstractSet
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from kvindex.config import EngineConfig
 from kvindex.events import Frame
 from kvindex.ingest import sequencer as S
 from kvindex.ingest.sequencer import After, Live, Recovered, ReplayWalk, Seed, Walk
+from kvindex.ingest.streams import new_stream
+from kvindex.metrics import Metrics
 from kvindex.sequence import Outcome, Position
 
 P = b"payload"
 CRC = zlib.crc32(P)
 
 
-@pytest.mark.parametrize(("last_seq", "replayed", "seq", "has_events", "want"), [
-    (None, {}, 0, True, Live.OFFER),  # the first batch
-    (4, {}, 5, True, Live.OFFER),  # the next one
-    (4, {}, 9, True, Live.OFFER),  # past a gap: the store judges it
-    (4, {}, 4, True, Live.RESTART),  # the same seq again: the engine restarted
-    (4, {}, 0, True, Live.RESTART),  # back to the start
-    (4, {}, 2, False, Live.NO_EVIDENCE),  # went back without a usable event
-    (4, {5: CRC}, 5, True, Live.REPLAYED),  # a replay applied these very bytes ahead of the socket
-    (6, {5: CRC}, 5, True, Live.REPLAYED),  # even behind last_seq
-    (4, {5: CRC + 1}, 5, True, Live.LIVE_AGAIN),  # other bytes past last_seq: live again
-    (4, {3: CRC}, 7, True, Live.LIVE_AGAIN),  # past what the replay applied
-    (6, {5: CRC + 1}, 5, True, Live.RESTART),  # other bytes, behind: a restart
-    (6, {5: CRC + 1}, 5, False, Live.NO_EVIDENCE),
-    (None, {5: CRC + 1}, 5, True, Live.OFFER),  # nothing handled yet
+OTHER = {n: CRC + 1 for n in range(8)}  # the stream remembers other bytes at seqs 0..7 (an earlier life)
+
+
+@pytest.mark.parametrize(("last_seq", "replayed", "seq", "has_events", "recent", "want"), [
+    (None, {}, 0, True, {}, Live.OFFER),  # the first batch
+    (4, {}, 5, True, OTHER, Live.OFFER),  # the next one
+    (4, {}, 9, True, OTHER, Live.OFFER),  # past a gap: the store judges it
+    (4, {}, 4, True, OTHER, Live.RESTART),  # the same seq again with other bytes: the engine restarted
+    (4, {}, 0, True, OTHER, Live.RESTART),  # back to the start, other bytes
+    (4, {}, 2, False, OTHER, Live.NO_EVIDENCE),  # went back without a usable event
+    (4, {5: CRC}, 5, True, OTHER, Live.REPLAYED),  # a replay applied these very bytes ahead of the socket
+    (6, {5: CRC}, 5, True, OTHER, Live.REPLAYED),  # even behind last_seq
+    (4, {5: CRC + 1}, 5, True, OTHER, Live.LIVE_AGAIN),  # other bytes past last_seq: live again
+    (4, {3: CRC}, 7, True, OTHER, Live.LIVE_AGAIN),  # past what the replay applied
+    (6, {5: CRC + 1}, 5, True, OTHER, Live.RESTART),  # other bytes, behind: a restart
+    (6, {5: CRC + 1}, 5, False, OTHER, Live.NO_EVIDENCE),
+    (None, {5: CRC + 1}, 5, True, {}, Live.OFFER),  # nothing handled yet
+    # duplicates: the very bytes this life had at that seq (issue 13, class 2)
+    (4, {}, 4, True, {3: CRC + 1, 4: CRC}, Live.DUPLICATE),  # seq N twice
+    (4, {}, 3, True, {3: CRC, 4: CRC + 1}, Live.DUPLICATE),  # N - 1 after N
+    (4, {}, 3, False, {3: CRC}, Live.DUPLICATE),  # a duplicate even without a usable event
+    (4, {5: CRC + 1}, 3, True, {3: CRC}, Live.DUPLICATE),
+    (4, {}, 5, True, {5: CRC}, Live.OFFER),  # ahead of last_seq: the memory is not asked
+    # went back past what the stream remembers: the replay is asked
+    (400, {}, 3, True, {n: CRC for n in range(144, 401)}, Live.CHECK_LIFE),
+    (4, {}, 4, True, {}, Live.CHECK_LIFE),  # restored without its CRC memory
+    (400, {}, 3, False, {}, Live.NO_EVIDENCE),
 ])
-def test_live(last_seq: int | None, replayed: dict[int, int], seq: int, has_events: bool, want: Live) -> None:
-    assert S.live(last_seq, replayed, seq, P, has_events) is want
+def test_live(last_seq: int | None, replayed: dict[int, int], seq: int, has_events: bool, recent: dict[int, int],
+              want: Live) -> None:
+    assert S.live(last_seq, replayed, seq, P, has_events, recent) is want
+
+
+@pytest.mark.parametrize(("same", "want"), [(True, Live.DUPLICATE), (False, Live.RESTART), (None, Live.RESTART)])
+def test_went_back_to(same: bool | None, want: Live) -> None:
+    """The replay's answer for the stream's watermark: still the engine's (a duplicate) or not."""
+    assert S.went_back_to(same) is want
 
 
 @pytest.mark.parametrize(("last_seq", "seq", "want"), [(None, 0, False), (3, 4, False), (3, 3, True), (3, 0, True)])
@@ -132,6 +156,24 @@ def f(seq: int, payload: bytes = P, topic: str = "t") -> Frame:
 ])
 def test_life_of(frames: list[Frame], complete: bool, want: bool | None) -> None:
     assert S.life_of(frames, complete, "t", 5, P) is want
+    assert S.same_life(frames, complete, "t", 5, CRC) is want  # the same rule, from a saved CRC
+
+
+@pytest.mark.parametrize(("last_seq", "last_crc", "want"), [(None, None, False), (5, None, False), (None, CRC, False),
+                                                            (5, CRC, True)])
+def test_restored_life_needs_the_watermark_and_its_crc(last_seq: int | None, last_crc: int | None, want: bool) -> None:
+    assert S.restored_life(last_seq, last_crc) is want
+
+
+def test_stream_remembers_the_recent_crcs_of_its_life() -> None:
+    st = new_stream(EngineConfig(endpoint="tcp://127.0.0.1:1"), "kv@p@m", 0, Metrics(CollectorRegistry()))
+    for n in range(S.RECENT_CRCS + 10):
+        st.handled(n, n * 7)
+    assert len(st.recent) == S.RECENT_CRCS and min(st.recent) == 10 and st.last_crc == (S.RECENT_CRCS + 9) * 7
+    st.reset(Position(None, 1), 0)  # a new life: nothing of the old one is remembered
+    assert st.recent == {} and st.last_crc is None
+    st.restore({"last_seq": 9, "last_crc": 123})
+    assert st.recent == {9: 123} and st.last_crc == 123
 
 
 @pytest.mark.parametrize(("frames", "complete", "want"), [

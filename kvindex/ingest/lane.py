@@ -22,9 +22,12 @@ Invariants:
   recovers ``[last_seq + 1, seq)`` from the engine's replay endpoint and then applies, with
   ``force=<reason>`` when history is gone (the stream is then unsynced in the store); BEHIND (the
   store lost writes) resynchronises the stream: clear, then replay the engine's history.
-- A seq that goes back means the engine restarted: ``store.restart(stream, epoch, ranks)`` clears
+- A seq that goes back with the very bytes the stream had there (its payload CRC, remembered for
+  the current life's recent batches; past them the engine's replay is asked about the watermark)
+  is a duplicate: dropped and counted (``kvindex_batches_skipped_total{outcome="duplicate"}``).
+  With other bytes the engine restarted: ``store.restart(stream, epoch, ranks)`` clears
   the stream's ranks once (the first replica to announce it); the epoch it returns is adopted, so
-  a later replica's copies of what the first one applied come back DUPLICATE. A stream's first
+  a later replica's copies of what the first one applied come back DUPLICATE (``ingest.life``). A stream's first
   batch with a seq past the dialect's first seq and no stored history means kvindex joined
   mid-stream: recovered the same way. Whether a batch belongs to the engine's current life is
   asked of its replay endpoint where the store alone cannot tell (a replica's first batch, a
@@ -41,8 +44,12 @@ Invariants:
 - Restored state (snapshot, write-ahead log, peer; memory store only) enters only before
   ``run()``: ``restore_streams`` seeds the seq state, ``apply_logged``/``resync_logged`` re-apply
   logged changes through the same decode and apply (no network); ``run()`` first asks the replay
-  endpoint for everything after each restored watermark, then subscribes. Every applied batch goes
-  to ``journal`` when set.
+  endpoint for everything after each restored watermark, then subscribes; a watermark whose batch
+  the engine no longer holds (other bytes at that seq, or a history that stops before it) is an
+  engine restart kvindex did not see: the stream restarts and is replayed from the first seq,
+  unsynced until that completes. Every applied batch goes to ``journal`` when set.
+- An operator's resync clears the pod and replays the engine's history; when that history no
+  longer reaches the first seq the pod is left unsynced with the reason, never empty and synced.
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ from kvindex.events import Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore, StoreUnavailable
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.buffer import StoreBuffer
+from kvindex.ingest.life import Lives
 from kvindex.ingest.replay import Replay
-from kvindex.ingest.sequencer import NOT_THIS_LIFE, After, Live, Seed
+from kvindex.ingest.sequencer import NOT_THIS_LIFE, After, Live
 from kvindex.ingest.streams import MAX_TOPICS, LaneSettings, LaneState, Stream
 from kvindex.ingest.transport import Malformed, Subscriber
 from kvindex.ingest.writer import StreamWriter
@@ -107,7 +115,8 @@ class EngineLane:
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
                                    metrics=metrics, burst=burst)
-        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics)
+        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics, settings.replay_max_bytes)
+        self._lives = Lives(self.writer, self._replay, first_seq)  # which engine life a batch is of
         self._buffer = StoreBuffer(engine.name, self.state.streams, settings.store_buffer, metrics, self._lock,
                                    self._drain_once)
         self._restored: set[str] = set()
@@ -178,13 +187,18 @@ class EngineLane:
     async def _sequence(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
         """One live batch, from the stream's seq state to the store; safe to re-run after a
         failed store call (the buffer does)."""
-        if not st.seeded and not await self._seed(st, seq, payload):
+        if not st.seeded and not await self._lives.seed(st, seq, payload):
             self.writer.skip_stale(st, seq)
             return
-        step = seqr.live(st.last_seq, st.replayed, seq, payload, bool(batch.events))
+        step = seqr.live(st.last_seq, st.replayed, seq, payload, bool(batch.events), st.recent)
         if step is not OFFER:
+            if step is Live.CHECK_LIFE:  # went back past what the stream remembers: the replay tells
+                step = await self._lives.went_back(st)
             if step is Live.REPLAYED:
                 return  # already applied from the replay that ran ahead of the socket
+            if step is Live.DUPLICATE:  # delivered twice: not a restart
+                self.writer.duplicate(st, seq)
+                return
             if step is Live.LIVE_AGAIN:
                 st.replayed.clear()
             elif step is Live.NO_EVIDENCE:  # nothing usable: not evidence enough to drop a pod's state
@@ -211,32 +225,12 @@ class EngineLane:
                 await self._resync_stream(st, result.position.epoch)
                 result = await self.writer.apply(st, seq, batch, payload, st.force)
             elif then is ADOPT:
-                result = await self._adopt(st, seq, batch, payload, result.position)
+                result = await self._lives.adopt(st, seq, batch, payload, result.position)
         outcome = result.outcome
         if outcome is APPLIED:
             st.force = None
         if outcome is not STALE:
             st.stale_run = 0
-
-    async def _seed(self, st: Stream, seq: int | None = None, payload: bytes = b"") -> bool:
-        """Read the stream's stored position: another replica may be ahead (its batches then come
-        back DUPLICATE) or the engine may have restarted (a later epoch, adopted). When the store
-        has history and the engine a replay endpoint, the first batch must be of the engine's
-        current life (it may have been queued before a restart other replicas applied): False
-        when it is not (skipped; the next batch seeds)."""
-        pos = await self.writer.seed(st)
-        check = seqr.seed(pos, seq)
-        if check is not Seed.TRUST:
-            assert pos is not None and pos.last_seq is not None and seq is not None
-            if await self._replay.life_of(st, seq, payload) is False:
-                return False
-            if check is Seed.CHECK_LIFE_AND_HISTORY and await self._replay.history_ends_before(st, pos.last_seq):
-                pos = await self.writer.restart_unseen(st, pos)
-        if pos is not None:
-            st.epoch = pos.epoch
-            st.observe(pos)
-        st.seeded = True
-        return True
 
     async def _fill_gap(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, pos: Position) -> ApplyResult:
         start = seqr.gap_start(pos, self._first_seq)
@@ -250,22 +244,6 @@ class EngineLane:
         if result.outcome is Outcome.GAP:  # the store moved meanwhile: apply across what is left
             result = await self.writer.apply(st, seq, batch, payload, seqr.HISTORY_LOST)
         return result
-
-    async def _adopt(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, pos: Position) -> ApplyResult:
-        """STALE: another replica announced an engine restart this one has not seen (yet). Either
-        this batch is of the ended life (this replica lags: its seq will go back soon), or this
-        replica missed the restart. The engine's replay decides: when it holds this very batch
-        (same seq, same bytes), the batch is of the current life and the store's epoch is
-        adopted. Checks are spaced (every ``LIFE_CHECK_EVERY`` STALE batches in a row)."""
-        st.stale_run += 1
-        if not seqr.check_life(st.stale_run) or not await self._replay.life_of(st, seq, payload):
-            st.last_seq = seq
-            return ApplyResult(Outcome.STALE, pos)
-        log.info("pod %s: the store is at epoch %d (another replica saw the engine restart): adopting it",
-                 st.pod, pos.epoch)
-        st.epoch = pos.epoch
-        st.expect_from = self._first_seq
-        return await self.writer.apply(st, seq, batch, payload, None)
 
     async def _recover(self, st: Stream, start: int, stop: int | None) -> str | None:
         """Apply the engine's batches [start, stop) from its replay; None when complete, else why not."""
@@ -323,10 +301,12 @@ class EngineLane:
                 await self._resync_reset(streams)
                 if self.journal is not None:
                     self.journal.resync(self.key, pod)
-                for st in streams:
-                    if self.engine.replay:
-                        await self._recover(st, self._first_seq, None)
-                    st.mark_synced("resync requested")
+                for st in streams:  # history gone: unsynced with the reason, never an empty "synced" pod
+                    reason = await self._recover(st, self._first_seq, None) if self.engine.replay else None
+                    if reason is None:
+                        st.mark_synced("resync requested")
+                    else:
+                        await self.writer.mark(st, reason)
             except StoreUnavailable:
                 for st in streams:
                     self._buffer.needs_resync(st, "store_unavailable")
@@ -334,9 +314,9 @@ class EngineLane:
                 raise
             return True
 
-    async def _resync_reset(self, streams: list[Stream]) -> None:
+    async def _resync_reset(self, streams: list[Stream], expect_from: int | None = None) -> None:
         for st in streams:
-            await self.writer.clear(st, st.epoch, None)  # without a replay, the next batch is the new baseline
+            await self.writer.clear(st, st.epoch, expect_from)  # None: the next batch is the new baseline
             self._buffer.resync_done(st)
 
     # -- restored state (snapshot, write-ahead log, peer) ----------------------------------------
@@ -364,7 +344,7 @@ class EngineLane:
         stretch it was (the live lane could not fill it either)."""
         st = self.writer.stream(topic)
         if not st.seeded:
-            await self._seed(st)
+            await self._lives.seed(st)
         batch = self.writer.decode(st.pod, Frame(topic, seq, payload))
         if batch is None:
             return
@@ -376,9 +356,11 @@ class EngineLane:
         await self.writer.apply(st, seq, batch, payload, force)
 
     async def resync_logged(self, pod: str) -> None:
-        """Re-apply an operator's resync from the write-ahead log (the batches it replayed follow)."""
+        """Re-apply an operator's resync from the write-ahead log (the batches it replayed follow:
+        with a replay endpoint, from the first seq; a first logged batch past it is the history the
+        resync could not rebuild, and the stream is unsynced again, as it was)."""
         streams = [s for s in self.state.streams.values() if s.pod == pod]
-        await self._resync_reset(streams)
+        await self._resync_reset(streams, self._first_seq if self.engine.replay else None)
         for st in streams:
             st.mark_synced("resync requested")
 
@@ -394,6 +376,9 @@ class EngineLane:
                 if st.last_seq is not None:
                     log.info("pod %s: restored at seq %d, asking %s for what followed", st.pod, st.last_seq,
                              self.engine.replay)
-                    reason = await self._recover(st, st.last_seq + 1, None)
+                    if await self._lives.restarted_unseen(st):  # the engine's life is not the one saved
+                        reason = await self._lives.restart_restored(st, self._recover)
+                    else:
+                        reason = await self._recover(st, st.last_seq + 1, None)
                     if reason is not None:
                         st.force = reason

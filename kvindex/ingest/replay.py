@@ -2,19 +2,24 @@
 which life of the engine a batch belongs to.
 
 Invariants:
-- Every request is one ``fetch_replay`` (a fresh DEALER, one deadline: ``timeout``); a failed
-  request is logged and never raises (ZeroMQ and replay errors become an answer: "unknown" or an
-  unsynced reason).
-- ``recover`` feeds the range's batches to the caller's ``offer`` strictly in seq order from its
-  start and stops at the first it cannot apply in order; the walk and its verdict are the
-  sequencer's (``ReplayWalk``). Batches applied ahead of the live socket (``stop`` None) are
-  remembered by CRC in ``Stream.replayed`` so their live copies are dropped.
+- Every request is one replay answer (a fresh DEALER) within its bounds: ``timeout`` seconds of
+  waiting for the engine, ``max_bytes`` bytes (``transport.ReplayAnswer``); a failed request is
+  logged and never raises (ZeroMQ and replay errors become an answer: "unknown" or an unsynced
+  reason).
+- ``recover`` feeds the range's batches to the caller's ``offer`` as they arrive, strictly in seq
+  order from its start, and stops reading at the range's end or the first batch it cannot apply
+  in order (memory: one batch at a time); the walk and its verdict are the sequencer's
+  (``ReplayWalk``). An answer cut short by a bound leaves the stream unsynced with the bound's
+  name (``replay_timeout``, ``replay_too_large``, ``replay_too_many_frames``). It yields to the
+  event loop every ``YIELD_EVERY`` batches applied. Batches applied ahead of the live socket
+  (``stop`` None) are remembered by CRC in ``Stream.replayed`` so their live copies are dropped.
 - Metrics: ``kvindex_replays_total{pod, result}`` per recovery (``ok``, ``history_lost``,
-  ``failed``).
+  ``failed``, or the bound that cut it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import zlib
 from collections.abc import Awaitable, Callable
@@ -26,7 +31,14 @@ from kvindex.events import Frame
 from kvindex.ingest import sequencer
 from kvindex.ingest.sequencer import NOT_THIS_LIFE, Recovered, ReplayWalk, Walk
 from kvindex.ingest.streams import Stream
-from kvindex.ingest.transport import ReplayError, ReplayResult, fetch_replay
+from kvindex.ingest.transport import (
+    MAX_REPLAY_BYTES,
+    YIELD_EVERY,
+    ReplayError,
+    ReplayResult,
+    fetch_replay,
+    open_replay,
+)
 from kvindex.metrics import Metrics
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
@@ -37,10 +49,12 @@ Offer = Callable[[Stream, Frame], Awaitable[bool]]  # decode and apply one batch
 class Replay:
     """One engine's replay endpoint (``endpoint`` None: the engine has none)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str | None, timeout: float, metrics: Metrics) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str | None, timeout: float, metrics: Metrics,
+                 max_bytes: int = MAX_REPLAY_BYTES) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self._timeout = timeout
+        self._max_bytes = max_bytes
         self._metrics = metrics
 
     async def peek(self, st: Stream, seq: int, max_frames: int) -> ReplayResult | None:
@@ -49,7 +63,8 @@ class Replay:
         if not self.endpoint:
             return None
         try:
-            return await fetch_replay(self._ctx, self.endpoint, seq, timeout=self._timeout, max_frames=max_frames)
+            return await fetch_replay(self._ctx, self.endpoint, seq, timeout=self._timeout, max_frames=max_frames,
+                                      max_bytes=self._max_bytes)
         except (ReplayError, zmq.ZMQError) as exc:
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.endpoint, exc)
             return None
@@ -61,6 +76,14 @@ class Replay:
         if result is None:
             return None
         return sequencer.life_of(result.frames, result.complete, st.topic, seq, payload)
+
+    async def same_life(self, st: Stream, seq: int, crc: int) -> bool | None:
+        """Whether the engine still holds, at ``seq``, the batch with payload CRC ``crc``
+        (``sequencer.same_life``); None also without a replay endpoint or when the replay failed."""
+        result = await self.peek(st, seq, 64)
+        if result is None:
+            return None
+        return sequencer.same_life(result.frames, result.complete, st.topic, seq, crc)
 
     async def history_ends_before(self, st: Stream, seq: int) -> bool:
         """Whether the engine's replay history stops before ``seq`` (so the store holds batches of
@@ -74,32 +97,44 @@ class Replay:
         if not self.endpoint:
             return unsynced(st, "gap_no_replay_endpoint", start, stop)
         st.replays += 1
+        walk = ReplayWalk(st.topic, start, stop)
         try:
-            result = await fetch_replay(self._ctx, self.endpoint, start, timeout=self._timeout)
+            async with open_replay(self._ctx, self.endpoint, start, timeout=self._timeout,
+                                   max_bytes=self._max_bytes) as answer:
+                applied = 0
+                async for frame in answer:
+                    step = walk.step(frame)
+                    if step is Walk.SKIP:
+                        continue
+                    if step is not Walk.APPLY:
+                        break  # the range's end, or a hole: nothing more to read
+                    if not await offer(st, frame):
+                        walk.failed()
+                        break
+                    if stop is None:  # ahead of the live socket: its copies of these batches are duplicates
+                        st.replayed[frame.seq] = zlib.crc32(frame.payload)
+                    walk.applied()
+                    applied += 1
+                    if applied % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # applying is CPU only: other lanes and HTTP get their turn
+                ended, cut = answer.complete, answer.cut
         except (ReplayError, zmq.ZMQError) as exc:
             self._metrics.replays.labels(st.pod, "failed").inc()
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.endpoint, exc)
-            return unsynced(st, "replay_failed", start, stop)
-        walk = ReplayWalk(st.topic, start, stop)
-        for frame in result.frames:
-            step = walk.step(frame)
-            if step is Walk.SKIP:
-                continue
-            if step is not Walk.APPLY:
-                break
-            if not await offer(st, frame):
-                walk.failed()
-                break
-            if stop is None:  # ahead of the live socket: its copies of these batches are duplicates
-                st.replayed[frame.seq] = zlib.crc32(frame.payload)
-            walk.applied()
-        verdict = walk.verdict(result.complete)
+            return unsynced(st, "replay_failed", walk.expected, stop)
+        verdict = walk.verdict(ended)
         if verdict is Recovered.NOT_THIS_LIFE:
             self._metrics.replays.labels(st.pod, "ok").inc()
             return NOT_THIS_LIFE  # the engine never published stop - 1 in its current life
-        complete = verdict is Recovered.COMPLETE
-        self._metrics.replays.labels(st.pod, "ok" if complete else "history_lost").inc()
-        return None if complete else unsynced(st, "history_lost", walk.expected, stop)
+        if verdict is Recovered.COMPLETE:
+            self._metrics.replays.labels(st.pod, "ok").inc()
+            return None
+        reason = cut or "history_lost"
+        self._metrics.replays.labels(st.pod, reason).inc()
+        if cut is not None:
+            log.warning("pod %s: the replay from %s was cut short (%s, bounds: %gs of waiting, %d bytes)",
+                        st.pod, self.endpoint, cut, self._timeout, self._max_bytes)
+        return unsynced(st, reason, walk.expected, stop)
 
 
 def unsynced(st: Stream, reason: str, start: int, stop: int | None) -> str:

@@ -7,9 +7,17 @@ judgement (``kvindex.sequence.judge``, atomic with the apply, shared by every re
 rules decide what this replica does around it.
 
 Invariants:
-- A seq that goes back means the engine restarted, but only a batch with a usable event is
-  evidence enough (``Live.RESTART`` vs ``Live.NO_EVIDENCE``); a batch a replay already applied
-  ahead of the live socket (same seq, same CRC) is dropped silently (``Live.REPLAYED``).
+- A seq that goes back is a duplicate or an engine restart, told apart by payload CRC: the stream
+  remembers the CRCs of its last ``RECENT_CRCS`` batches of the engine's current life; the same
+  seq with the same CRC is a duplicate (``Live.DUPLICATE``: dropped, counted), with other bytes a
+  restart (``Live.RESTART``), but only a batch with a usable event is evidence enough
+  (``Live.NO_EVIDENCE``). A seq older than that memory asks the engine's replay whether it still
+  holds the stream's watermark batch (``Live.CHECK_LIFE``, ``same_life``): it does, a duplicate;
+  it does not, a restart. A batch a replay already applied ahead of the live socket (same seq,
+  same CRC) is dropped silently (``Live.REPLAYED``).
+- The engine's incarnation does not depend on seq going back: the CRC of the watermark batch is
+  saved with the watermark; a restored stream asks the replay for that seq (``same_life``): other
+  bytes there, or a history that stops before it, is a life kvindex did not see.
 - A stream whose stored history is unknown and whose first batch is past the first seq joined
   mid-stream: ``[expect_from, seq)`` is recovered first (``join_gap``).
 - A GAP from the store recovers ``[gap_start, seq)``; a BEHIND store resyncs the stream; a
@@ -31,6 +39,8 @@ from kvindex.sequence import Outcome, Position
 NOT_THIS_LIFE = "not_this_life"  # a recovery's verdict: the engine's history ends before the batch
 HISTORY_LOST = "history_lost"
 LIFE_CHECK_EVERY = 64  # STALE batches in a row between two replay checks of the batch's engine life
+RECENT_CRCS = 256  # a stream's remembered (seq -> payload CRC) of its current life, for duplicates
+RESTARTED_UNSEEN = "engine_restarted_unseen"  # unsynced while a life kvindex did not see is replayed
 
 
 class Live(Enum):
@@ -39,26 +49,41 @@ class Live(Enum):
     OFFER = "offer"  # offer it
     LIVE_AGAIN = "live_again"  # past what a replay applied ahead of the socket: forget that, offer it
     REPLAYED = "replayed"  # a replay ahead of the socket applied these very bytes: drop it
-    RESTART = "restart"  # seq went back: the engine restarted; restart the stream, then offer it
+    RESTART = "restart"  # seq went back with other bytes: the engine restarted; restart the stream, offer it
     NO_EVIDENCE = "no_evidence"  # seq went back but the batch carries no usable event: reject it
+    DUPLICATE = "duplicate"  # seq went back with the very bytes this life had there: drop it, count it
+    CHECK_LIFE = "check_life"  # seq went back past what the stream remembers: ask the replay (``same_life``)
 
 
 # members as module globals for the per-batch functions: on Python 3.11 an enum member's lookup
 # through its class costs ~150 ns, several times a batch's own bookkeeping
-_OFFER, _LIVE_AGAIN, _REPLAYED, _RESTART, _NO_EVIDENCE = (Live.OFFER, Live.LIVE_AGAIN, Live.REPLAYED, Live.RESTART,
-                                                          Live.NO_EVIDENCE)
+_OFFER, _LIVE_AGAIN, _REPLAYED, _RESTART, _NO_EVIDENCE, _DUP, _CHECK = (
+    Live.OFFER, Live.LIVE_AGAIN, Live.REPLAYED, Live.RESTART, Live.NO_EVIDENCE, Live.DUPLICATE, Live.CHECK_LIFE)
 
 
-def live(last_seq: int | None, replayed: Mapping[int, int], seq: int, payload: bytes, has_events: bool) -> Live:
-    """The step for live batch ``seq`` of a stream that last handled ``last_seq``."""
+def live(last_seq: int | None, replayed: Mapping[int, int], seq: int, payload: bytes, has_events: bool,
+         recent: Mapping[int, int]) -> Live:
+    """The step for live batch ``seq`` of a stream that last handled ``last_seq``; ``recent`` maps
+    the seqs of the stream's current life it remembers to their payload CRCs."""
     if replayed:
         if replayed.get(seq) == zlib.crc32(payload):
             return _REPLAYED
         if last_seq is not None and seq > last_seq:
             return _LIVE_AGAIN
     if last_seq is not None and seq <= last_seq:
-        return _RESTART if has_events else _NO_EVIDENCE
+        known = recent.get(seq)
+        if known is not None and known == zlib.crc32(payload):
+            return _DUP
+        if not has_events:
+            return _NO_EVIDENCE
+        return _RESTART if known is not None else _CHECK
     return _OFFER
+
+
+def went_back_to(same: bool | None) -> Live:
+    """``CHECK_LIFE`` answered: the engine still holds the watermark batch (True: the batch is an
+    old duplicate) or not (False, or cannot tell: None, as before, a restart)."""
+    return _DUP if same else _RESTART
 
 
 def went_back(last_seq: int | None, seq: int) -> bool:
@@ -146,11 +171,25 @@ def life_of(frames: Sequence[Frame], complete: bool, topic: str, seq: int, paylo
     """Whether batch ``seq`` is of the engine's current life, by its replay from ``seq``: True (it
     holds these very bytes at ``seq``), False (other bytes there, or its history stops before),
     None (its history no longer reaches ``seq``)."""
+    return same_life(frames, complete, topic, seq, zlib.crc32(payload))
+
+
+def same_life(frames: Sequence[Frame], complete: bool, topic: str, seq: int, crc: int) -> bool | None:
+    """Whether the engine's replay from ``seq`` holds, at ``seq``, the batch whose payload CRC is
+    ``crc`` (the same life of the engine): True, False (other bytes there, or its history stops
+    before ``seq``: a new life), None (its history no longer reaches ``seq``, or the answer was
+    cut short: cannot tell)."""
     mine = _of(frames, topic)
     at = next((f for f in mine if f.seq == seq), None)
     if at is not None:
-        return zlib.crc32(at.payload) == zlib.crc32(payload)
+        return zlib.crc32(at.payload) == crc
     return False if not mine and complete else None
+
+
+def restored_life(last_seq: int | None, last_crc: int | None) -> bool:
+    """Whether a restored stream can ask the engine's replay if its watermark is of the engine's
+    current life (it holds a watermark and the CRC of the batch at it)."""
+    return last_seq is not None and last_crc is not None
 
 
 def history_ends_before(frames: Sequence[Frame], complete: bool, topic: str) -> bool:

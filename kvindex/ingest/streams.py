@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvindex.ingest.sequencer import RECENT_CRCS
 from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
@@ -94,10 +95,22 @@ class Stream:
     needs_resync: str | None = None  # why the stream must be resynchronised before it applies again
     held: int = 0  # batches of this stream waiting in the lane's buffer
     stale_run: int = 0  # STALE batches in a row (replay checks of their engine life are spaced)
+    last_crc: int | None = None  # payload CRC of the batch at last_seq (saved with it: the engine's life)
+    recent: dict[int, int] = field(default_factory=dict)  # seq -> payload CRC, the last RECENT_CRCS
+                                                           # batches of this life (duplicates)
 
     @property
     def baseline_unknown(self) -> bool:
         return self.stored is None or self.stored.last_seq is None
+
+    def handled(self, seq: int, crc: int) -> None:
+        """Batch ``seq`` (payload CRC ``crc``) of the engine's current life was applied or judged
+        a duplicate: remembered, the oldest forgotten past ``RECENT_CRCS``."""
+        self.last_crc = crc
+        recent = self.recent
+        recent[seq] = crc
+        if len(recent) > RECENT_CRCS:
+            del recent[next(iter(recent))]
 
     def sorted_ranks(self) -> list[int] | None:
         """The ranks a restart of the stream clears (None: all of them)."""
@@ -118,6 +131,8 @@ class Stream:
         self.last_seq = None
         self.expect_from = expect_from
         self.replayed.clear()
+        self.recent.clear()
+        self.last_crc = None
         self.force = None
         self.observe(pos)
 
@@ -133,13 +148,18 @@ class Stream:
                      "restarts", "batches"):
             if name in saved:
                 setattr(self, name, saved[name])
+        crc = saved.get("last_crc")
+        if type(crc) is int and self.last_seq is not None:  # older snapshots have none
+            self.last_crc = crc
+            self.recent = {self.last_seq: crc}
         self.seeded = True
         return Position(self.last_seq, self.epoch, self.synced, self.unsynced_reason)
 
 
 @dataclass(frozen=True, slots=True)
 class LaneSettings:
-    replay_timeout: float = 2.0
+    replay_timeout: float = 2.0  # seconds an engine has to deliver one replay answer
+    replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold
     rcvhwm: int = 1_000_000
     store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
 

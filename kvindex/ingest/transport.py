@@ -18,8 +18,13 @@ Invariants:
   (Re-dialling from the monitor was tried and removed: under engine churn it aborted libzmq.)
 - ``Subscriber.watch_peers`` counts the connected peers from the socket's monitor (connected or
   accepted: one more; disconnected: one less, never below zero).
-- A replay answer has one deadline, ``timeout`` seconds for the whole answer, and at most
-  ``max_frames`` batches are read.
+- A replay answer is bounded three ways: ``timeout`` seconds of waiting for the engine for the
+  whole answer (the time the caller spends on the batches it was handed does not count), at most
+  ``max_frames`` batches and at most ``max_bytes`` bytes (``MAX_REPLAY_BYTES``); past a bound the
+  answer ends, incomplete, saying which (``ReplayAnswer.cut``: ``replay_timeout``,
+  ``replay_too_many_frames``, ``replay_too_large``). A frame that would pass ``max_bytes`` is not
+  kept. The reader yields to the event loop every ``YIELD_EVERY`` frames even when the socket
+  always has the next one ready, so an endless answer never holds the loop.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import zmq
@@ -37,6 +43,9 @@ from kvindex.events import Frame
 END_SEQ = b"\xff" * 8
 DRAIN_BURST = 256
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_REPLAY_FRAMES = 200_000
+MAX_REPLAY_BYTES = 128 << 20
+YIELD_EVERY = 64  # replay frames read between two turns given to the event loop
 
 
 def _limit(ctx: zmq.Context, max_message_bytes: int | None) -> int:
@@ -54,6 +63,7 @@ class Malformed:
 class ReplayResult:
     frames: tuple[Frame, ...]
     complete: bool  # the end marker arrived
+    cut: str | None = None  # the bound that ended the answer early, if one did
 
 
 class ReplayError(RuntimeError):
@@ -146,45 +156,87 @@ class Subscriber:
 
 
 async def fetch_replay(
-    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, *, timeout: float, max_frames: int = 200_000,
-    max_message_bytes: int | None = None,
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, *, timeout: float, max_frames: int = MAX_REPLAY_FRAMES,
+    max_message_bytes: int | None = None, max_bytes: int = MAX_REPLAY_BYTES,
 ) -> ReplayResult:
+    """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``, within
+    the bounds (``ReplayAnswer``); the batches are collected."""
+    async with open_replay(ctx, endpoint, start_seq, timeout=timeout, max_frames=max_frames,
+                           max_message_bytes=max_message_bytes, max_bytes=max_bytes) as answer:
+        frames = [frame async for frame in answer]
+        return ReplayResult(tuple(frames), answer.complete, answer.cut)
+
+
+@asynccontextmanager
+async def open_replay(
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, *, timeout: float, max_frames: int = MAX_REPLAY_FRAMES,
+    max_message_bytes: int | None = None, max_bytes: int = MAX_REPLAY_BYTES,
+) -> AsyncIterator[ReplayAnswer]:
     """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``; the
-    whole answer must arrive within ``timeout`` seconds."""
+    answer is read frame by frame as the caller iterates it (``ReplayAnswer``)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.setsockopt(zmq.MAXMSGSIZE, _limit(ctx, max_message_bytes))
         sock.connect(endpoint)
         await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
-        return await _read_replay(sock, timeout, max_frames)
+        yield ReplayAnswer(sock, timeout, max_frames, max_bytes)
     finally:
         sock.close(linger=0)
 
 
-async def _read_replay(sock: zmq.asyncio.Socket, timeout: float, max_frames: int) -> ReplayResult:
-    """Frames until the end marker, ``max_frames`` (incomplete) or the deadline: with nothing
-    read, a ``ReplayError``; after some batches, what arrived (incomplete)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    frames: list[Frame] = []
-    while len(frames) < max_frames:
-        try:
-            parts = await asyncio.wait_for(sock.recv_multipart(), max(0.0, deadline - loop.time()))
-        except TimeoutError:
-            if frames:
-                return ReplayResult(tuple(frames), complete=False)
-            raise ReplayError(f"no reply within {timeout:g}s") from None
-        if not parts or parts[0] != b"":
-            raise ReplayError("reply without the empty delimiter frame")
-        body = parts[1:]
-        if not body or _is_end(body):
-            return ReplayResult(tuple(frames), complete=True)
-        frame = _replay_frame(body)
-        if frame is None:
-            raise ReplayError(f"unexpected reply of {len(parts)} frames")
-        frames.append(frame)
-    return ReplayResult(tuple(frames), complete=False)
+class ReplayAnswer:
+    """One replay answer, read as it is iterated: batches until the end marker (``complete``) or
+    a bound (``cut`` names it). With nothing read by the deadline, a ``ReplayError``; so is a reply
+    of no known shape."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, timeout: float, max_frames: int, max_bytes: int) -> None:
+        self._sock = sock
+        self._timeout = timeout
+        self._max_frames = max_frames
+        self._max_bytes = max_bytes
+        self.frames = 0
+        self.bytes = 0
+        self.complete = False
+        self.cut: str | None = None
+
+    async def __aiter__(self) -> AsyncIterator[Frame]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        while True:
+            if self.frames >= self._max_frames:
+                self.cut = "replay_too_many_frames"
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                if not self.frames:
+                    raise ReplayError(f"no reply within {self._timeout:g}s")
+                self.cut = "replay_timeout"
+                return
+            try:
+                parts = await asyncio.wait_for(self._sock.recv_multipart(), left)
+            except TimeoutError:
+                continue  # the deadline, decided above
+            if not parts or parts[0] != b"":
+                raise ReplayError("reply without the empty delimiter frame")
+            body = parts[1:]
+            if not body or _is_end(body):
+                self.complete = True
+                return
+            frame = _replay_frame(body)
+            if frame is None:
+                raise ReplayError(f"unexpected reply of {len(parts)} frames")
+            size = sum(map(len, parts))
+            if self.bytes + size > self._max_bytes:
+                self.cut = "replay_too_large"
+                return
+            self.bytes += size
+            self.frames += 1
+            if self.frames % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # the socket may always have the next one ready: never hold the loop
+            handed = loop.time()
+            yield frame
+            deadline += loop.time() - handed  # the caller's time with the batch is not the engine's
 
 
 def _is_end(body: list[bytes]) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 
 from kvindex.config import EngineConfig
 from kvindex.events import DecodeError, Decoder, EventBatch, Frame
@@ -74,13 +75,30 @@ class StreamWriter:
         if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
+            st.handled(seq, zlib.crc32(payload))
         elif outcome is DUPLICATE or outcome is STALE:
             st.skipped += 1
             (st.counters.duplicate if outcome is DUPLICATE else st.counters.stale).inc()
             if outcome is DUPLICATE:
                 st.ranks.add(rank)
                 st.last_seq = seq
+                st.handled(seq, zlib.crc32(payload))
         return result
+
+    def duplicate(self, st: Stream, seq: int) -> None:
+        """A live batch this life delivered already (same seq, same bytes): dropped, counted."""
+        st.skipped += 1
+        st.counters.duplicate.inc()
+        self._burst.warning((st.pod, "duplicate"), "pod %s: seq %d delivered again (a batch of this engine life "
+                         "handled already): a duplicate, dropped", st.pod, seq)
+
+    async def mark(self, st: Stream, reason: str | None) -> None:
+        """The stream's history is complete (``reason`` None) or not, with the reason, in the store
+        (what /v1/pods, /readyz and kvindex_pod_synced report) and here."""
+        pos = st.stored or Position(st.last_seq, st.epoch)
+        pos = Position(pos.last_seq, pos.epoch, reason is None, reason)
+        await self._store.set_position(st.ref, pos)
+        st.observe(pos)
 
     def _applied(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, done: Applied | None) -> None:
         for reason in batch.skipped:
@@ -118,13 +136,15 @@ class StreamWriter:
         st.reset(pos, self._first_seq)
         st.mark_synced("engine restarted")
 
-    async def restart_unseen(self, st: Stream, pos: Position) -> Position:
+    async def restart_unseen(self, st: Stream, pos: Position,
+                             why: str = "the engine's history ends before it") -> Position:
         """The engine restarted while no replica was watching: the store holds its earlier life."""
-        log.warning("pod %s: the store is at seq %d but the engine's history ends before it: the engine restarted "
-                    "while no replica watched; clearing its blocks", st.pod, pos.last_seq)
+        log.warning("pod %s: the store is at seq %s but %s: the engine restarted while no replica watched; "
+                    "clearing its blocks", st.pod, pos.last_seq, why)
         st.restarts += 1
         self._metrics.restarts.labels(st.pod).inc()
-        after = await self._store.restart(st.ref, pos.epoch, None)
+        ranks = None if self._engine.dp_rank is None else [self._engine.dp_rank]  # a rank's own publisher: its rank
+        after = await self._store.restart(st.ref, pos.epoch, ranks)
         st.expect_from = self._first_seq
         return after
 

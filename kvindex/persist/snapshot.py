@@ -8,7 +8,7 @@ map][body: msgpack map]``. The header is ``{"format": "kvindex-state", "version"
     {"precise": {"block_sizes": {model: n}, "entries": [[pod, dp_rank, medium, hash, key|nil, copies], ...]},
      "approx": <ApproxIndex.export_state()>,
      "streams": {lane_key: [{"topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason",
-                             "gaps", "replays", "restarts", "batches", "epoch"}, ...]},
+                             "gaps", "replays", "restarts", "batches", "epoch", "last_crc"}, ...]},
      "registrations": [{"instance_id", "model", "group", "block_size", "dp_rank", "endpoint", "replay"}, ...]}
 
 Invariants:
@@ -36,7 +36,7 @@ FORMAT = "kvindex-state"
 VERSION = 1
 SNAPSHOT_NAME = "state.snap"
 STREAM_FIELDS = ("topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays",
-                 "restarts", "batches", "epoch")
+                 "restarts", "batches", "epoch", "last_crc")
 
 
 class StateError(ValueError):

@@ -70,6 +70,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
     rcvhwm: int = 1_000_000
     store_buffer: int = 10_000
     max_message_bytes: int = 64 << 20
+    replay_max_bytes: int = 128 << 20
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

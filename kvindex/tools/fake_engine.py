@@ -3,7 +3,8 @@
 Invariants:
 - ``FakeEngine`` has one PUB socket (bind or connect) and an optional bound ROUTER replay socket.
   Its replay buffer holds the last ``buffer_steps`` well-formed messages (3 frames, 8-byte seq)
-  of *every* topic published through it, in publish order; a replay request
+  of *every* topic published through it, in publish order (``live_only``: sent, not kept, as a
+  message the network delivers twice); a replay request
   ``[identity, b"", seq8]`` is answered with every buffered message whose seq >= start, in
   buffer order, then the end marker of the chosen ``replay_shape``. A client filters by topic.
   Garbage requests (wrong frame count, seq not 8 bytes) are ignored; the replay task never dies
@@ -136,14 +137,15 @@ class FakeEngine:
         """How many messages the replay buffer holds now."""
         return len(self._buffer)
 
-    async def publish(self, frames: Sequence[bytes], *, replay_only: bool = False) -> None:
-        """Send ``frames`` on PUB (unless ``replay_only``) and keep well-formed ones for replay."""
+    async def publish(self, frames: Sequence[bytes], *, replay_only: bool = False, live_only: bool = False) -> None:
+        """Send ``frames`` on PUB (unless ``replay_only``) and keep well-formed ones for replay
+        (unless ``live_only``)."""
         if self._pub is None:
             raise RuntimeError("FakeEngine.publish() before start()")
         msg = tuple(bytes(f) for f in frames)
         if not replay_only:
             await self._pub.send_multipart(msg)
-        if _seq_of(msg) is not None:
+        if not live_only and _seq_of(msg) is not None:
             self._buffer.append(msg)
 
     def clear_buffer(self) -> None:

@@ -1,0 +1,182 @@
+"""A replay endpoint that misbehaves (endless 1 MiB frames, endless tiny frames, never the end
+marker) on one engine, while a second engine publishes and HTTP is timed: other lanes and HTTP
+keep their latency, kvindex's RSS stays bounded, and the misbehaving pod is unsynced with the
+bound's name (issue 13, class 13). A real ``kvindex serve``, real sockets, real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from kvindex.config import Config, ConfigError
+from kvindex.ingest.transport import fetch_replay
+from tests.conftest import ROOT, ipc_endpoint
+from tests.faultkit import (
+    free_port,
+    http,
+    pods,
+    replay,
+    rss_kib,
+    serve,
+    stop,
+    stream,
+    wait_until,
+    write_capture,
+)
+
+MAX_BYTES = 32 << 20
+
+
+def tcp(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+def replays(url: str, pod: str) -> dict[str, float]:
+    """``kvindex_replays_total`` of ``pod`` by outcome."""
+    text = http(url + "/metrics")[1].decode()
+    return {m.group(1): float(m.group(3)) for m in re.finditer(
+        r'kvindex_replays_total\{outcome="([^"]+)",pod="([^"]+)"\} (\S+)', text) if m.group(2) == pod}
+
+
+@pytest.mark.parametrize("kind", ["huge", "tiny"])
+def test_a_misbehaving_replay_holds_neither_the_loop_nor_memory(kind: str, tmp_path: Path) -> None:
+    frames, truth = stream(1200, seed=12)
+    capture = write_capture(tmp_path / "good.jsonl", frames, dt=0.004)  # ~5 s of publishing
+    bad_pub, bad_rep, good_pub, good_rep, port = (free_port() for _ in range(5))
+    url = f"http://127.0.0.1:{port}"
+    daemon = serve(port, "--engine", f"endpoint={tcp(bad_pub)},replay={tcp(bad_rep)}",
+                   "--engine", f"endpoint={tcp(good_pub)},replay={tcp(good_rep)}",
+                   "--replay-max-bytes", str(MAX_BYTES), "--replay-timeout", "1", log=tmp_path / "kvindex.log")
+    rss0 = rss_kib(daemon.pid)  # before the hostile engine is up
+    hostile = subprocess.Popen([sys.executable, "-m", "tests.hostile_engine", tcp(bad_pub), tcp(bad_rep), kind],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    good = None
+    try:
+        wait_until(lambda: replays(url, "hostile"), 15, "the hostile engine's replay asked")
+        good = replay(capture, good_pub, good_rep, "--speed", "1", "--linger", "1")
+        latencies: list[float] = []
+        rss: list[int] = []
+        progress: list[tuple[float, int]] = []  # (time, the good pod's last seq) whenever it moved
+        t0 = time.monotonic()
+        while good.poll() is None and time.monotonic() - t0 < 30:
+            t = time.monotonic()
+            status, body = http(url + "/v1/pods", timeout=10)
+            latencies.append(time.monotonic() - t)
+            assert status == 200
+            seq = {p["pod"]: p.get("last_seq") for p in body["pods"]}.get("sim-0")
+            if seq is not None and (not progress or seq != progress[-1][1]):
+                progress.append((time.monotonic(), seq))
+            rss.append(rss_kib(daemon.pid))
+            time.sleep(0.02)
+        assert good.wait(timeout=30) == 0
+        wait_until(lambda: pods(port)["sim-0"]["last_seq"] == 1199, 5, "the good engine's last batch")
+        worst = max(latencies)
+        stalls = [b[0] - a[0] for a, b in itertools.pairwise(progress)]
+        growth_mib = (max(rss) - rss0) / 1024
+        print(f"\n{kind}: {len(latencies)} HTTP requests, max {worst * 1000:.0f} ms, median "
+              f"{sorted(latencies)[len(latencies) // 2] * 1000:.1f} ms; the good pod's longest pause "
+              f"{max(stalls) * 1000:.0f} ms; RSS {rss0 // 1024} MiB -> max {max(rss) // 1024} MiB "
+              f"(+{growth_mib:.0f} MiB); hostile replays {replays(url, 'hostile')}")
+        assert worst < 0.5, f"HTTP stalled {worst:.2f}s"
+        assert max(stalls) < 0.5, f"the good lane stalled {max(stalls):.2f}s"
+        assert growth_mib < 256, f"RSS grew {growth_mib:.0f} MiB"
+        view = pods(port)
+        assert view["sim-0"]["synced"] and {e for e in view} >= {"sim-0", "hostile"}
+        bad = view["hostile"]
+        assert not bad["synced"] and bad["unsynced_reason"] in ("replay_too_large", "replay_timeout"), bad
+        cut = {r: n for r, n in replays(url, "hostile").items() if r.startswith("replay_")}
+        assert cut and sum(cut.values()) >= 2, cut
+        got = {e["block_hash"] for e in _blocks(url, "sim-0")}
+        assert got == set(truth.held())
+    finally:
+        for p in (hostile, good, daemon):
+            if p is not None:
+                stop(p)
+
+
+def _blocks(url: str, pod: str) -> list[dict[str, int]]:
+    return [b for entry in http(url + "/dump")[1].values() for e in entry["events"]
+            if e["worker_id"] == pod for b in e["event"]["data"]["stored"]["blocks"]]
+
+
+# -- the bounds, at the transport ------------------------------------------------------------------
+def _flood(endpoint: str, payload: bytes, stop: threading.Event) -> None:
+    """A ROUTER (its own thread and context) answering the first request with endless frames."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    try:
+        if not sock.poll(5000):
+            return
+        ident, *_ = sock.recv_multipart()
+        seq = 0
+        while not stop.is_set():
+            try:
+                sock.send_multipart([ident, b"", b"kv@sim-0@m", seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+                seq += 1
+            except zmq.Again:
+                time.sleep(0.001)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(("payload", "max_bytes", "cut"), [
+    (b"x" * 4, 128 << 20, "replay_timeout"),  # endless tiny frames: the deadline ends it
+    (b"x" * (256 << 10), 4 << 20, "replay_too_large"),  # endless big frames: the byte bound ends it
+])
+async def test_an_endless_answer_ends_at_its_bound_and_never_holds_the_loop(
+        payload: bytes, max_bytes: int, cut: str, tmp_path: Path) -> None:
+    endpoint = ipc_endpoint(tmp_path, "rep")
+    stop = threading.Event()
+    flood = threading.Thread(target=_flood, args=(endpoint, payload, stop), daemon=True)
+    flood.start()
+    ctx = zmq.asyncio.Context()
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    try:
+        t0 = time.monotonic()
+        result = await fetch_replay(ctx, endpoint, 0, timeout=0.5, max_bytes=max_bytes)
+        took = time.monotonic() - t0
+        assert not result.complete and result.cut == cut and result.frames, (result.cut, len(result.frames))
+        assert sum(len(f.payload) for f in result.frames) <= max_bytes
+        assert took < 2.0, took
+        assert max(gaps) < 0.1, f"the event loop was held {max(gaps):.3f}s"
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+        stop.set()
+        flood.join(5)
+        ctx.destroy(linger=0)
+
+
+def test_the_bounds_are_checked_where_they_enter() -> None:
+    for bad in ({"replay_max_bytes": 0}, {"replay_max_bytes": 1.5}, {"replay_timeout": 0},
+                {"replay_timeout": -1.0}, {"replay_timeout": True}):
+        with pytest.raises(ConfigError):
+            Config(**bad)  # type: ignore[arg-type]
+    assert (Config().replay_timeout, Config().replay_max_bytes) == (2.0, 128 << 20)
+    for flag, value in (("--replay-max-bytes", "0"), ("--replay-timeout", "0")):
+        done = subprocess.run([sys.executable, "-m", "kvindex", "serve", "--port", "0", flag, value],
+                              capture_output=True, text=True, timeout=30, check=False)
+        assert done.returncode == 2 and "replay_" in done.stderr, done.stderr
