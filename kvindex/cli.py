@@ -21,6 +21,7 @@ from typing import Any
 from kvindex import loops
 from kvindex.config import Config, ConfigError, load_file, with_overrides
 from kvindex.index.protocol import StoreUnavailable
+from kvindex.logs import OneLine
 from kvindex.storeurl import describe
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "streams are unsynced and replayed from the engine when the store answers (default 10000)")
 
     s.add_argument("--workers", type=int, metavar="N", help=WORKERS_HELP)
+    s.add_argument("--max-connections", type=int, metavar="N", help="open HTTP connections at most (also [server] "
+                   "max_connections; default: the open-file limit, raised to its hard limit at start, less descriptors "
+                   "kept for the engines, at most 4096); one beyond gets a 503 and is closed. [server] idle_timeout and "
+                   "body_timeout (default 30 s each) close a connection that sends no request header, or no whole body, in time")
 
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -167,7 +172,8 @@ def load_config(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
-                          store=args.store, store_buffer=args.store_buffer, workers=args.workers)
+                          store=args.store, store_buffer=args.store_buffer, workers=args.workers,
+                          max_connections=args.max_connections)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -212,6 +218,8 @@ async def run_until_signal(body: Callable[[asyncio.Event], Awaitable[None]]) -> 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(OneLine())  # names from requests and engines: escaped, cut (kvindex.logs)
     try:
         if args.command == "serve":  # refused before anything starts (event loop, sockets, workers)
             args.config_values, args.token = load_config(args), read_token(args.token_file)

@@ -138,6 +138,9 @@ class Config:
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
     workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
+    max_connections: int = 0  # open HTTP connections at most; 0: derived from RLIMIT_NOFILE (kvindex.http.server)
+    idle_timeout: float = 30.0  # seconds an HTTP connection may go without a complete request header
+    body_timeout: float = 30.0  # seconds a request body may take to arrive
 
     def __post_init__(self) -> None:
         try:
@@ -158,8 +161,17 @@ class Config:
             raise ConfigError("max_message_bytes must be a positive integer (bytes)")
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
+        self._check_http()
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex")
+
+    def _check_http(self) -> None:
+        if type(self.max_connections) is not int or self.max_connections < 0:
+            raise ConfigError("max_connections must be an integer >= 1 (0: derived from the open-file limit)")
+        for name in ("idle_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not 0 < value < 1e6:
+                raise ConfigError(f"{name} must be a positive number of seconds")
 
     def _check_workers(self) -> None:
         if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
@@ -189,6 +201,9 @@ class ServerTable(_Table, frozen=True):
     store: str | UnsetType = UNSET
     store_buffer: int | UnsetType = UNSET
     workers: int | UnsetType = UNSET
+    max_connections: int | UnsetType = UNSET
+    idle_timeout: float | UnsetType = UNSET
+    body_timeout: float | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):
@@ -296,7 +311,7 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
                    peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
-                   workers: int | None = None) -> Config:
+                   workers: int | None = None, max_connections: int | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -310,6 +325,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         store=store if store is not None else cfg.store,
         store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
         workers=workers if workers is not None else cfg.workers,
+        max_connections=max_connections if max_connections is not None else cfg.max_connections,
     )
 
 

@@ -107,7 +107,7 @@ class EngineLane:
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
                                    metrics=metrics, burst=burst)
-        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics)
+        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics, self.writer.waiting)
         self._buffer = StoreBuffer(engine.name, self.state.streams, settings.store_buffer, metrics, self._lock,
                                    self._drain_once)
         self._restored: set[str] = set()

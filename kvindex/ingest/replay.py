@@ -11,11 +11,18 @@ Invariants:
   remembered by CRC in ``Stream.replayed`` so their live copies are dropped.
 - Metrics: ``kvindex_replays_total{pod, result}`` per recovery (``ok``, ``history_lost``,
   ``failed``).
+- Out of file descriptors (the DEALER cannot be made: ``EMFILE``/``ENFILE``, or the request timed
+  out while this process cannot open a socket) is not a failure of the engine: ``recover`` retries
+  with backoff for up to ``DESCRIPTOR_WAIT_SECONDS``, the stream shown unsynced meanwhile with
+  reason ``NO_DESCRIPTORS`` (``on_wait``), and carries on once descriptors are back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
+import socket
 import zlib
 from collections.abc import Awaitable, Callable
 
@@ -32,16 +39,65 @@ from kvindex.metrics import Metrics
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
 
 Offer = Callable[[Stream, Frame], Awaitable[bool]]  # decode and apply one batch; False: not in order
+OnWait = Callable[[Stream, str | None], Awaitable[None]]  # the stream waits (a reason) or no longer (None)
+NO_DESCRIPTORS = "replay_waiting_for_file_descriptors"
+DESCRIPTOR_WAIT_SECONDS = 60.0
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Whether ``exc`` (a failed replay request) is this process being out of descriptors: the
+    socket could not be made, or (ZeroMQ connects in its own thread, and retries) the request
+    timed out while no socket can be opened."""
+    if isinstance(exc, zmq.ZMQError):
+        return exc.errno in _OUT_OF_DESCRIPTORS
+    try:
+        a, b = socket.socketpair()  # the probe: two descriptors, closed at once
+    except OSError as probe:
+        return probe.errno in _OUT_OF_DESCRIPTORS
+    a.close()
+    b.close()
+    return False
+
+
+async def _no_wait(st: Stream, reason: str | None) -> None:
+    pass
 
 
 class Replay:
     """One engine's replay endpoint (``endpoint`` None: the engine has none)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str | None, timeout: float, metrics: Metrics) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str | None, timeout: float, metrics: Metrics,
+                 on_wait: OnWait = _no_wait, descriptor_wait: float = DESCRIPTOR_WAIT_SECONDS) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self._timeout = timeout
         self._metrics = metrics
+        self._on_wait = on_wait
+        self._descriptor_wait = descriptor_wait
+
+    async def _fetch(self, st: Stream, start: int) -> ReplayResult:
+        """``fetch_replay``, waiting out a shortage of file descriptors (retried with backoff)."""
+        assert self.endpoint is not None
+        loop = asyncio.get_running_loop()
+        t0, delay, waiting = loop.time(), 0.05, False
+        try:
+            while True:
+                try:
+                    return await fetch_replay(self._ctx, self.endpoint, start, timeout=self._timeout)
+                except (ReplayError, zmq.ZMQError) as exc:
+                    if loop.time() - t0 >= self._descriptor_wait or not out_of_descriptors(exc):
+                        raise
+                    if not waiting:
+                        waiting = True
+                        log.warning("pod %s: replay from %s: out of file descriptors (%s); retrying until they are "
+                                    "back (up to %gs)", st.pod, self.endpoint, exc, self._descriptor_wait)
+                        await self._on_wait(st, NO_DESCRIPTORS)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+        finally:
+            if waiting:
+                await self._on_wait(st, None)
 
     async def peek(self, st: Stream, seq: int, max_frames: int) -> ReplayResult | None:
         """Up to ``max_frames`` of the engine's history from ``seq``; None without a replay endpoint
@@ -75,7 +131,7 @@ class Replay:
             return unsynced(st, "gap_no_replay_endpoint", start, stop)
         st.replays += 1
         try:
-            result = await fetch_replay(self._ctx, self.endpoint, start, timeout=self._timeout)
+            result = await self._fetch(st, start)
         except (ReplayError, zmq.ZMQError) as exc:
             self._metrics.replays.labels(st.pod, "failed").inc()
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.endpoint, exc)
