@@ -21,7 +21,7 @@ from typing import Any
 from kvindex import loops
 from kvindex.config import Config, ConfigError, load_file, with_overrides
 from kvindex.index.protocol import StoreUnavailable
-from kvindex.logs import OneLine
+from kvindex.logs import one_line_logs
 from kvindex.storeurl import describe
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
@@ -218,8 +218,7 @@ async def run_until_signal(body: Callable[[asyncio.Event], Awaitable[None]]) -> 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(OneLine())  # names from requests and engines: escaped, cut (kvindex.logs)
+    one_line_logs()  # names from requests and engines: escaped, cut (kvindex.logs)
     try:
         if args.command == "serve":  # refused before anything starts (event loop, sockets, workers)
             args.config_values, args.token = load_config(args), read_token(args.token_file)

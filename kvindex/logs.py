@@ -9,9 +9,10 @@ Invariants:
   (``\\n``, ``\\x1b``, ``\\u2028``), and past ``limit`` characters it is cut, with a marker saying
   how many were left out. Every request- or engine-provided name (pod, instance id, model, LoRA,
   salt, topic) goes through it before it reaches a log line: ``OneLine``, the filter on the
-  command line's log handler, applies it to every string argument of every record (and to a
-  message that itself holds control characters), so no log line can be forged or flooded by a
-  name, whichever module logs it. Tracebacks (``exc_info``) are formatted apart, as usual.
+  log handlers of ``kvindex`` and of its shard workers (``one_line_logs``), applies it to every
+  string argument of every record (and to a message that itself holds control characters), so
+  no log line can be forged or flooded by a name, whichever module logs it. Tracebacks
+  (``exc_info``) are formatted apart, as usual.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ class OneLine(logging.Filter):
         if isinstance(record.msg, str) and not record.msg.isprintable():
             record.msg = shown(record.msg, limit=len(record.msg))
         return True
+
+
+def one_line_logs() -> None:
+    """``OneLine`` on every handler of the root logger (after ``logging.basicConfig``)."""
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(OneLine())
 
 
 class BurstLog:
