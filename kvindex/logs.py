@@ -3,7 +3,9 @@ and ``shown``, the one way a name that came from outside is written into a log l
 
 Invariants:
 - ``BurstLog``: per key, at most one line per ``interval`` seconds; the line says how many were
-  suppressed since the last one.
+  suppressed since the last one. ``burst_logger`` is a logger (for a library that logs through
+  one, aiohttp's server) with the same rule per (message, exception type), its tracebacks
+  replaced by the exception's one line.
 - ``shown(value)`` is one line of printable text whatever ``value`` holds: control characters
   (newlines, escapes, ...) and other non-printable code points are written as Python escapes
   (``\\n``, ``\\x1b``, ``\\u2028``), and past ``limit`` characters it is cut, with a marker saying
@@ -50,6 +52,46 @@ def one_line_logs() -> None:
     """``OneLine`` on every handler of the root logger (after ``logging.basicConfig``)."""
     for handler in logging.getLogger().handlers:
         handler.addFilter(OneLine())
+
+
+class BurstFilter(logging.Filter):
+    """At most one record per (message, exception type) per ``interval`` seconds, the traceback
+    replaced by one line (``Type: its message, whitespace collapsed``), the suppressed count appended."""
+
+    def __init__(self, interval: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 max_keys: int = 4096) -> None:
+        super().__init__()
+        self._interval = interval
+        self._clock = clock
+        self._max_keys = max_keys
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        key = (str(record.msg), type(exc).__name__ if exc is not None else "")
+        now = self._clock()
+        last, suppressed = self._last.get(key, (float("-inf"), 0))
+        if now - last < self._interval:
+            self._last[key] = (last, suppressed + 1)
+            return False
+        if len(self._last) >= self._max_keys:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        msg = record.getMessage()
+        if exc is not None:
+            msg += f": {type(exc).__name__}: {shown(' '.join(str(exc).split()))}"
+            record.exc_info, record.exc_text = None, None
+        record.msg, record.args = msg + (f" ({suppressed} more like this suppressed)" if suppressed else ""), None
+        return True
+
+
+def burst_logger(name: str, parent: logging.Logger, interval: float = 10.0) -> logging.Logger:
+    """A logger of its own (not in the logging registry: nothing global is changed) whose records go
+    to ``parent``'s handlers through a ``BurstFilter``."""
+    logger = logging.Logger(name)  # noqa: LOG001 -- outside the registry on purpose
+    logger.parent = parent
+    logger.addFilter(BurstFilter(interval))
+    return logger
 
 
 class BurstLog:

@@ -9,6 +9,7 @@ configured, the open-file limit it gave the daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import logging
@@ -23,9 +24,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvindex.config import Config
+from kvindex.daemon import Daemon
 from kvindex.decisions import MAX_DECISION_PODS
-from kvindex.http import dynamo
-from kvindex.http import native as native_api
 from kvindex.http.bodies import MAX_DEPTH
 from kvindex.limits import MAX_ID_CHARS, MAX_MODEL_CHARS, MAX_SALT_CHARS
 from kvindex.logs import BurstLog, shown
@@ -92,9 +93,13 @@ def assert_one_line_records(log: Path) -> None:
     assert not stray, stray[:5]
 
 
-def post_routes() -> list[str]:
-    """Every POST route of the application, from its route table (path parameters filled in)."""
-    paths = [r.path for r in [*native_api.routes(), *dynamo.routes()] if r.method == "POST"]
+async def post_routes() -> list[str]:
+    """Every POST route of the daemon's application, from its router (path parameters filled in)."""
+    d = Daemon(Config())
+    try:
+        paths = sorted({r.resource.canonical for r in d.app.router.routes() if r.method == "POST" and r.resource})
+    finally:
+        await d.stop()
     assert len(paths) >= 7
     return [re.sub(r"\{[^}]+\}", "x", p) for p in paths]
 
@@ -118,7 +123,7 @@ def deep_json(depth: int, kind: str) -> str:
 # -- class 11: every body error is a 4xx, counted, one line ------------------------------------------
 def test_deeply_nested_and_hostile_bodies_are_4xx_on_every_post_route(daemon: tuple[Client, Path]) -> None:
     client, log = daemon
-    routes = post_routes()
+    routes = asyncio.run(post_routes())
     base = {"model": "m", "model_name": "m", "token_ids": [1, 2, 3], "instance_id": 1, "endpoint": "tcp://h:1",
             "block_size": 16, "pod": "p", "request": {"model": "m", "prompt": "hi"}}
     bodies: list[tuple[bytes, str]] = []
@@ -475,3 +480,27 @@ def test_refusal_log_is_one_line_per_reason_per_interval_with_the_suppressed_cou
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 3 and "\n" not in lines[0] and lines[0].endswith("more chars]")
     assert lines[2] == "refused x (99 more like this suppressed)"
+
+
+def test_malformed_http_is_logged_once_per_interval_without_tracebacks(daemon: tuple[Client, Path]) -> None:
+    client, log = daemon
+    port = client.port
+    bad = [b"POST /query HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\nzz\r\n",
+           b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+           b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"a\":"]  # then cut short
+    for _ in range(20):
+        for req in bad:
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(req)
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(5)
+                with contextlib.suppress(OSError):
+                    s.recv(4096)
+    assert client.json("GET", "/healthz")[0] == 200
+    wait_until(lambda: counters(client, "kvindex_http_rejections").get(
+        (("endpoint", "/query"), ("reason", "body_incomplete")), 0) == 20, 10, "the cut bodies counted")
+    assert_one_line_records(log)
+    lines = log_lines(log)
+    server = [ln for ln in lines if "kvindex.http.server" in ln]
+    assert 1 <= len(server) <= 2 and all("BadHttpMessage" in ln or "LineTooLong" in ln for ln in server), server
+    assert len([ln for ln in lines if "(body_incomplete)" in ln]) == 1

@@ -12,7 +12,9 @@ Invariants:
   (or of its last answer) is closed (aiohttp's keep-alive timer runs from the connection's
   start); a body not received whole within ``body_timeout`` seconds is answered 408 and the
   connection closed after at most ``LINGER_SECONDS`` more (``read_body_within``, the error
-  middleware's first step: every handler then reads the body already received).
+  middleware's first step: every handler then reads the body already received); a body cut
+  short by the client is a 400 ``body_incomplete``. aiohttp's own log of malformed requests is
+  one line per (message, exception type) per 10 s.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, cast
 from aiohttp import web
 
 from kvindex.http.errors import ApiError
+from kvindex.logs import burst_logger
 from kvindex.metrics import Metrics
 
 log = logging.getLogger("kvindex.http")
@@ -101,9 +104,10 @@ LINGER_SECONDS = 2.0  # after an answer sent before its body arrived whole: read
 
 def runner_options(idle_timeout: float) -> dict[str, Any]:
     """aiohttp's options for the runner: the idle/header timeout, the lingering read after an early
-    answer (a 408, a 413) kept short, no access log."""
+    answer (a 408, a 413) kept short, no access log, and its own log of malformed requests
+    (a bad request line, header or chunk) rate-limited, one line each (``burst_logger``)."""
     return {"access_log": None, "handle_signals": False, "keepalive_timeout": idle_timeout,
-            "lingering_time": LINGER_SECONDS}
+            "lingering_time": LINGER_SECONDS, "logger": burst_logger("kvindex.http.server", log)}
 
 
 async def read_body_within(request: web.Request, timeout: float) -> None:
@@ -117,3 +121,6 @@ async def read_body_within(request: web.Request, timeout: float) -> None:
     except TimeoutError:
         raise ApiError(f"request body not received within {timeout:g} s", field="body", status=408,
                        reason="body_timeout") from None
+    except ConnectionError:  # the client went away mid-body: nobody to answer, but counted
+        raise ApiError("request body incomplete: the connection closed", field="body",
+                       reason="body_incomplete") from None
