@@ -164,7 +164,8 @@ def test_negative_zero_token_id_is_refused_by_every_endpoint_that_takes_token_id
     client, _ = daemon
     for path, body in (("/query", '{"model_name": "m", "token_ids": [1, -0, 2]}'),
                        ("/v1/score", '{"model": "m", "token_ids": [1, -0, 2]}'),
-                       ("/v1/decisions", '{"pod": "p", "request": {"model": "m"}, "token_ids": [-0]}')):
+                       ("/v1/decisions", '{"pod": "p", "request": {"model": "m"}, "token_ids": [-0]}'),
+                       ("/v1/decisions", '{"decisions": [{"pod": "p", "request": {"model": "m"}, "token_ids": [-0]}]}')):
         status, raw = client.request("POST", path, body.encode())
         assert status == 400 and json.loads(raw)["field"] == "token_ids", (path, raw)
     for path, body in (("/query", '{"model_name": "m", "token_ids": [1, 0, 2]}'),  # 0 itself is a token id
