@@ -25,6 +25,7 @@ from typing import Any
 from kvindex import loops
 from kvindex.config import AUTH_MODES, Config, ConfigError, load_file, with_overrides
 from kvindex.index.protocol import StoreUnavailable
+from kvindex.logs import one_line_logs
 from kvindex.storeurl import describe
 
 log = logging.getLogger("kvindex.cli")
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 134217728, 128 MiB); past N kvindex stops reading it and "
                    "the pod is unsynced (replay_too_large). Batches are applied as they arrive, yielding to HTTP "
                    "and the other engines' lanes, so one misbehaving engine never stalls them")
+    s.add_argument("--max-connections", type=int, metavar="N", help="open HTTP connections at most (also [server] "
+                   "max_connections; default: the open-file limit, raised to its hard limit at start, less descriptors "
+                   "kept for the engines, at most 4096); one beyond gets a 503 and is closed. [server] idle_timeout and "
+                   "body_timeout (default 30 s each) close a connection that sends no request header, or no whole body, in time")
 
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -185,7 +190,8 @@ def load_config(args: argparse.Namespace) -> Config:
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
-                          replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth)
+                          replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
+                          max_connections=args.max_connections)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -254,6 +260,7 @@ async def run_until_signal(body: Callable[[asyncio.Event], Awaitable[None]]) -> 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    one_line_logs()  # names from requests and engines: escaped, cut (kvindex.logs)
     try:
         if args.command == "serve":  # refused before anything starts (event loop, sockets, workers)
             args.config_values, args.token = load_config(args), read_token(args.token_file)

@@ -141,6 +141,9 @@ class Config:
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
     workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
     auth: str = "writes"  # with a token: writes (and bulk exports) need it, or all but the health checks
+    max_connections: int = 0  # open HTTP connections at most; 0: derived from RLIMIT_NOFILE (kvindex.http.server)
+    idle_timeout: float = 30.0  # seconds an HTTP connection may go without a complete request header
+    body_timeout: float = 30.0  # seconds a request body may take to arrive
 
     def __post_init__(self) -> None:
         try:
@@ -168,8 +171,17 @@ class Config:
             raise ConfigError("replay_timeout must be a number of seconds, > 0 and at most 3600")
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
+        self._check_http()
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex")
+
+    def _check_http(self) -> None:
+        if type(self.max_connections) is not int or self.max_connections < 0:
+            raise ConfigError("max_connections must be an integer >= 1 (0: derived from the open-file limit)")
+        for name in ("idle_timeout", "body_timeout"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) or not 0 < value < 1e6:
+                raise ConfigError(f"{name} must be a positive number of seconds")
 
     def _check_workers(self) -> None:
         if type(self.workers) is not int or not 1 <= self.workers <= MAX_WORKERS:
@@ -200,6 +212,9 @@ class ServerTable(_Table, frozen=True):
     store_buffer: int | UnsetType = UNSET
     workers: int | UnsetType = UNSET
     auth: str | UnsetType = UNSET
+    max_connections: int | UnsetType = UNSET
+    idle_timeout: float | UnsetType = UNSET
+    body_timeout: float | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):
@@ -308,7 +323,8 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
                    peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
                    workers: int | None = None, replay_timeout: float | None = None,
-                   replay_max_bytes: int | None = None, auth: str | None = None) -> Config:
+                   replay_max_bytes: int | None = None, auth: str | None = None,
+                   max_connections: int | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -325,6 +341,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         auth=auth if auth is not None else cfg.auth,
         replay_timeout=replay_timeout if replay_timeout is not None else cfg.replay_timeout,
         replay_max_bytes=replay_max_bytes if replay_max_bytes is not None else cfg.replay_max_bytes,
+        max_connections=max_connections if max_connections is not None else cfg.max_connections,
     )
 
 

@@ -55,6 +55,7 @@ from kvindex.drift import DriftAudit
 from kvindex.http import dynamo
 from kvindex.http import native as native_api
 from kvindex.http.app import Services, make_app
+from kvindex.http.server import HttpServer, connection_cap, raise_nofile, runner_options
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
@@ -66,7 +67,7 @@ from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
-from kvindex.pods import PodDirectory
+from kvindex.pods import PodDirectory, pod_census
 from kvindex.query import QueryService
 from kvindex.registrations import EngineRegistry, Registrations
 from kvindex.shard.channel import Metrics as WorkerMetrics
@@ -124,7 +125,8 @@ class Daemon:
                                   behind=self._behind)
         self.registrations = Registrations()
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
-                                 pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics),
+                                 pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics,
+                                                     pod_census(self.fleet, self.store, self.approx_store)),
                                  drift=self.drift, token=token,
                                  engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
@@ -136,6 +138,7 @@ class Daemon:
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,
                                  on_wal_error=lambda op: self.wal_errors.labels(op).inc())
         self._runner: web.AppRunner | None = None
+        self._http: HttpServer | None = None
         self._stopped = False
         self._drift_task: asyncio.Task[None] | None = None
         self._snapshot_task: asyncio.Task[None] | None = None
@@ -291,13 +294,20 @@ class Daemon:
             self.fleet.add(engine.lane_key, engine)
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._listen()
+        log.info("kvindex listening on http://%s:%d with %d engine(s), at most %d connections; event loop %s; %s",
+                 self.config.host, self.port, len(self.config.engines), self._http.max_connections if self._http else 0,
+                 type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
+
+    async def _listen(self) -> None:
+        """The HTTP server: capped connections (``--max-connections``, else derived from the
+        open-file limit, raised first), idle/header and body timeouts (``kvindex.http.server``)."""
+        nofile = raise_nofile()
+        cap = self.config.max_connections or connection_cap(nofile, len(self.config.engines))
+        self._runner = web.AppRunner(self.app, **runner_options(self.config.idle_timeout))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-        log.info("kvindex listening on http://%s:%d with %d engine(s); event loop %s; %s", self.config.host, self.port,
-                 len(self.config.engines), type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
+        self._http = HttpServer(self._runner, cap, self.metrics)
+        self.port = await self._http.start(self.config.host, self.config.port)
 
     async def stop(self) -> None:
         """Undo whatever ``start()`` got to (all of it, part of it, or nothing); idempotent."""
@@ -319,6 +329,9 @@ class Daemon:
             await self.fleet.close()
         except Exception:
             log.exception("closing the engine lanes failed")
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()
         runner, self._runner = self._runner, None
         if runner is not None:
             try:

@@ -9,7 +9,11 @@ Invariants:
   ``/v1/score`` of the same prompt saw, when there was one in the last 30 s: by the time a
   decision is reported the engine has usually published the request's own blocks), the decision is recorded into the approximate
   index (as the router does after a successful response), and it joins the drift sample.
-- Unknown pods are accepted: a decision is how a router tells kvindex about a pod.
+- A decision may name a pod kvindex knows from nowhere else (no engine stream, no state held):
+  a decision is how a router tells kvindex about a pod. Such pods are bounded: at most
+  ``max_pods`` pods known only from decisions (``Census``; default ``MAX_DECISION_PODS``); a
+  decision that would add one more is refused whole (409 ``unknown_pod``, naming the pod), so
+  ``/v1/pods``, which lists every pod either index holds, cannot be flooded with made-up names.
 - The store unreachable (``StoreUnavailable``): the decision fails before it is recorded (the
   reads come first); in a batch, the decisions before it stay recorded.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +37,10 @@ from kvindex.drift import Decision, DriftAudit
 from kvindex.metrics import Metrics
 
 MAX_BATCH = 1024  # decisions in one request
+MAX_DECISION_PODS = 256  # pods known only from decisions (no engine stream, no precise state)
+
+# of the pods asked about: those known from nowhere, and how many pods are known only from decisions now
+Census = Callable[[set[str]], Awaitable[tuple[set[str], int]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,16 +91,31 @@ class Predictor(Protocol):
 
 
 class Decisions:
-    def __init__(self, query: Predictor, drift: DriftAudit, metrics: Metrics) -> None:
+    def __init__(self, query: Predictor, drift: DriftAudit, metrics: Metrics, census: Census | None = None,
+                 max_pods: int = MAX_DECISION_PODS) -> None:
         self._query = query
         self._drift = drift
         self._metrics = metrics
+        self._census = census
+        self._max_pods = max_pods
 
     async def record(self, items: Sequence[DecisionIn]) -> list[dict[str, Any]]:
         """Decisions in order: all are validated before any is recorded, then each is predicted
         and recorded in order (a later one sees the earlier ones)."""
         ready = [await self._validate(item) for item in items]
+        await self._check_pods({r.pod for r in ready})
         return [await self._commit(r) for r in ready]
+
+    async def _check_pods(self, pods: set[str]) -> None:
+        """Refuse pods known from nowhere past the bound of pods known only from decisions."""
+        if self._census is None:
+            return
+        unknown, only = await self._census(pods)
+        if unknown and only + len(unknown) > self._max_pods:
+            pod = min(unknown)
+            raise QueryError(f"unknown pod {pod!r}: no engine stream or state names it, and {only} pods are "
+                             f"known only from decisions (the limit is {self._max_pods})", field="pod", status=409,
+                             reason="unknown_pod")
 
     async def _validate(self, d: DecisionIn) -> _Ready:
         q, model, request = self._query, d.model, d.request

@@ -78,6 +78,7 @@ class Metrics:
         self.unknown_removals = Counter("kvindex_unknown_removals", "BlockRemoved for a hash the pod does not hold", ["pod"], registry=r)
         self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between the engine's batch timestamp and its application", ["pod"], registry=r)
         self.http_rejections = Counter("kvindex_http_rejections", "HTTP requests refused with a 4xx, by endpoint and reason", ["endpoint", "reason"], registry=r)
+        self.http_connections_refused = Counter("kvindex_http_connections_refused", "HTTP connections refused (503, closed) because max_connections were open", registry=r)
         self.query_seconds = Histogram("kvindex_query_duration_seconds", "Time to answer a query, by endpoint", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.approx_match_ratio = Histogram("kvindex_approx_match_ratio", "Approximate index: longest match / prompt blocks per scored request (Kthena's prefix_cache_match_ratio)", ["model"], buckets=RATIO_BUCKETS, registry=r)
         self.approx_evictions = Counter("kvindex_approx_evictions", "Approximate index: capacity evictions (Kthena's prefix_cache_evictions_total)", ["model"], registry=r)

@@ -12,7 +12,7 @@ lane, if any, keeps running and may add blocks again).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvindex.drift import DriftAudit
@@ -77,6 +77,20 @@ class PodDirectory:
 
     async def remove(self, pod: str) -> bool:
         return await remove_pod(pod, self._store, self._approx, self._drift, self.on_remove)
+
+
+def pod_census(fleet: FleetView, store: PreciseStore, approx: ApproxStore) -> Callable[[set[str]], Awaitable[tuple[set[str], int]]]:
+    """The decisions' census (``kvindex.decisions.Census``): of ``pods``, those no engine lane or
+    stream and neither index knows; and how many pods only the approximate index knows (pods known
+    only from decisions). Engines' pods cost no store call."""
+    async def census(pods: set[str]) -> tuple[set[str], int]:
+        lanes = fleet.lanes().values()
+        engines = {lane.engine.pod for lane in lanes} | {st.pod for lane in lanes for st in lane.state.streams.values()}
+        if pods <= engines:
+            return set(), 0
+        precise, held = set(await store.pods()), set(await approx.pods())
+        return pods - engines - precise - held, len(held - precise - engines)
+    return census
 
 
 async def remove_pod(pod: str, store: PreciseStore, approx: ApproxStore, drift: DriftAudit,

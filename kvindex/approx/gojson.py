@@ -29,6 +29,10 @@ class RenderError(ValueError):
     """A request body the router would not hash (Kthena answers 404 "prompt not found")."""
 
 
+class NestingTooDeep(RenderError):
+    """JSON nested past the decoder's recursion limit."""
+
+
 def scrub(text: str) -> str:
     """Replace every surrogate code point (lone escape or escaped raw byte) with U+FFFD."""
     return _SURROGATES.sub("\ufffd", text)
@@ -84,7 +88,7 @@ def go_json_loads(data: bytes | str) -> Any:
     exact_ints = bool(_NEGATIVE_ZERO.search(text))
     try:
         value = _loads(text, scrub, exact_ints)
-    except RenderError:
+    except RenderError:  # NestingTooDeep
         raise
     except ValueError as exc:  # "delimiter" contains "limit": match the digit limit's own words
         if exact_ints or "integer string conversion" not in str(exc):
@@ -103,4 +107,4 @@ def _loads(text: str, scrub: bool, exact_ints: bool) -> Any:
         return json.loads(text, object_pairs_hook=_pairs_hook if scrub else None,
                           parse_constant=_reject_constant, parse_int=_go_int if exact_ints else None)
     except RecursionError:
-        raise RenderError("malformed JSON: nesting too deep") from None
+        raise NestingTooDeep("malformed JSON: nesting too deep") from None

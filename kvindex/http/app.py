@@ -9,6 +9,10 @@ Invariants:
   4xx (or 503 when a dependency is down), and is counted in ``kvindex_http_rejections`` by endpoint
   and reason. The store unreachable is a 503 ``store unavailable: <reason>``, never a 500 and
   never a partial answer. Nothing a request carries can crash the server or change state before it is valid.
+- Refusals are logged without flooding (``log_refusal``): one line per (endpoint, reason) at most
+  every ``REFUSAL_LOG_SECONDS``, saying how many were suppressed, names escaped (``kvindex.logs.shown``).
+  An unexpected exception is a 500 ``internal error`` counted under reason ``internal``, its
+  traceback logged at most once per (endpoint, exception type) per interval.
 - Handlers read parts from ``Services`` and call their methods; they hold no state of their own and
   never reach through a service into a store.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
@@ -24,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -34,7 +39,9 @@ from kvindex.config import Config
 from kvindex.decisions import Decisions
 from kvindex.drift import DriftAudit
 from kvindex.http.errors import ApiError
+from kvindex.http.server import read_body_within
 from kvindex.index.protocol import StoreUnavailable
+from kvindex.logs import BurstLog, shown
 from kvindex.metrics import Metrics
 from kvindex.query import QueryService
 from kvindex.registrations import EngineRegistry
@@ -74,6 +81,8 @@ class Services:
 
 
 SERVICES = web.AppKey("services", Services)
+REFUSALS = web.AppKey("refusals", BurstLog)  # the rate-limited log of refused requests
+REFUSAL_LOG_SECONDS = 10.0
 
 
 def services(request: web.Request) -> Services:
@@ -89,6 +98,7 @@ def endpoint_label(request: web.Request) -> str:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     svc = services(request)
     try:
+        await read_body_within(request, svc.config.body_timeout)
         return await handler(request)
     except QueryError as exc:
         err = ApiError(str(exc), field=exc.field, status=exc.status, reason=exc.reason)
@@ -102,8 +112,25 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         err = ApiError(f"no route {request.method} {request.raw_path}", status=404, reason="no_route")
     except web.HTTPMethodNotAllowed:  # raw_path: as sent (percent-encoded), so the message stays one line
         err = ApiError(f"{request.method} not allowed on {request.raw_path}", status=405, reason="bad_method")
+    except web.HTTPException:
+        raise  # aiohttp's own answers (e.g. a redirect)
+    except Exception as exc:  # noqa: BLE001 -- a bug, never the caller's fault: one line to the caller, the traceback to the log
+        err = ApiError(f"internal error: {type(exc).__name__}", status=500, reason="internal")
+        log_refusal(request, err, exc)
     svc.metrics.http_rejections.labels(endpoint_label(request), err.reason_label).inc()
+    if err.reason_label != "internal":
+        log_refusal(request, err)
     return web.Response(status=err.status_code, text=err.text, content_type="application/json")
+
+
+def log_refusal(request: web.Request, err: ApiError, exc: BaseException | None = None) -> None:
+    """One line per (endpoint, reason) per ``REFUSAL_LOG_SECONDS`` (an unexpected exception: per
+    exception type, with its traceback); the request's path and the message escaped."""
+    endpoint = endpoint_label(request)
+    key = (endpoint, err.reason_label, type(exc).__name__ if exc is not None else "")
+    level = logging.ERROR if exc is not None else logging.INFO
+    request.app[REFUSALS].log(level, key, "%s %s refused %d (%s): %s", request.method, shown(request.path),
+                              err.status_code, err.reason_label, shown(err.text), exc_info=exc)
 
 
 def authorized(request: web.Request) -> bool:
@@ -134,5 +161,6 @@ def make_app(svc: Services, routes: Iterable[web.RouteDef]) -> web.Application:
     and the auth middlewares, bodies capped at ``max_body_bytes``."""
     app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
+    app[REFUSALS] = BurstLog(logging.getLogger("kvindex.http"), interval=REFUSAL_LOG_SECONDS)
     app.add_routes(list(routes))
     return app

@@ -10,7 +10,13 @@ Invariants:
   and a reason label (the ``kvindex_http_rejections`` metric). A field sent as ``null`` is a field
   not sent: required -> ``"<field> is required"`` (``missing_field``), optional -> absent.
 - Unknown fields are ignored (OpenAI bodies carry many); strings that must name something are
-  non-empty; integers are never booleans or floats.
+  non-empty and at most their ``kvindex.limits`` length (400 ``too_long`` naming the field and
+  the limit); integers are never booleans or floats.
+- Hostile shapes are refused before anything walks them: arrays and objects nested deeper than
+  ``MAX_DEPTH`` (400 ``too_deep``, whichever decoder read the body: msgspec, the Go-compatible
+  one, msgpack, after the C token scanner); a decoder's own recursion limit is the same refusal.
+- A token id is written as an unsigned integer: ``-0`` is refused (``bad_field``) on every
+  endpoint that takes ``token_ids``, as Go's and serde's unsigned decoders refuse it.
 - Pure: checking a body changes nothing.
 """
 
@@ -26,17 +32,68 @@ import msgspec
 from aiohttp import web
 
 from kvindex import native
-from kvindex.approx.gojson import RenderError, go_json_loads
+from kvindex.approx.gojson import NestingTooDeep, RenderError, go_json_loads
 from kvindex.decisions import MAX_BATCH, DecisionIn
 from kvindex.http.errors import ApiError
+from kvindex.limits import (
+    FIELD_LIMITS,
+    MAX_ENDPOINT_CHARS,
+    MAX_ID_CHARS,
+    MAX_MODEL_CHARS,
+    MAX_SALT_CHARS,
+)
 
 MSGPACK = "application/msgpack"
 MAX_PODS = 10_000
+MAX_DEPTH = 64  # arrays and objects in a body nest at most this deep (OpenAI bodies: under 10)
 
 T = TypeVar("T", bound="Body")
 Text = Annotated[str, msgspec.Meta(min_length=1)]  # a non-empty string
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # a pod, instance, group, LoRA
+Model = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
+Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SALT_CHARS)]
+Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENDPOINT_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
-Pods = list[Text]
+Pods = list[Id]
+_CONTAINERS = frozenset((dict, list))
+_SIGNED_ZERO = re.compile(rb"-0(?![.0-9eE])")
+
+
+def too_deep() -> ApiError:
+    return ApiError(f"body nests arrays/objects deeper than {MAX_DEPTH}", field="body", reason="too_deep")
+
+
+def check_depth(value: Any, text: bytes | None = None) -> Any:
+    """``value`` if its arrays and objects nest at most ``MAX_DEPTH`` deep, else the ``too_deep``
+    refusal. ``text``: the JSON it was decoded from; with no more brackets than ``MAX_DEPTH`` in
+    it (nearly every body) nothing is walked. The walk is level by level (no recursion), and a
+    level of scalars (8k token ids) is skipped in C."""
+    if text is not None and text.count(b"[") + text.count(b"{") <= MAX_DEPTH:
+        return value
+    level = [value] if type(value) in _CONTAINERS else []
+    for _ in range(MAX_DEPTH):
+        below: list[Any] = []
+        for node in level:
+            items = node.values() if type(node) is dict else node
+            if not _CONTAINERS.isdisjoint(map(type, items)):
+                below.extend(x for x in items if type(x) in _CONTAINERS)
+        if not below:
+            return value
+        level = below
+    raise too_deep()
+
+
+def check_signed_zero(raw: bytes, u32_field: str) -> None:
+    """Refuse ``-0`` among the JSON body's ``u32_field`` (token ids are unsigned: no sign)."""
+    if b"-0" not in raw:
+        return
+    try:
+        span = msgspec.json.decode(raw, type=dict[str, msgspec.Raw]).get(u32_field)
+    except (msgspec.DecodeError, RecursionError):
+        return  # not an object of members: refused by the whole decode
+    if span is not None and _SIGNED_ZERO.search(bytes(span)):
+        raise ApiError(f"{u32_field} must be an array of unsigned 32-bit integers (-0 has a sign)", field=u32_field,
+                       reason="bad_field")
 
 
 # -- reading -----------------------------------------------------------------------------------
@@ -48,10 +105,15 @@ def decode_json(raw: bytes, u32_field: str | None, loads: Callable[[bytes], Any]
     ids with msgspec, ~1 ms with the Go-compatible decoder). Whatever the scanner declines is
     decoded whole, as before."""
     lifted = split.split(raw, u32_field) if u32_field is not None and split is not None else None
-    if lifted is None:
-        return loads(raw)
-    values, rest = lifted
-    body = loads(rest)  # the scanner's "{...}" with the array taken out: a dict
+    try:
+        if lifted is None:
+            if u32_field is not None:
+                check_signed_zero(raw, u32_field)
+            return check_depth(loads(raw), raw)
+        values, rest = lifted
+        body = check_depth(loads(rest), rest)  # the scanner's "{...}" with the array taken out: a dict
+    except (RecursionError, NestingTooDeep):  # a decoder's own limit (msgspec's, json's): the same refusal
+        raise too_deep() from None
     body[u32_field] = array("I", values)
     return body
 
@@ -65,7 +127,11 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
     raw = await request.read()
     if allow_msgpack and request.content_type == MSGPACK:
         try:
-            body = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            body = check_depth(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+        except (msgpack.StackError, RecursionError):
+            raise too_deep() from None
+        except ApiError:
+            raise
         except Exception:
             raise ApiError("body is not valid msgpack", field="body", reason="malformed") from None
     else:
@@ -96,7 +162,7 @@ class ScoreBody(Body, frozen=True):
     """``POST /v1/score`` (the rest of the body is the OpenAI request, ``token_ids`` optional)."""
 
     bad = {"pods": _PODS_BAD}
-    model: Text
+    model: Model
     pods: Pods | None = None
     lora_name: Any = None  # read (``optional_text``) only when the precise side is asked
     cache_salt: Any = None
@@ -105,7 +171,7 @@ class ScoreBody(Body, frozen=True):
 class ModelBody(Body, frozen=True):
     """An OpenAI request as ``/v1/approx/explain`` reads it: a model, the rest rendered."""
 
-    model: Text
+    model: Model
 
 
 class PodsBody(Body, frozen=True):
@@ -119,36 +185,36 @@ class RegisterBody(Body, frozen=True):
     bad = {"instance_id": _INSTANCE, "block_size": "block_size must be an integer >= 1",
            "dp_rank": "dp_rank must be an integer >= 0"}
     missing = {"instance_id": _INSTANCE}
-    instance_id: Count | Text
-    model_name: Text
-    endpoint: Text
+    instance_id: Count | Id
+    model_name: Model
+    endpoint: Endpoint
     block_size: Annotated[int, msgspec.Meta(ge=1)]
-    routing_group: Text | None = None
+    routing_group: Id | None = None
     dp_rank: Count = 0
-    replay_endpoint: Text | None = None
+    replay_endpoint: Endpoint | None = None
 
 
 class UnregisterBody(Body, frozen=True):
     bad = {"instance_id": _INSTANCE, "dp_rank": "dp_rank must be an integer >= 0"}
     missing = {"instance_id": _INSTANCE}
-    instance_id: Count | Text
-    model_name: Text
-    routing_group: Text | None = None
+    instance_id: Count | Id
+    model_name: Model
+    routing_group: Id | None = None
     dp_rank: Count | None = None
 
 
 class QueryBody(Body, frozen=True):
     """``POST /query``: token ids (checked by the query service), a model, a routing group."""
 
-    model_name: Text
-    routing_group: Text | None = None
-    lora_name: Text | None = None
-    cache_salt: Text | None = None
+    model_name: Model
+    routing_group: Id | None = None
+    lora_name: Id | None = None
+    cache_salt: Salt | None = None
 
 
 class QueryByHashBody(Body, frozen=True):
-    model_name: Text
-    routing_group: Text | None = None
+    model_name: Model
+    routing_group: Id | None = None
     cache_salt: Any = None  # refused whenever given: see query_by_hash
     block_hashes: Any = None  # checked by u64s (one C-level conversion)
 
@@ -164,7 +230,7 @@ class DecisionBody(Body, frozen=True):
            "prompt_tokens": "prompt_tokens must be a non-negative integer"}
     missing = {"pod": _POD, "request": _REQUEST}
     reasons = ("bad_request", "bad_request")
-    pod: Text
+    pod: Id
     request: dict[str, Any]
     cached_tokens: Count | None = None
     prompt_tokens: Count | None = None
@@ -172,6 +238,7 @@ class DecisionBody(Body, frozen=True):
 
 _AT = re.compile(r"`\$\.([A-Za-z_][A-Za-z0-9_]*)")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+_TOO_LONG = re.compile(r"Expected `str` of length <= (\d+)")
 
 
 def parse(body: dict[str, Any], kind: type[T]) -> T:
@@ -191,16 +258,31 @@ def refusal(kind: type[Body], detail: str) -> ApiError:
         name, missing = (m[1] if m else "body"), "got `null`" in detail
     if missing:
         return ApiError(kind.missing.get(name, f"{name} is required"), field=name, reason=kind.reasons[0])
+    if (m := _TOO_LONG.search(detail)) is not None:
+        return too_long(name, int(m[1]))
     return ApiError(kind.bad.get(name, f"{name} must be a non-empty string"), field=name, reason=kind.reasons[1])
 
 
+def too_long(name: str, limit: int) -> ApiError:
+    return ApiError(f"{name} is longer than {limit} characters (the limit)", field=name, reason="too_long")
+
+
+def name_checked(value: str, name: str) -> str:
+    """``value`` if within ``name``'s length limit (``kvindex.limits``), else the ``too_long`` refusal."""
+    limit = FIELD_LIMITS[name]
+    if len(value) > limit:
+        raise too_long(name, limit)
+    return value
+
+
 def optional_text(value: Any, name: str) -> str | None:
-    """``value`` if it is a non-empty string, None if absent; else the one-line 400 naming ``name``."""
+    """``value`` if it is a non-empty string within ``name``'s length limit, None if absent; else
+    the one-line 400 naming ``name``."""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
         raise ApiError(f"{name} must be a non-empty string", field=name, reason="bad_field")
-    return value
+    return name_checked(value, name)
 
 
 def instance_id(value: int | str) -> str:
@@ -242,6 +324,11 @@ def decision(item: Any) -> DecisionIn:
     model = d.request.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError("request.model is required", field="request.model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise too_long("request.model", MAX_MODEL_CHARS)
+    for name in ("lora_name", "cache_salt"):  # read by the precise side when they are strings
+        if isinstance(text := d.request.get(name), str) and len(text) > FIELD_LIMITS[name]:
+            raise too_long(f"request.{name}", FIELD_LIMITS[name])
     return DecisionIn(d.pod, model, d.request, d.cached_tokens, d.prompt_tokens, "token_ids" in item,
                       item.get("token_ids"))
 

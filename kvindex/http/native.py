@@ -28,6 +28,7 @@ from kvindex.http.bodies import (
     decision_list,
     explain_request,
     json_response,
+    name_checked,
     optional_text,
     parse,
     pods_limit,
@@ -41,7 +42,7 @@ def pod_from_path(request: web.Request) -> str:
     pod = unquote(request.match_info["pod"])
     if not pod:
         raise ApiError("pod id is empty", field="pod", reason="bad_field")
-    return pod
+    return name_checked(pod, "pod")
 
 
 # -- dashboard ---------------------------------------------------------------------------------

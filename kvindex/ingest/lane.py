@@ -115,7 +115,8 @@ class EngineLane:
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
                                    metrics=metrics, burst=burst)
-        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics, settings.replay_max_bytes)
+        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics, settings.replay_max_bytes,
+                              self.writer.waiting)
         self._lives = Lives(self.writer, self._replay, first_seq)  # which engine life a batch is of
         self._buffer = StoreBuffer(engine.name, self.state.streams, settings.store_buffer, metrics, self._lock,
                                    self._drain_once)

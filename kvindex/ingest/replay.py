@@ -15,12 +15,19 @@ Invariants:
   (``stop`` None) are remembered by CRC in ``Stream.replayed`` so their live copies are dropped.
 - Metrics: ``kvindex_replays_total{pod, result}`` per recovery (``ok``, ``history_lost``,
   ``failed``, or the bound that cut it).
+- Out of file descriptors (the DEALER cannot be made: ``EMFILE``/``ENFILE``, or the request timed
+  out while this process cannot open a socket) is not a failure of the engine: ``recover`` retries
+  with backoff for up to ``DESCRIPTOR_WAIT_SECONDS`` while nothing was read, the stream shown
+  unsynced meanwhile with reason ``NO_DESCRIPTORS`` (``on_wait``), and carries on once descriptors
+  are back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import zlib
 from collections.abc import Awaitable, Callable
 
@@ -46,16 +53,44 @@ log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under 
 Offer = Callable[[Stream, Frame], Awaitable[bool]]  # decode and apply one batch; False: not in order
 
 
+OnWait = Callable[[Stream, str | None], Awaitable[None]]  # the stream waits (a reason) or no longer (None)
+NO_DESCRIPTORS = "replay_waiting_for_file_descriptors"
+DESCRIPTOR_WAIT_SECONDS = 60.0
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Whether ``exc`` (a failed replay request) is this process being out of descriptors: the
+    socket could not be made, or (ZeroMQ connects in its own thread, and retries) the request
+    timed out while no socket can be opened."""
+    if isinstance(exc, zmq.ZMQError):
+        return exc.errno in _OUT_OF_DESCRIPTORS
+    try:
+        a, b = socket.socketpair()  # the probe: two descriptors, closed at once
+    except OSError as probe:
+        return probe.errno in _OUT_OF_DESCRIPTORS
+    a.close()
+    b.close()
+    return False
+
+
+async def _no_wait(st: Stream, reason: str | None) -> None:
+    pass
+
+
 class Replay:
     """One engine's replay endpoint (``endpoint`` None: the engine has none)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str | None, timeout: float, metrics: Metrics,
-                 max_bytes: int = MAX_REPLAY_BYTES) -> None:
+                 max_bytes: int = MAX_REPLAY_BYTES, on_wait: OnWait = _no_wait,
+                 descriptor_wait: float = DESCRIPTOR_WAIT_SECONDS) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self._timeout = timeout
         self._max_bytes = max_bytes
         self._metrics = metrics
+        self._on_wait = on_wait
+        self._descriptor_wait = descriptor_wait
 
     async def peek(self, st: Stream, seq: int, max_frames: int) -> ReplayResult | None:
         """Up to ``max_frames`` of the engine's history from ``seq``; None without a replay endpoint
@@ -99,25 +134,7 @@ class Replay:
         st.replays += 1
         walk = ReplayWalk(st.topic, start, stop)
         try:
-            async with open_replay(self._ctx, self.endpoint, start, timeout=self._timeout,
-                                   max_bytes=self._max_bytes) as answer:
-                applied = 0
-                async for frame in answer:
-                    step = walk.step(frame)
-                    if step is Walk.SKIP:
-                        continue
-                    if step is not Walk.APPLY:
-                        break  # the range's end, or a hole: nothing more to read
-                    if not await offer(st, frame):
-                        walk.failed()
-                        break
-                    if stop is None:  # ahead of the live socket: its copies of these batches are duplicates
-                        st.replayed[frame.seq] = zlib.crc32(frame.payload)
-                    walk.applied()
-                    applied += 1
-                    if applied % YIELD_EVERY == 0:
-                        await asyncio.sleep(0)  # applying is CPU only: other lanes and HTTP get their turn
-                ended, cut = answer.complete, answer.cut
+            ended, cut = await self._stream_waiting(st, walk, offer)
         except (ReplayError, zmq.ZMQError) as exc:
             self._metrics.replays.labels(st.pod, "failed").inc()
             log.warning("pod %s: replay from %s failed: %s", st.pod, self.endpoint, exc)
@@ -135,6 +152,54 @@ class Replay:
             log.warning("pod %s: the replay from %s was cut short (%s, bounds: %gs of waiting, %d bytes)",
                         st.pod, self.endpoint, cut, self._timeout, self._max_bytes)
         return unsynced(st, reason, walk.expected, stop)
+
+    async def _stream(self, st: Stream, walk: ReplayWalk, offer: Offer) -> tuple[bool, str | None]:
+        """One replay answer from ``walk``'s start, applied through ``offer`` as it arrives; whether
+        it ended (the engine's end marker) and the bound that cut it, if one did."""
+        assert self.endpoint is not None
+        async with open_replay(self._ctx, self.endpoint, walk.expected, timeout=self._timeout,
+                               max_bytes=self._max_bytes) as answer:
+            applied = 0
+            async for frame in answer:
+                step = walk.step(frame)
+                if step is Walk.SKIP:
+                    continue
+                if step is not Walk.APPLY:
+                    break  # the range's end, or a hole: nothing more to read
+                if not await offer(st, frame):
+                    walk.failed()
+                    break
+                if walk.stop is None:  # ahead of the live socket: its copies of these batches are duplicates
+                    st.replayed[frame.seq] = zlib.crc32(frame.payload)
+                walk.applied()
+                applied += 1
+                if applied % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # applying is CPU only: other lanes and HTTP get their turn
+            return answer.complete, answer.cut
+
+    async def _stream_waiting(self, st: Stream, walk: ReplayWalk, offer: Offer) -> tuple[bool, str | None]:
+        """``_stream``, retried with backoff while it fails for want of file descriptors before
+        anything was applied (up to ``descriptor_wait`` seconds, the stream shown waiting)."""
+        loop = asyncio.get_running_loop()
+        t0, delay, waiting, start = loop.time(), 0.05, False, walk.expected
+        try:
+            while True:
+                try:
+                    return await self._stream(st, walk, offer)
+                except (ReplayError, zmq.ZMQError) as exc:
+                    if walk.expected != start or loop.time() - t0 >= self._descriptor_wait \
+                            or not out_of_descriptors(exc):
+                        raise
+                    if not waiting:
+                        waiting = True
+                        log.warning("pod %s: replay from %s: out of file descriptors (%s); retrying until they are "
+                                    "back (up to %gs)", st.pod, self.endpoint, exc, self._descriptor_wait)
+                        await self._on_wait(st, NO_DESCRIPTORS)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 1.0)
+        finally:
+            if waiting:
+                await self._on_wait(st, None)
 
 
 def unsynced(st: Stream, reason: str, start: int, stop: int | None) -> str:

@@ -2,7 +2,8 @@
 
 Invariants:
 - The transport yields ``Frame`` (3 frames: topic, 8-byte big-endian seq, payload) or
-  ``Malformed(reason)``; it never decodes payloads and never drops a message silently.
+  ``Malformed(reason)``; it never decodes payloads and never drops a message silently. A topic
+  over ``MAX_TOPIC_BYTES`` is ``Malformed("topic_too_long")``.
 - The SUB socket connects (vLLM binds its PUB) or binds (llm-d-inference-sim dials us).
 - A replay request is ``[b"", seq8]`` on a fresh DEALER; both reply shapes are accepted:
   ``[b"", topic, seq8, payload]`` ... end ``[b"", b"", ff*8, b""]`` (vLLM >= #45177) and
@@ -39,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from kvindex.events import Frame
+from kvindex.limits import MAX_TOPIC_BYTES
 
 END_SEQ = b"\xff" * 8
 DRAIN_BURST = 256
@@ -76,6 +78,8 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
     topic, seq, payload = parts
     if len(seq) != 8:
         return Malformed("bad_seq")
+    if len(topic) > MAX_TOPIC_BYTES:  # the pod and model names it carries: bounded (kvindex.limits)
+        return Malformed("topic_too_long")
     try:
         topic_s = topic.decode("utf-8")
     except UnicodeDecodeError:

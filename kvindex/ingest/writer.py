@@ -18,6 +18,8 @@ import logging
 import time
 import zlib
 
+import msgspec
+
 from kvindex.config import EngineConfig
 from kvindex.events import DecodeError, Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore
@@ -48,6 +50,7 @@ class StreamWriter:
         self._burst = burst
         self.key = engine.name  # the lane's key in the fleet (the journal's records name it)
         self.journal: Journal | None = None
+        self._waiting: dict[str, str] = {}  # topic -> the reason its stream was marked unsynced while waiting
 
     def stream(self, topic: str) -> Stream:
         st = self._streams.get(topic)
@@ -147,6 +150,23 @@ class StreamWriter:
         after = await self._store.restart(st.ref, pos.epoch, ranks)
         st.expect_from = self._first_seq
         return after
+
+    async def waiting(self, st: Stream, reason: str | None) -> None:
+        """The stream's replay waits (``reason``: shown unsynced with it, if it was synced) or no
+        longer does (None: synced again, if still unsynced for that reason alone)."""
+        pos = await self._store.position(st.ref) or Position()
+        if reason is not None:
+            if not pos.synced:
+                return
+            self._waiting[st.topic] = reason
+            pos = msgspec.structs.replace(pos, synced=False, reason=reason)
+        else:
+            marked = self._waiting.pop(st.topic, None)
+            if marked is None or pos.synced or pos.reason != marked:
+                return
+            pos = msgspec.structs.replace(pos, synced=True, reason=None)
+        await self._store.set_position(st.ref, pos)
+        st.observe(pos)
 
     async def clear(self, st: Stream, seen_epoch: int, expect_from: int | None) -> Position:
         """Clear the stream in the store (once, whichever replica comes first); it starts over."""

@@ -44,7 +44,7 @@ from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
-from kvindex.logs import BurstLog
+from kvindex.logs import BurstLog, one_line_logs
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
 from kvindex.sequence import Position
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s worker-{a.index} %(name)s: %(message)s")
+    one_line_logs()
     loops.run(run(a.channel, WorkerSettings.from_json(a.settings)), os.environ.get(loops.ENV, "auto"))
     return 0
 

@@ -1,0 +1,126 @@
+"""The HTTP listener: aiohttp's server behind a connection cap, with idle/header and body timeouts.
+
+Invariants:
+- At most ``max_connections`` HTTP connections are open at once. A connection beyond the cap is
+  accepted and at once answered ``503`` ``{"error": "too many connections ..."}`` and closed
+  (counted in ``kvindex_http_connections_refused_total``): it never holds a descriptor, and the
+  connections within the cap (``/healthz`` among them) keep being served.
+- The default cap leaves descriptors for everything else (``connection_cap``): the engines'
+  ZeroMQ sockets (SUB, replay DEALER), the store, the state files. At start the soft
+  ``RLIMIT_NOFILE`` is raised to the hard limit where allowed (``raise_nofile``).
+- A connection that sends no complete request header within ``idle_timeout`` seconds of opening
+  (or of its last answer) is closed (aiohttp's keep-alive timer runs from the connection's
+  start); a body not received whole within ``body_timeout`` seconds is answered 408 and the
+  connection closed after at most ``LINGER_SECONDS`` more (``read_body_within``, the error
+  middleware's first step: every handler then reads the body already received); a body cut
+  short by the client is a 400 ``body_incomplete``. aiohttp's own log of malformed requests is
+  one line per (message, exception type) per 10 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import socket
+from typing import Any, cast
+
+from aiohttp import web
+
+from kvindex.http.errors import ApiError
+from kvindex.logs import burst_logger
+from kvindex.metrics import Metrics
+
+log = logging.getLogger("kvindex.http")
+
+MAX_DEFAULT_CONNECTIONS = 4096  # the derived cap never exceeds this
+RESERVED_FDS = 256  # descriptors kept for everything but HTTP (at most a quarter of the limit)
+FDS_PER_ENGINE = 8  # an engine's SUB and replay sockets, with ZeroMQ's own descriptors
+_REFUSAL = b'{"error": "too many connections: try again later", "field": "connection"}'
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
+
+
+def raise_nofile() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit where allowed; the soft limit after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def connection_cap(nofile: int, engines: int) -> int:
+    """The default connection cap for ``nofile`` descriptors and ``engines`` configured engines."""
+    reserve = min(RESERVED_FDS, nofile // 4) + FDS_PER_ENGINE * engines
+    return max(8, min(MAX_DEFAULT_CONNECTIONS, nofile - reserve))
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection beyond the cap: the 503, then closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.Transport, transport).write(_REFUSED)
+        transport.close()
+
+
+class HttpServer:
+    """``runner``'s application on ``host:port`` with at most ``max_connections`` connections."""
+
+    def __init__(self, runner: web.AppRunner, max_connections: int, metrics: Metrics) -> None:
+        self._runner = runner
+        self.max_connections = max_connections
+        self._metrics = metrics
+        self._server: asyncio.Server | None = None
+
+    def _protocol(self) -> asyncio.Protocol:
+        server = self._runner.server
+        assert server is not None
+        if len(server.connections) >= self.max_connections:
+            self._metrics.http_connections_refused.inc()
+            return _Refuse()
+        return server()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen; the port listened on."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, host, port, reuse_address=True, backlog=512)
+        sock: socket.socket = self._server.sockets[0]
+        return int(sock.getsockname()[1])
+
+    async def close(self) -> None:
+        """Stop accepting (the runner's cleanup then closes the open connections)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+
+LINGER_SECONDS = 2.0  # after an answer sent before its body arrived whole: read on this long, then close
+
+
+def runner_options(idle_timeout: float) -> dict[str, Any]:
+    """aiohttp's options for the runner: the idle/header timeout, the lingering read after an early
+    answer (a 408, a 413) kept short, no access log, and its own log of malformed requests
+    (a bad request line, header or chunk) rate-limited, one line each (``burst_logger``)."""
+    return {"access_log": None, "handle_signals": False, "keepalive_timeout": idle_timeout,
+            "lingering_time": LINGER_SECONDS, "logger": burst_logger("kvindex.http.server", log)}
+
+
+async def read_body_within(request: web.Request, timeout: float) -> None:
+    """Read (and keep: ``request.read()`` caches it) a request's body, within ``timeout`` seconds;
+    past it, the 408 ``body_timeout`` refusal and the connection is closed after the answer."""
+    if not request.body_exists:
+        return
+    try:
+        async with asyncio.timeout(timeout):
+            await request.read()
+    except TimeoutError:
+        raise ApiError(f"request body not received within {timeout:g} s", field="body", status=408,
+                       reason="body_timeout") from None
+    except ConnectionError:  # the client went away mid-body: nobody to answer, but counted
+        raise ApiError("request body incomplete: the connection closed", field="body",
+                       reason="body_incomplete") from None
