@@ -27,6 +27,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from kvindex import strict
+from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.settings import (
     FSYNC_POLICIES,
     ApproxConfig,
@@ -71,6 +72,11 @@ def check_zmq_endpoint(endpoint: str, what: str) -> None:
             raise ConfigError(f"{what} {endpoint!r}: this libzmq {zmq.zmq_version()} was built without {scheme}://")
 
 
+def check_block_size(value: int | None, what: str) -> None:
+    if value is not None and not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"{what} must be an integer from 1 to {MAX_BLOCK_SIZE}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """One engine replica's KV-event publisher (one SUB socket)."""
@@ -90,8 +96,9 @@ class EngineConfig:
             check_zmq_endpoint(self.replay, "engine replay endpoint")
         if self.dialect not in DIALECT_NAMES:
             raise ConfigError(f"engine dialect {self.dialect!r}: expected one of {', '.join(DIALECT_NAMES)}")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ConfigError("engine block_size must be a positive integer")
+        check_block_size(self.block_size, "engine block_size")
+        if self.dp_rank is not None and not 0 <= self.dp_rank <= MAX_DP_RANK:
+            raise ConfigError(f"engine dp_rank must be an integer from 0 to {MAX_DP_RANK}")
 
     @property
     def name(self) -> str:
@@ -112,6 +119,7 @@ class ModelConfig:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
+        check_block_size(self.block_size, "model block_size")
         if self.tokenizer not in TOKENIZER_NAMES:
             raise ConfigError(f"tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
         if self.tokenizer == "engine" and not self.tokenize_url:

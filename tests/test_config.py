@@ -92,6 +92,12 @@ def test_unknown_keys_and_tables_name_where_and_the_closest_name(text: str, mess
     ('[models.m]\ntokenizer = "engine"',
      "[models.m]: tokenizer = \"engine\" needs tokenize_url (the engine's base URL)"),
     ("[approx]\ntopKMatches = 1.5", "[approx]: approx.topKMatches must be an integer, got 1.5"),
+    ('[models.m]\nblock_size = 18446744073709551616', "[models.m]: model block_size must be an integer from 1 to 65536"),
+    ('[models.m]\nblock_size = 0', "[models.m]: model block_size must be an integer from 1 to 65536"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\nblock_size = 65537',
+     "[[engines]] #1: engine block_size must be an integer from 1 to 65536"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\ndp_rank = 65536',
+     "[[engines]] #1: engine dp_rank must be an integer from 0 to 65535"),
 ])
 def test_bad_values_say_where(text: str, message: str) -> None:
     assert refusal(text) == f"kvindex.toml: {message}"

@@ -377,6 +377,23 @@ async def test_epochs_stale_and_behind(store: PreciseStore) -> None:
     assert r.outcome is Outcome.APPLIED and r.position == Position(0, 5, False, "operator")
 
 
+@pytest.mark.parametrize("top", [2**53, 2**63, 2**64 - 6])
+async def test_seqs_are_exact_up_to_the_top_of_the_u64_range(store: PreciseStore, top: int) -> None:
+    """Seqs beyond 2**53 (where a double loses integers) are judged exactly, by every backend."""
+    clear = (AllBlocksCleared(),)
+    assert (await store.apply(A, top, 0, 0, ONE)).outcome is Outcome.APPLIED
+    r = await store.apply(A, top + 1, 0, 0, ONE)
+    assert r.outcome is Outcome.APPLIED and r.position.last_seq == top + 1
+    assert (await store.apply(A, top + 1, 0, 0, ONE)).outcome is Outcome.DUPLICATE
+    assert (await store.apply(A, top, 0, 0, clear)).outcome is Outcome.DUPLICATE
+    assert (await store.apply(A, top + 3, 0, 0, ONE)).outcome is Outcome.GAP
+    assert (await store.apply(A, top + 3, 0, 0, clear)).outcome is Outcome.GAP
+    assert (await store.apply(A, top + 2, 0, 0, clear)).outcome is Outcome.APPLIED
+    assert (await store.apply(A, top + 4, 0, 0, ONE, force="lost")).position == Position(top + 4, 0, False, "lost")
+    assert await store.position(A) == Position(top + 4, 0, False, "lost")
+    assert (await store.apply(A, 9, 0, 0, ONE)).outcome is Outcome.DUPLICATE
+
+
 async def test_restart_applies_once_across_two_clients(store: PreciseStore, peers: Factory) -> None:
     other = await peers()
     b = StreamRef.of("a", "kv@a@m:rank1", "m")

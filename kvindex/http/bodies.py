@@ -28,6 +28,7 @@ from aiohttp import web
 from kvindex import native
 from kvindex.approx.gojson import RenderError, go_json_loads
 from kvindex.decisions import MAX_BATCH, DecisionIn
+from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.http.errors import ApiError
 
 MSGPACK = "application/msgpack"
@@ -35,7 +36,9 @@ MAX_PODS = 10_000
 
 T = TypeVar("T", bound="Body")
 Text = Annotated[str, msgspec.Meta(min_length=1)]  # a non-empty string
-Count = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # (Dynamo's instance ids are i64 lease ids)
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]  # ranges of the engines' own (kvindex.events)
+DpRank = Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
 Pods = list[Text]
 
 
@@ -90,6 +93,7 @@ class Body(msgspec.Struct, frozen=True):
 
 _PODS_BAD = "pods must be an array of pod ids (strings)"
 _INSTANCE = "instance_id must be a non-negative integer or a non-empty string"
+_RANK = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"
 
 
 class ScoreBody(Body, frozen=True):
@@ -116,25 +120,25 @@ class PodsBody(Body, frozen=True):
 class RegisterBody(Body, frozen=True):
     """``POST /register`` (Dynamo's field names)."""
 
-    bad = {"instance_id": _INSTANCE, "block_size": "block_size must be an integer >= 1",
-           "dp_rank": "dp_rank must be an integer >= 0"}
+    bad = {"instance_id": _INSTANCE, "block_size": f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}",
+           "dp_rank": _RANK}
     missing = {"instance_id": _INSTANCE}
     instance_id: Count | Text
     model_name: Text
     endpoint: Text
-    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    block_size: BlockSize
     routing_group: Text | None = None
-    dp_rank: Count = 0
+    dp_rank: DpRank = 0
     replay_endpoint: Text | None = None
 
 
 class UnregisterBody(Body, frozen=True):
-    bad = {"instance_id": _INSTANCE, "dp_rank": "dp_rank must be an integer >= 0"}
+    bad = {"instance_id": _INSTANCE, "dp_rank": _RANK}
     missing = {"instance_id": _INSTANCE}
     instance_id: Count | Text
     model_name: Text
     routing_group: Text | None = None
-    dp_rank: Count | None = None
+    dp_rank: DpRank | None = None
 
 
 class QueryBody(Body, frozen=True):

@@ -78,7 +78,7 @@ def _apply_args(base: str, seq: int, epoch: int, force: str | None, cleared: boo
     return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
             view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
             "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), sets, dels, extras, holders,
-            str(plan.counted)]
+            str(plan.counted), str(max(seq - 1, 0))]
 
 
 class RedisPreciseStore:

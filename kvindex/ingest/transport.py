@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvindex.events import Frame
+from kvindex.events import MAX_SEQ, Frame
 
 END_SEQ = b"\xff" * 8
 DRAIN_BURST = 256
@@ -64,7 +64,7 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
     if len(parts) != 3:
         return Malformed("frame_count")
     topic, seq, payload = parts
-    if len(seq) != 8:
+    if len(seq) != 8 or seq == END_SEQ:  # all ones ends a replay answer: no batch has that seq (MAX_SEQ)
         return Malformed("bad_seq")
     try:
         topic_s = topic.decode("utf-8")
@@ -150,7 +150,10 @@ async def fetch_replay(
     max_message_bytes: int | None = None,
 ) -> ReplayResult:
     """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``; the
-    whole answer must arrive within ``timeout`` seconds."""
+    whole answer must arrive within ``timeout`` seconds. Past ``MAX_SEQ`` no batch can follow:
+    an empty, complete answer (a stream at the last seq is asked nothing)."""
+    if start_seq > MAX_SEQ:
+        return ReplayResult((), True)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -212,15 +212,21 @@ local function write_pos(key, q, e, y, r)
   redis.call('DEL', key)
   redis.call('HSET', key, unpack(fields))
 end
-local function judge(p, seq, epoch, forced)
+-- seqs are u64s: compared as decimal strings without leading zeros (Lua numbers are doubles, exact
+-- only below 2**53), shorter first; ``prev`` is seq - 1, sent by the client (no arithmetic here)
+local function dec_lt(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function judge(p, seq, prev, epoch, forced)
   if not p[2] then return 'applied' end
   local e = tonumber(p[2])
   if epoch < e then return 'stale' end
   if epoch > e then return 'behind' end
   if not p[1] then return 'applied' end
-  local last = tonumber(p[1])
-  if seq <= last then return 'duplicate' end
-  if seq > last + 1 and not forced then return 'gap' end
+  local last = p[1]
+  if not dec_lt(last, seq) then return 'duplicate' end
+  if dec_lt(last, prev) and not forced then return 'gap' end
   return 'applied'
 end
 local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex reuses its bits
@@ -337,11 +343,11 @@ end
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
 -- [15] sets, [16] dels, [17] extras (see write_entries), [18] holder changes (see write_holders),
--- [19] change of the number of entries held
+-- [19] change of the number of entries held, [20] seq - 1 (decimal; seqs are never turned into numbers)
 local function apply_batch()
   local p = read_pos(KEYS[2])
-  local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
-  local outcome = judge(p, seq, epoch, forced)
+  local epoch, forced = tonumber(ARGV[5]), ARGV[6] ~= '-'
+  local outcome = judge(p, ARGV[4], ARGV[20], epoch, forced)
   if outcome ~= 'applied' then return {outcome, p[1], p[2], p[3], p[4]} end
   local name = ARGV[8]
   if (ARGV[9] ~= '*' and (redis.call('HGET', base .. 'v', name) or '0') ~= ARGV[9])
