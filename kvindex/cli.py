@@ -20,7 +20,7 @@ from typing import Any
 
 from kvindex import loops
 from kvindex.config import Config, ConfigError, load_file, with_overrides
-from kvindex.index.protocol import StoreUnavailable
+from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
 from kvindex.storeurl import describe
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
@@ -189,7 +189,9 @@ async def serve(config: Config, token: str | None) -> int:
     daemon = Daemon(config, token=token)
     try:
         return await run_until_signal(daemon.run_forever)
-    except StoreUnavailable as exc:  # at start: nothing was served
+    except StoreMisconfigured as exc:  # at start: nothing was served (the message names the store)
+        raise ConfigError(str(exc)) from None
+    except StoreUnavailable as exc:
         raise ConfigError(f"store {describe(config.store)} cannot be reached: {exc}") from None
     except ShardFailed as exc:
         print(f"kvindex: {exc}", file=sys.stderr)

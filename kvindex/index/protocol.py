@@ -19,7 +19,10 @@ Invariants, for every backend:
   only the first replica to announce it clears the ranks and moves the epoch on; the others find
   the epoch already moved and change nothing.
 - ``StoreLost`` (a ``StoreUnavailable``) means the store lost what it held since this client
-  opened it (a Redis restarted without its data): every stream must be resynchronised.
+  opened it (a Redis restarted without its data, keys evicted): every stream must be
+  resynchronised. Every read checks the store's generation in the same atomic step as the read:
+  its answer is exact or ``StoreLost``, never a partial answer. ``StoreMisconfigured`` (also a
+  ``StoreUnavailable``) is a store whose answers cannot be trusted as configured.
 - Semantics of the index operations are those of ``kvindex.index.reference.ReferenceIndex`` (the
   readable oracle; ``kvindex.index.precise.PreciseIndex`` is its fast twin) and
   ``kvindex.index.approx.ApproxIndex``; the memory backends are thin async views of those classes.
@@ -45,6 +48,11 @@ class StoreUnavailable(RuntimeError):
 
 class StoreLost(StoreUnavailable):
     """The store's state was lost since it was opened (e.g. Redis restarted empty)."""
+
+
+class StoreMisconfigured(StoreUnavailable):
+    """The store is set up so that its answers could not be trusted (a Redis that may evict
+    kvindex's keys, replicas configured with different block sizes): at start kvindex exits 2."""
 
 
 def tier_of(medium: str) -> str:

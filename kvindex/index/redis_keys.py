@@ -25,8 +25,9 @@ Key layout:
 
 Encoding invariants:
 - Engine hashes and keys are 8 big-endian bytes (binary strings: compact, and Lua never turns them
-  into numbers); a keyless (orphan) entry's value is ``b"o"``. Seqs and epochs are decimal strings
-  that Lua compares as numbers (exact below 2^53).
+  into numbers); a keyless (orphan) entry's value is ``b"o"``. Seqs and epochs are decimal strings;
+  Lua compares seqs as strings (exact over the whole u64 range), epochs as numbers (they grow by
+  one per engine restart). kvindex sets no TTL on any key.
 - A batch's bulk arguments (hashes per bucket, entries per bucket, holder changes) travel
   msgpack-encoded (str, not bin: cmsgpack reads str) and are unpacked in C by the scripts: they do
   no per-entry parsing, and a batch costs about one Redis call per bucket touched plus a few.
@@ -186,3 +187,4 @@ def pack_holders(base: str, holders: dict[tuple[str, int], int]) -> bytes:
     names = [prefixes[t] + k.to_bytes(8, "big") for t, k in holders]
     offload = any(t != "g" and d > 0 for (t, _), d in holders.items())
     return pack([names, list(holders.values()), 1 if offload else 0])
+

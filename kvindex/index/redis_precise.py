@@ -57,6 +57,7 @@ from kvindex.index.redis_keys import (
     value_of,
     view_of,
 )
+from kvindex.index.redis_config import watch_evictions
 from kvindex.index.redis_plan import Plan, hashes_of, plan_batch
 from kvindex.index.redis_scripts import precise_script
 from kvindex.sequence import Outcome, Position, StreamRef, judge
@@ -95,6 +96,7 @@ class RedisPreciseStore:
         self._source = precise_script()
         self._script = client.register_script(self._source)
         self._gen: str | None = None
+        self._watch = ""  # "|<evicted keys at open>" when the server's eviction policy is unknown
         self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
         # model -> block size as last read or set here: a query's keys need it before its one round
         # trip; it changes only by configuration (set_block_size), never back to unknown
@@ -128,6 +130,7 @@ class RedisPreciseStore:
     async def open(self) -> None:
         """Load the script and read (or create) the store's generation; again after StoreLost."""
         gen_key = f"{self._prefix}:gen"
+        self._watch = await watch_evictions(self._client, self._url, self._call)
         await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
         self._gen = text(await self._call(lambda: self._client.get(gen_key)))
         await self._call(lambda: self._client.script_load(self._source))
@@ -175,20 +178,26 @@ class RedisPreciseStore:
         return base
 
     async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
-        keys, argv = [base + "gen", base + "s:" + stream], [op, self._gen, base, *args]
+        keys, argv = [base + "gen", base + "s:" + stream], [op, f"{self._gen}{self._watch}", base, *args]
         reply = await self._call(lambda: self._script(keys=keys, args=argv), idempotent=idempotent)
         if reply and text(reply[0]) == "lost":
             raise self._lost()
         return reply
 
     async def _models(self) -> list[str]:
+        """Every model's name, read in one transaction with the generation (and, when watching
+        evictions, the server's count of them: a model list that lost a key is a loss)."""
         async def read() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client.pipeline(transaction=bool(self._watch))
             pipe.get(f"{self._prefix}:gen")
             pipe.hkeys(f"{self._prefix}:mid")
+            if self._watch:
+                pipe.info("stats")
             return await pipe.execute()
-        gen, models = await self._call(read)
+        gen, models, *stats = await self._call(read)
         if self._gen is None or text(gen) != self._gen:
+            raise self._lost()
+        if stats and int(stats[0].get("evicted_keys", 0)) > int(self._watch[1:]):
             raise self._lost()
         return sorted(text(m) for m in models)
 
@@ -201,7 +210,7 @@ class RedisPreciseStore:
         async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for base in bases:
-                await self._script(keys=[base + "gen", base + "s:"], args=[op, gen, base, *args], client=pipe)
+                await self._script(keys=[base + "gen", base + "s:"], args=[op, gen + self._watch, base, *args], client=pipe)
             return await pipe.execute()
         replies = await self._call(run)
         if any(r and text(r[0]) == "lost" for r in replies):
