@@ -261,10 +261,10 @@ class Daemon:
             await self.shards.start()
         for model, mc in self.config.models.items():
             if mc.block_size:
-                await self.store.set_block_size(model, mc.block_size)
+                await self.store.set_block_size(model, mc.block_size, configured=True)
         for engine in self.config.engines:
             if engine.model and engine.block_size:
-                await self.store.set_block_size(engine.model, engine.block_size)
+                await self.store.set_block_size(engine.model, engine.block_size, configured=True)
         await self.recovery.restore()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:

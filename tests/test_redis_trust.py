@@ -43,7 +43,7 @@ def test_serve_refuses_a_redis_that_evicts_any_key(server: Any, tmp_path: Path) 
 
 @pytest.mark.parametrize("policy", ["noeviction", "volatile-lru", "volatile-ttl"])
 async def test_policies_that_never_evict_kvindex_keys_are_accepted(server: Any, policy: str) -> None:
-    s, admin = server
+    _, admin = server
     await admin.config_set("maxmemory-policy", policy)
     store = RedisPreciseStore(admin)
     await store.open()

@@ -50,6 +50,11 @@ class StoreLost(StoreUnavailable):
     """The store's state was lost since it was opened (e.g. Redis restarted empty)."""
 
 
+class BlockSizeChanged(Exception):
+    """``match(..., model=)`` found the model's block size moved on since ``block_size`` answered
+    (an engine restarted with another): the keys were chunked by the old one; compute them again."""
+
+
 class StoreMisconfigured(StoreUnavailable):
     """The store is set up so that its answers could not be trusted (a Redis that may evict
     kvindex's keys, replicas configured with different block sizes): at start kvindex exits 2."""
@@ -92,7 +97,11 @@ class PreciseStore(Protocol):
 
     async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None: ...
 
-    async def set_block_size(self, model: str, block_size: int) -> None: ...
+    async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:
+        """The block size to use for ``model`` while no engine holds blocks of another (see
+        reference.py: block sizes follow the engines); answers the size in force. ``configured``:
+        the operator's ([models], [[engines]]); two different ones are ``StoreMisconfigured``."""
+        ...
 
     async def block_size(self, model: str) -> int | None: ...
 
@@ -107,7 +116,9 @@ class PreciseStore(Protocol):
     async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
                     model: str | None = None) -> dict[str, PodMatch]:
         """``model`` (the model the keys were computed for) lets a sharded backend walk only that
-        model's slot: one round trip on Redis. Without it the answer is the same, at more cost."""
+        model's slot: one round trip on Redis. Without it the answer is the same, at more cost.
+        With it, a store that cannot read the block size in the same step (Redis) raises
+        ``BlockSizeChanged`` when the model's moved on since ``block_size`` answered."""
         ...
 
     async def export_entries(self) -> list[Entry]: ...

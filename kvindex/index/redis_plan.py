@@ -21,6 +21,9 @@ Invariants:
   count plus the change among the entries the batch could touch; after a clear, the scratch
   index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
   afterwards, against an empty worker.
+- The model's block size follows the index's rule (reference.py): with ``view.others`` > 0 a
+  scratch worker of an unknown model stands for the other workers (it holds the size); a plan
+  that changes the size is re-checked by the apply script (no other worker then, else retry).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from kvindex.index.table import ORPHAN
 from kvindex.types import Applied, Entry
 
 TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+OTHERS = "\0others"  # no pod's name: the scratch worker standing for the model's other workers
 
 Change = tuple[int, int, bytes | None, int]  # (medium index, hash, stored value or None: gone, extra or UNCHANGED)
 
@@ -93,9 +97,11 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
         scratch.set_block_size(model, view.block_size)
     marker = _marker(hashes)
     scratch.load_entries(_seed(pod, rank, view, marker))
+    if view.others:  # the model's other workers hold its block size: one stands for them all
+        scratch.load_entries([Entry(OTHERS, 0, GPU, marker, marker, 1)])
     done = scratch.apply_batch(pod, model, rank, events)
     reset = done.cleared > 0
-    copy = scratch.frozen_copy()  # the one worker's media in order, empty ones included
+    copy = [c for c in scratch.frozen_copy() if c[0] == pod]  # the one worker's media in order, empty ones included
     media = tuple(medium for _, _, medium, _, _ in copy) or (GPU,)
     after = _held(copy)
     for m in media:
@@ -104,7 +110,7 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     keyless = _keyless(after)
     orphans = keyless if reset else view.orphans + keyless - _keyless(before)
     changes, holders, counted = _diff(media, before, after)
-    new_bs = scratch.block_size(model) if view.block_size is None else None
+    new_bs = scratch.block_size(model) if scratch.block_size(model) != view.block_size else None
     return Plan(done, reset, media, orphans, changes, holders, counted, new_bs)
 
 

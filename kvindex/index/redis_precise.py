@@ -8,8 +8,8 @@ receives the differences and applies them in one server-side script (``lua/redis
 Key layout and encoding: ``redis_keys``.
 
 Invariants:
-- ``apply`` = at most two round trips: a read script (position, block size, worker version and the
-  entries of every hash the batch names), then, unless the read already shows the batch is not to
+- ``apply`` = at most two round trips: a read script (position, block size, worker version, the
+  model's other workers and the entries of every hash the batch names), then, unless the read already shows the batch is not to
   be applied, the apply script. It re-judges the position (``judge``/``next_position`` of kvindex.sequence),
   re-checks the worker version and block size it was computed from (else the client recomputes),
   and writes everything or nothing: the scripts validate before their first write. A batch of
@@ -40,9 +40,12 @@ import redis.exceptions as rex
 from kvindex.events import AllBlocksCleared, BlockStored, KVEvent
 from kvindex.index.protocol import (
     ApplyResult,
+    BlockSizeChanged,
     StoreLost,
+    StoreMisconfigured,
     StoreUnavailable,
 )
+from kvindex.index.redis_config import watch_evictions
 from kvindex.index.redis_keys import (
     WorkerView,
     client_url,
@@ -50,6 +53,7 @@ from kvindex.index.redis_keys import (
     model_base,
     pack_changes,
     pack_holders,
+    per_pod,
     position_of,
     read_groups,
     text,
@@ -57,11 +61,10 @@ from kvindex.index.redis_keys import (
     value_of,
     view_of,
 )
-from kvindex.index.redis_config import watch_evictions
 from kvindex.index.redis_plan import Plan, hashes_of, plan_batch
 from kvindex.index.redis_scripts import precise_script
 from kvindex.sequence import Outcome, Position, StreamRef, judge
-from kvindex.types import Entry, PodMatch, merged
+from kvindex.types import Entry, PodMatch
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
 
@@ -99,7 +102,7 @@ class RedisPreciseStore:
         self._watch = ""  # "|<evicted keys at open>" when the server's eviction policy is unknown
         self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
         # model -> block size as last read or set here: a query's keys need it before its one round
-        # trip; it changes only by configuration (set_block_size), never back to unknown
+        # trip, whose reply says the slot's size (a change, an engine's new life: BlockSizeChanged)
         self._block_sizes: dict[str, int] = {}
         self._ready_pods: set[tuple[str, str]] = set()
 
@@ -267,13 +270,21 @@ class RedisPreciseStore:
                         "-" if position.reason is None else "+" + position.reason, stream=stream.id)
 
     # -- models and pods -----------------------------------------------------------------------
-    async def set_block_size(self, model: str, block_size: int) -> None:
-        await self._run(await self._ensure(model), "setbs", str(block_size))
-        self._block_sizes[model] = block_size
+    async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:
+        base = await self._ensure(model)
+        reply = await self._run(base, "setbs", str(block_size), "1" if configured else "0")
+        if text(reply[0]) == "conflict":
+            raise StoreMisconfigured(
+                f"redis at {self._url}: model {model!r} is configured with block_size {block_size} here but "
+                f"{text(reply[1])} by another replica of this store: configure every replica alike (once they "
+                f"agree, DEL {base}cbs)")
+        bs = self._block_sizes[model] = int(reply[1])
+        return bs
 
     async def block_size(self, model: str) -> int | None:
         """The model's block size; once known, from this client's memory (no round trip: a
-        query's only round trip is its walk). Unknown sizes are read every time."""
+        query's only round trip is its walk, whose reply says the size the keys needed:
+        ``match`` raises ``BlockSizeChanged`` when it moved on). Unknown sizes are read every time."""
         known = self._block_sizes.get(model)
         if known is not None:
             return known
@@ -340,11 +351,18 @@ class RedisPreciseStore:
             return {}
         args: list[str | bytes] = ["-1"] if wanted is None else [str(len(wanted)), *wanted]
         args.append(struct.pack(f">{len(keys)}Q", *keys))
-        if model is not None:
-            replies = [await self._run(await self._ensure(model), "match", *args)]
-        else:
-            replies = [r for _, r in await self._each_model("match", *args)]
-        return _per_pod(replies)
+        if model is None:
+            return per_pod([r[1:] for _, r in await self._each_model("match", *args)])
+        reply = await self._run(await self._ensure(model), "match", *args)
+        now, used = None if reply[0] is None else int(reply[0]), self._block_sizes.get(model)
+        if now != used:  # an engine restarted with another block size: keys made by the one told are wrong
+            if now is None:
+                self._block_sizes.pop(model, None)
+            else:
+                self._block_sizes[model] = now
+            if used is not None:
+                raise BlockSizeChanged(f"model {model!r}: block size {used} -> {now}")
+        return per_pod([reply[1:]])
 
     # -- state out and in ----------------------------------------------------------------------
     async def export_entries(self) -> list[Entry]:
@@ -378,13 +396,3 @@ class RedisPreciseStore:
         """Nothing to release: the client is the caller's (it may serve other stores too)."""
         return None
 
-
-def _per_pod(replies: list[list[Any]]) -> dict[str, PodMatch]:
-    """Per-worker depths (name, gpu, cpu, disk) into per-pod matches (``kvindex.types.merged``)."""
-    out: dict[str, PodMatch] = {}
-    for flat in replies:
-        for i in range(0, len(flat), 4):
-            rank, _, pod = text(flat[i]).partition("|")
-            g = int(flat[i + 1])
-            out[pod] = merged(out.get(pod), PodMatch(g, int(flat[i + 2]), int(flat[i + 3]), {int(rank): g}))
-    return out

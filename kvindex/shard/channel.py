@@ -222,7 +222,7 @@ class ClearPod(Request[None], frozen=True, tag="clear_pod"):
     dp_rank: int | None = None
 
 
-class SetBlockSize(Request[None], frozen=True, tag="set_block_size"):
+class SetBlockSize(Request[int], frozen=True, tag="set_block_size"):
     model: str
     block_size: int
 

@@ -256,14 +256,18 @@ end
 
 -- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, ...],
 -- [number of hashes, ...], [hash, ...]] (unpacked in C: no per-hash work here). Replies position, block size, version,
--- media, orphans, then per medium the values of the hashes in the order sent (key, 'o' or nil)
--- and their extra copies (false when the worker has none)
+-- media, orphans, the number of the model's other workers (they hold the block size), then per
+-- medium the values of the hashes in the order sent (key, 'o' or nil) and their extra copies
+-- (false when the worker has none)
+local function others_than(name)
+  return redis.call('HLEN', base .. 'W') - redis.call('HEXISTS', base .. 'W', name)
+end
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
   local slot = redis.call('HGET', base .. 'W', name)
   local out = {'ok', p[1], p[2], p[3], p[4], redis.call('GET', base .. 'bs'),
-               redis.call('HGET', base .. 'v', name) or '0', false, 0}
+               redis.call('HGET', base .. 'v', name) or '0', false, 0, others_than(name)}
   if not slot then return out end
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
@@ -361,7 +365,11 @@ local function apply_batch()
      or (ARGV[10] ~= '*' and (redis.call('GET', base .. 'bs') or '') ~= ARGV[10]) then
     return {'retry'}
   end
-  if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
+  if ARGV[11] ~= '' then  -- the model follows the engine: only while no other worker holds the old size
+    local bs = redis.call('GET', base .. 'bs')
+    if bs and bs ~= ARGV[11] and others_than(name) > 0 then return {'retry'} end
+    redis.call('SET', base .. 'bs', ARGV[11])
+  end
   local slot = redis.call('HGET', base .. 'W', name)
   local written = #ARGV[15] > 0 or #ARGV[16] > 0 or #ARGV[17] > 0
   if ARGV[12] == '1' or written or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
@@ -495,7 +503,7 @@ local function match()
     if offload then note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth) end
     note_dropped(w.ddep, j, w.d[j], depth)
   end
-  local out, slots = {}, {}
+  local out, slots = {redis.call('GET', base .. 'bs')}, {}  -- the block size the keys must have been made with
   for s, d in pairs(w.ddep) do
     if d > 0 then
       slots[#slots + 1] = s
@@ -504,7 +512,7 @@ local function match()
   end
   if #slots > 0 then
     local names = hmget(base .. 'N', slots)
-    for i = 1, #slots do out[4 * i - 3] = names[i] end
+    for i = 1, #slots do out[4 * i - 2] = names[i] end
   end
   return out
 end
@@ -602,6 +610,11 @@ elseif op == 'setpos' then
   return {'ok'}
 elseif op == 'names' then return redis.call('HKEYS', base .. 'W')
 elseif op == 'getbs' then return {'ok', redis.call('GET', base .. 'bs')}
-elseif op == 'setbs' then redis.call('SET', base .. 'bs', ARGV[4]); return {'ok'}
+elseif op == 'setbs' then  -- ARGV[4] size, [5] '1' when configured: every replica must configure the same
+  local cfg = redis.call('GET', base .. 'cbs')
+  if ARGV[5] == '1' and cfg and cfg ~= ARGV[4] then return {'conflict', cfg} end
+  if ARGV[5] == '1' then redis.call('SET', base .. 'cbs', ARGV[4]) end
+  if redis.call('HLEN', base .. 'W') == 0 or not redis.call('GET', base .. 'bs') then redis.call('SET', base .. 'bs', ARGV[4]) end
+  return {'ok', redis.call('GET', base .. 'bs')}
 end
 return redis.error_reply('kvindex: unknown op ' .. tostring(op))
