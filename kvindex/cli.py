@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "streams are unsynced and replayed from the engine when the store answers (default 10000)")
 
     s.add_argument("--workers", type=int, metavar="N", help=WORKERS_HELP)
+    s.add_argument("--max-blocks-per-pod", type=int, metavar="N", help="blocks one pod may hold in the index "
+                   "(default 4194304); past it its new blocks are refused and counted "
+                   "(kvindex_blocks_refused_total), it is unsynced (over_capacity) and one warning is logged")
 
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -167,7 +170,8 @@ def load_config(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
-                          store=args.store, store_buffer=args.store_buffer, workers=args.workers)
+                          store=args.store, store_buffer=args.store_buffer, workers=args.workers,
+                          max_blocks_per_pod=args.max_blocks_per_pod)
 
 
 def read_token(path: Path | None) -> str | None:

@@ -126,6 +126,9 @@ class ModelConfig:
             raise ConfigError('tokenizer = "engine" needs tokenize_url (the engine\'s base URL)')
 
 
+MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     host: str = "127.0.0.1"
@@ -146,6 +149,7 @@ class Config:
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
     workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
+    max_blocks_per_pod: int = MAX_BLOCKS_PER_POD  # past it a pod's stores are refused (kvindex.ingest.capacity)
 
     def __post_init__(self) -> None:
         try:
@@ -158,6 +162,8 @@ class Config:
                     raise ConfigError(f"{what} cannot be used with --store {describe(self.store)}: the state lives "
                                       "in Redis, shared by every replica")
         self._check_workers()
+        if type(self.max_blocks_per_pod) is not int or not 1 <= self.max_blocks_per_pod < 1 << 40:
+            raise ConfigError("max_blocks_per_pod must be a positive integer (blocks held per pod)")
         if type(self.store_buffer) is not int or self.store_buffer < 1:
             raise ConfigError("store_buffer must be a positive integer (batches per engine lane)")
         if self.fsync not in FSYNC_POLICIES:
@@ -197,6 +203,7 @@ class ServerTable(_Table, frozen=True):
     store: str | UnsetType = UNSET
     store_buffer: int | UnsetType = UNSET
     workers: int | UnsetType = UNSET
+    max_blocks_per_pod: int | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):
@@ -304,7 +311,7 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
 def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
                    state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
                    peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
-                   workers: int | None = None) -> Config:
+                   workers: int | None = None, max_blocks_per_pod: int | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -318,6 +325,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         store=store if store is not None else cfg.store,
         store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
         workers=workers if workers is not None else cfg.workers,
+        max_blocks_per_pod=max_blocks_per_pod if max_blocks_per_pod is not None else cfg.max_blocks_per_pod,
     )
 
 

@@ -157,7 +157,8 @@ class Daemon:
         if config.workers < 2:
             return None
         settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm,
-                                  store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes)
+                                  store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes,
+                                  max_blocks_per_pod=config.max_blocks_per_pod)
         shards = Shards(config.workers, settings, self.ctx, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None
@@ -184,7 +185,7 @@ class Daemon:
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
         dialect = DIALECTS[engine.dialect]
         settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm,
-                                store_buffer=self.config.store_buffer)
+                                store_buffer=self.config.store_buffer, max_blocks_per_pod=self.config.max_blocks_per_pod)
         return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)

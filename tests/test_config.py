@@ -52,9 +52,9 @@ def refusal(text: str) -> str:
     ("[server]\nprot = 8080", "unknown key prot in [server] (did you mean port?)"),
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, store, "
-                             "store_buffer, workers)"),
+                             "store_buffer, workers, max_blocks_per_pod)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, store, "
-                                 "store_buffer, workers)"),
+                                 "store_buffer, workers, max_blocks_per_pod)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
      "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\nreplay_endpoint = "tcp://h:2"',
@@ -204,7 +204,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
     assert keys(ConfigFile) == {"server", "engines", "models", "approx", "drift", "state"}
     assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig))} == {
-        "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers"},
+        "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers", "max_blocks_per_pod"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
         "state": {"dir", "snapshot_seconds", "fsync", "peer"},

@@ -106,7 +106,7 @@ class EngineLane:
         self._ensure_open = ensure_open  # re-opens the stores after a loss (the guard's)
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
-                                   metrics=metrics, burst=burst)
+                                   metrics=metrics, burst=burst, max_blocks_per_pod=settings.max_blocks_per_pod)
         self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics)
         self._buffer = StoreBuffer(engine.name, self.state.streams, settings.store_buffer, metrics, self._lock,
                                    self._drain_once)

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvindex.config import MAX_BLOCKS_PER_POD
 from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
@@ -142,6 +143,7 @@ class LaneSettings:
     replay_timeout: float = 2.0
     rcvhwm: int = 1_000_000
     store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
+    max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvindex.config import EngineConfig
+from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
@@ -70,6 +70,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
     rcvhwm: int = 1_000_000
     store_buffer: int = 10_000
     max_message_bytes: int = 64 << 20
+    max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -95,7 +95,8 @@ class Worker:
         return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics,
                           settings=LaneSettings(replay_timeout=s.replay_timeout, rcvhwm=s.rcvhwm,
-                                                store_buffer=s.store_buffer), burst=self._burst)
+                                                store_buffer=s.store_buffer, max_blocks_per_pod=s.max_blocks_per_pod),
+                          burst=self._burst)
 
     # -- operations ----------------------------------------------------------------------------
     async def _ping(self, req: ch.Ping) -> int:
