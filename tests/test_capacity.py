@@ -33,16 +33,19 @@ def gauge(h: Any, name: str, pod: str = "p0") -> float:
     return h.daemon.registry.get_sample_value(name, {"pod": pod}) or 0.0
 
 
-async def test_a_pod_that_only_stores_is_capped(make_harness: Any, make_engine: Any, tmp_path: Path,
-                                                caplog: Any) -> None:
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_pod_that_only_stores_is_capped(backend: str, make_harness: Any, make_engine: Any, tmp_path: Path,
+                                                caplog: Any, request: Any) -> None:
+    store = request.getfixturevalue("redis_url") if backend == "redis" else "memory://"
     engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "rep"))
-    h = await make_harness(Config(engines=(engine_config(engine),), max_blocks_per_pod=CAP, replay_timeout=0.5))
+    h = await make_harness(Config(engines=(engine_config(engine),), max_blocks_per_pod=CAP, replay_timeout=0.5,
+                                  store=store))
     await h.wait_connected()
     with caplog.at_level(logging.INFO, "kvindex.ingest.lane"):
         for f in only_stores(40):  # 8000 blocks offered
             await engine.publish(f)
         await h.wait_seq("p0", 39, timeout=20)
-        held = h.daemon.index.blocks_held("p0")["gpu"]
+        held = (await h.daemon.store.blocks_held("p0"))["gpu"]
         assert CAP < held <= CAP + PER_BATCH  # the batch that crossed applied; none after it
         assert gauge(h, "kvindex_blocks_refused_total") == 40 * PER_BATCH - held
         assert gauge(h, "kvindex_pod_over_capacity") == 1
@@ -60,7 +63,7 @@ async def test_a_pod_that_only_stores_is_capped(make_harness: Any, make_engine: 
         for f in only_stores(5, first_hash=100_000, seq=41):
             await engine.publish(f)
         await h.wait_seq("p0", 45, timeout=20)
-        assert h.daemon.index.blocks_held("p0")["gpu"] == 5 * PER_BATCH
+        assert (await h.daemon.store.blocks_held("p0"))["gpu"] == 5 * PER_BATCH
         assert gauge(h, "kvindex_pod_over_capacity") == 0 and h.stream("p0").synced
         for f in only_stores(20, first_hash=200_000, seq=46):  # crossing again: warned again, once
             await engine.publish(f)
