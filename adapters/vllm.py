@@ -33,6 +33,7 @@ import msgspec
 from kvindex import native
 from kvindex.events import (
     GPU,
+    MAX_BLOCK_SIZE,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -42,7 +43,6 @@ from kvindex.events import (
 )
 
 MASK64 = (1 << 64) - 1
-MAX_BLOCK_SIZE = 1 << 16  # tokens per block; more is garbage (engines use 16-256), skipped as bad_block_size
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                  "medium", "lora_name", "extra_keys", "group_idx")

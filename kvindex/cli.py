@@ -24,7 +24,7 @@ from typing import Any
 
 from kvindex import loops
 from kvindex.config import AUTH_MODES, Config, ConfigError, load_file, with_overrides
-from kvindex.index.protocol import StoreUnavailable
+from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
 from kvindex.logs import one_line_logs
 from kvindex.storeurl import describe
 
@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "max_connections; default: the open-file limit, raised to its hard limit at start, less descriptors "
                    "kept for the engines, at most 4096); one beyond gets a 503 and is closed. [server] idle_timeout and "
                    "body_timeout (default 30 s each) close a connection that sends no request header, or no whole body, in time")
+    s.add_argument("--max-blocks-per-pod", type=int, metavar="N", help="blocks one pod may hold in the index "
+                   "(default 4194304); past it its new blocks are refused and counted "
+                   "(kvindex_blocks_refused_total), it is unsynced (over_capacity) and one warning is logged")
 
     r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -191,7 +194,7 @@ def load_config(args: argparse.Namespace) -> Config:
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
-                          max_connections=args.max_connections)
+                          max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -237,7 +240,9 @@ async def serve(config: Config, token: str | None) -> int:
     daemon = Daemon(config, token=token)
     try:
         return await run_until_signal(daemon.run_forever)
-    except StoreUnavailable as exc:  # at start: nothing was served
+    except StoreMisconfigured as exc:  # at start: nothing was served (the message names the store)
+        raise ConfigError(str(exc)) from None
+    except StoreUnavailable as exc:
         raise ConfigError(f"store {describe(config.store)} cannot be reached: {exc}") from None
     except ShardFailed as exc:
         print(f"kvindex: {exc}", file=sys.stderr)

@@ -27,6 +27,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from kvindex import strict
+from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.settings import (
     FSYNC_POLICIES,
     ApproxConfig,
@@ -72,6 +73,11 @@ def check_zmq_endpoint(endpoint: str, what: str) -> None:
             raise ConfigError(f"{what} {endpoint!r}: this libzmq {zmq.zmq_version()} was built without {scheme}://")
 
 
+def check_block_size(value: int | None, what: str) -> None:
+    if value is not None and not 1 <= value <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"{what} must be an integer from 1 to {MAX_BLOCK_SIZE}")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """One engine replica's KV-event publisher (one SUB socket)."""
@@ -91,8 +97,9 @@ class EngineConfig:
             check_zmq_endpoint(self.replay, "engine replay endpoint")
         if self.dialect not in DIALECT_NAMES:
             raise ConfigError(f"engine dialect {self.dialect!r}: expected one of {', '.join(DIALECT_NAMES)}")
-        if self.block_size is not None and self.block_size <= 0:
-            raise ConfigError("engine block_size must be a positive integer")
+        check_block_size(self.block_size, "engine block_size")
+        if self.dp_rank is not None and not 0 <= self.dp_rank <= MAX_DP_RANK:
+            raise ConfigError(f"engine dp_rank must be an integer from 0 to {MAX_DP_RANK}")
 
     @property
     def name(self) -> str:
@@ -113,10 +120,14 @@ class ModelConfig:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
+        check_block_size(self.block_size, "model block_size")
         if self.tokenizer not in TOKENIZER_NAMES:
             raise ConfigError(f"tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
         if self.tokenizer == "engine" and not self.tokenize_url:
             raise ConfigError('tokenizer = "engine" needs tokenize_url (the engine\'s base URL)')
+
+
+MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +155,7 @@ class Config:
     max_connections: int = 0  # open HTTP connections at most; 0: derived from RLIMIT_NOFILE (kvindex.http.server)
     idle_timeout: float = 30.0  # seconds an HTTP connection may go without a complete request header
     body_timeout: float = 30.0  # seconds a request body may take to arrive
+    max_blocks_per_pod: int = MAX_BLOCKS_PER_POD  # past it a pod's stores are refused (kvindex.ingest.capacity)
 
     def __post_init__(self) -> None:
         try:
@@ -156,6 +168,8 @@ class Config:
                     raise ConfigError(f"{what} cannot be used with --store {describe(self.store)}: the state lives "
                                       "in Redis, shared by every replica")
         self._check_workers()
+        if type(self.max_blocks_per_pod) is not int or not 1 <= self.max_blocks_per_pod < 1 << 40:
+            raise ConfigError("max_blocks_per_pod must be a positive integer (blocks held per pod)")
         if type(self.store_buffer) is not int or self.store_buffer < 1:
             raise ConfigError("store_buffer must be a positive integer (batches per engine lane)")
         if self.auth not in AUTH_MODES:
@@ -215,6 +229,7 @@ class ServerTable(_Table, frozen=True):
     max_connections: int | UnsetType = UNSET
     idle_timeout: float | UnsetType = UNSET
     body_timeout: float | UnsetType = UNSET
+    max_blocks_per_pod: int | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):
@@ -324,7 +339,8 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
                    peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
                    workers: int | None = None, replay_timeout: float | None = None,
                    replay_max_bytes: int | None = None, auth: str | None = None,
-                   max_connections: int | None = None) -> Config:
+                   max_connections: int | None = None,
+                   max_blocks_per_pod: int | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -342,6 +358,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         replay_timeout=replay_timeout if replay_timeout is not None else cfg.replay_timeout,
         replay_max_bytes=replay_max_bytes if replay_max_bytes is not None else cfg.replay_max_bytes,
         max_connections=max_connections if max_connections is not None else cfg.max_connections,
+        max_blocks_per_pod=max_blocks_per_pod if max_blocks_per_pod is not None else cfg.max_blocks_per_pod,
     )
 
 

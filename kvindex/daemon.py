@@ -166,7 +166,8 @@ class Daemon:
             return None
         settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm,
                                   store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes,
-                                  replay_max_bytes=config.replay_max_bytes)
+                                  replay_max_bytes=config.replay_max_bytes,
+                                  max_blocks_per_pod=config.max_blocks_per_pod)
         shards = Shards(config.workers, settings, self.ctx, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None
@@ -193,7 +194,8 @@ class Daemon:
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
         dialect = DIALECTS[engine.dialect]
         settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm,
-                                store_buffer=self.config.store_buffer, replay_max_bytes=self.config.replay_max_bytes)
+                                store_buffer=self.config.store_buffer, replay_max_bytes=self.config.replay_max_bytes,
+                                max_blocks_per_pod=self.config.max_blocks_per_pod)
         return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)
@@ -280,10 +282,10 @@ class Daemon:
             await self.shards.start()
         for model, mc in self.config.models.items():
             if mc.block_size:
-                await self.store.set_block_size(model, mc.block_size)
+                await self.store.set_block_size(model, mc.block_size, configured=True)
         for engine in self.config.engines:
             if engine.model and engine.block_size:
-                await self.store.set_block_size(engine.model, engine.block_size)
+                await self.store.set_block_size(engine.model, engine.block_size, configured=True)
         await self.recovery.restore()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvindex import keys as K
 from kvindex.budget import str_bytes
-from kvindex.index.protocol import ApproxStore, PreciseStore, StoreUnavailable
+from kvindex.index.protocol import ApproxStore, BlockSizeChanged, PreciseStore, StoreUnavailable
 from kvindex.settings import DriftSettings
 
 
@@ -145,7 +145,12 @@ class DriftAudit:
         tokens = d.truth_tokens or d.prompt_tokens
         if not d.keys or not tokens:
             return {}
-        return {p: m.gpu * d.block_size / tokens for p, m in (await self._precise.match(d.keys, pods, model=d.model)).items()}
+        pods = None if pods is None else list(pods)
+        try:
+            matches = await self._precise.match(d.keys, pods, model=d.model)
+        except BlockSizeChanged:  # the keys keep the decision's block size: what engines hold of them now
+            matches = await self._precise.match(d.keys, pods, model=d.model)
+        return {p: m.gpu * d.block_size / tokens for p, m in matches.items()}
 
     async def _resolve_keys(self, d: Decision) -> None:
         """A decision made before any engine published the model's blocks gets its keys now."""

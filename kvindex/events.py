@@ -22,6 +22,11 @@ import msgspec
 GPU = "GPU"
 """The device tier; the only tier whose blocks count as a prefix-cache hit."""
 
+# The ranges every integer is checked against where it enters (wire, HTTP, configuration):
+MAX_BLOCK_SIZE = 1 << 16  # tokens per block (engines use 16-256); more is garbage
+MAX_DP_RANK = (1 << 16) - 1  # data-parallel ranks of one engine
+MAX_SEQ = (1 << 64) - 2  # a stream's seq is a u64; all ones is the replay protocol's end marker, never a batch
+
 
 class Frame(msgspec.Struct, frozen=True, gc=False):
     """One ZeroMQ message as an engine publishes it: ``[topic, seq (u64 big-endian), payload]``."""

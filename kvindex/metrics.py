@@ -75,6 +75,10 @@ class Metrics:
         self.replays = Counter("kvindex_replays", "Replay requests to an engine's replay endpoint, by outcome: ok, history_lost, failed, or the bound that cut the answer short (replay_timeout, replay_too_large, replay_too_many_frames)", ["pod", "outcome"], registry=r)
         self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went back with other bytes, or a watermark the engine no longer holds)", ["pod"], registry=r)
         self.orphan_blocks = Counter("kvindex_orphan_blocks", "Stored blocks kept without a key (unknown parent, no tokens, block size mismatch)", ["pod"], registry=r)
+        self.blocks_refused = Counter("kvindex_blocks_refused", "Block copies of BlockStored events refused because "
+                                      "their pod holds more than --max-blocks-per-pod", ["pod"], registry=r)
+        self.pod_over_capacity = Gauge("kvindex_pod_over_capacity", "1 while the pod holds more blocks than "
+                                       "--max-blocks-per-pod (its stores are refused; it is unsynced)", ["pod"], registry=r)
         self.unknown_removals = Counter("kvindex_unknown_removals", "BlockRemoved for a hash the pod does not hold", ["pod"], registry=r)
         self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between the engine's batch timestamp and its application", ["pod"], registry=r)
         self.http_rejections = Counter("kvindex_http_rejections", "HTTP requests refused with a 4xx, by endpoint and reason", ["endpoint", "reason"], registry=r)

@@ -31,7 +31,7 @@ from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
 from kvindex.budget import ByteLRU, str_bytes
 from kvindex.index.approx import score_matches
-from kvindex.index.protocol import ApproxStore, PreciseStore
+from kvindex.index.protocol import ApproxStore, BlockSizeChanged, PreciseStore
 from kvindex.tokenize import Tokenizer
 from kvindex.types import PodMatch
 
@@ -88,6 +88,11 @@ class ScoreMemory:
         return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, {pod: then} if then else {}, answer.root)
 
 
+def _changing(model: str) -> QueryError:
+    return QueryError(f"model {model!r}: its block size keeps changing (engines restarting with another): ask again",
+                      field=None, status=503, reason="block_size_changing")
+
+
 def _never_behind(model: str) -> bool:
     return False
 
@@ -112,21 +117,34 @@ class QueryService:
     async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
                       lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
         root = K.root_key(model, lora_name, cache_salt)
-        bs = await self.store.block_size(model)  # the store unreachable says so first
-        self.check_current(model)
-        if bs is None:  # no engine has published a block of this model: nobody holds any
-            return PreciseAnswer(0, len(token_ids), (), {}, root)
-        keys = K.prompt_keys(root, token_ids[:cacheable_tokens(token_ids)], bs)
-        return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model), root)
+        for attempt in (0, 1):  # the model's block size moved on under the first (an engine restarted)
+            bs = await self.store.block_size(model)  # the store unreachable says so first
+            self.check_current(model)
+            if bs is None:  # no engine has published a block of this model: nobody holds any
+                return PreciseAnswer(0, len(token_ids), (), {}, root)
+            keys = K.prompt_keys(root, token_ids[:cacheable_tokens(token_ids)], bs)
+            try:
+                return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model),
+                                     root)
+            except BlockSizeChanged:
+                if attempt:
+                    raise _changing(model) from None
+        raise AssertionError("unreachable")
 
     async def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int],
                                       pods: Iterable[str] | None) -> PreciseAnswer:
-        bs = await self.store.block_size(model)
-        self.check_current(model)
-        if bs is None:
-            return PreciseAnswer(0, 0, (), {})
-        keys = K.chain_keys(K.root_key(model), local_hashes)
-        return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods, model=model))
+        for attempt in (0, 1):
+            bs = await self.store.block_size(model)
+            self.check_current(model)
+            if bs is None:
+                return PreciseAnswer(0, 0, (), {})
+            keys = K.chain_keys(K.root_key(model), local_hashes)
+            try:
+                return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods, model=model))
+            except BlockSizeChanged:
+                if attempt:
+                    raise _changing(model) from None
+        raise AssertionError("unreachable")
 
     async def token_ids_for(self, model: str, body: dict[str, Any]) -> Sequence[int] | None:
         """Token ids from the body, or from the model's tokenizer; None when neither exists."""

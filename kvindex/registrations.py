@@ -75,7 +75,7 @@ class Registrations:
     def remove(self, reg: Registration) -> None:
         del self.by_key[(reg.instance_id, reg.dp_rank)]
         if not self.matching(model=reg.model, group=reg.group):
-            self.block_sizes.pop((reg.model, reg.group), None)  # the next registration fixes it again
+            self.block_sizes.pop((reg.model, reg.group), None)  # the next registration sets it again
         if self.on_change is not None:
             self.on_change("remove", reg)
 
@@ -99,17 +99,20 @@ class EngineRegistry:
         if (iid, dp_rank) in regs.by_key:
             raise QueryError(f"instance {iid} dp_rank {dp_rank} is already registered", field="instance_id",
                              status=409, reason="duplicate")
-        fixed = regs.block_sizes.get((model, group)) or await self._store.block_size(model)
-        if fixed is not None and fixed != block_size:  # one block size per model: keys are chunked by it
-            raise QueryError(f"block_size {block_size} differs from {fixed}, fixed by the first registration of "
-                             f"{model}:{group}", field="block_size", reason="block_size_mismatch")
+        live = regs.block_sizes.get((model, group))
+        if live is not None and live != block_size:  # one block size per model: keys are chunked by it
+            raise QueryError(f"block_size {block_size} contradicts {live}, the block size of the engines registered "
+                             f"for {model}:{group}", field="block_size", status=409, reason="block_size_mismatch")
         try:
             engine = EngineConfig(endpoint=endpoint, pod=iid, model=model, block_size=block_size, dp_rank=dp_rank,
                                   replay=replay)
         except ConfigError as exc:
             raise QueryError(str(exc), field="endpoint", reason="bad_field") from None
         reg = Registration(iid, model, group, block_size, dp_rank, engine)
-        await self._store.set_block_size(model, block_size)
+        held = await self._store.set_block_size(model, block_size)  # set unless engines hold blocks of another
+        if held != block_size:
+            raise QueryError(f"block_size {block_size} contradicts {held}, the block size of the blocks live engine "
+                             f"streams of {model} hold", field="block_size", status=409, reason="block_size_mismatch")
         regs.add(reg)
         self._fleet.add(reg.lane_key, engine)
         return reg

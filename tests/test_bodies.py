@@ -37,10 +37,14 @@ def test_a_valid_register_body_and_its_defaults() -> None:
     ({"model_name": None}, ("model_name is required", "model_name", 400, "missing_field")),
     ({"model_name": ""}, ("model_name must be a non-empty string", "model_name", 400, "bad_field")),
     ({"endpoint": 5}, ("endpoint must be a non-empty string", "endpoint", 400, "bad_field")),
-    ({"block_size": 0}, ("block_size must be an integer >= 1", "block_size", 400, "bad_field")),
-    ({"block_size": 16.0}, ("block_size must be an integer >= 1", "block_size", 400, "bad_field")),
+    ({"block_size": 0}, ("block_size must be an integer from 1 to 65536", "block_size", 400, "bad_field")),
+    ({"block_size": 16.0}, ("block_size must be an integer from 1 to 65536", "block_size", 400, "bad_field")),
+    ({"block_size": 2**64}, ("block_size must be an integer from 1 to 65536", "block_size", 400, "bad_field")),
+    ({"block_size": 65537}, ("block_size must be an integer from 1 to 65536", "block_size", 400, "bad_field")),
+    ({"instance_id": 2**64}, ("instance_id must be a non-negative integer or a non-empty string", "instance_id", 400, "bad_field")),
+    ({"dp_rank": 2**64}, ("dp_rank must be an integer from 0 to 65535", "dp_rank", 400, "bad_field")),
     ({"dp_rank": None}, ("dp_rank is required", "dp_rank", 400, "missing_field")),
-    ({"dp_rank": -1}, ("dp_rank must be an integer >= 0", "dp_rank", 400, "bad_field")),
+    ({"dp_rank": -1}, ("dp_rank must be an integer from 0 to 65535", "dp_rank", 400, "bad_field")),
     ({"routing_group": ""}, ("routing_group must be a non-empty string", "routing_group", 400, "bad_field")),
 ])
 def test_register_refusals_name_the_field(change: dict[str, Any], expected: tuple[str, str, int, str]) -> None:

@@ -141,7 +141,7 @@ async def test_compat_api_end_to_end(make_harness: Any, make_engine: Any, tmp_pa
     assert status == 409 and err["field"] == "instance_id"
     status, err = await h.post("/register", {"instance_id": 8, "endpoint": ipc_endpoint(tmp_path, "e8"),
                                              "model_name": MODEL, "block_size": 16})
-    assert status == 400 and err["field"] == "block_size"
+    assert status == 409 and err["field"] == "block_size"  # contradicts the live registration of 4
     status, err = await h.post("/register", {"instance_id": 8, "endpoint": "not-an-address", "model_name": MODEL,
                                              "block_size": BS})
     assert status == 400 and err["field"] == "endpoint"

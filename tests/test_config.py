@@ -52,9 +52,9 @@ def refusal(text: str) -> str:
     ("[server]\nprot = 8080", "unknown key prot in [server] (did you mean port?)"),
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, store, "
-                             "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout)"),
+                             "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, store, "
-                                 "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout)"),
+                                 "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
      "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\nreplay_endpoint = "tcp://h:2"',
@@ -92,6 +92,12 @@ def test_unknown_keys_and_tables_name_where_and_the_closest_name(text: str, mess
     ('[models.m]\ntokenizer = "engine"',
      "[models.m]: tokenizer = \"engine\" needs tokenize_url (the engine's base URL)"),
     ("[approx]\ntopKMatches = 1.5", "[approx]: approx.topKMatches must be an integer, got 1.5"),
+    ('[models.m]\nblock_size = 18446744073709551616', "[models.m]: model block_size must be an integer from 1 to 65536"),
+    ('[models.m]\nblock_size = 0', "[models.m]: model block_size must be an integer from 1 to 65536"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\nblock_size = 65537',
+     "[[engines]] #1: engine block_size must be an integer from 1 to 65536"),
+    ('[[engines]]\nendpoint = "tcp://h:1"\ndp_rank = 65536',
+     "[[engines]] #1: engine dp_rank must be an integer from 0 to 65535"),
 ])
 def test_bad_values_say_where(text: str, message: str) -> None:
     assert refusal(text) == f"kvindex.toml: {message}"
@@ -199,7 +205,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
     assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig))} == {
         "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers", "auth",
-                   "max_connections", "idle_timeout", "body_timeout"},
+                   "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
         "state": {"dir", "snapshot_seconds", "fsync", "peer"},

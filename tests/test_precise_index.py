@@ -99,6 +99,8 @@ def test_orphans_are_kept_for_removal_but_never_match(idx: Index) -> None:
 
 
 def test_block_size_mismatch_is_an_orphan(idx: Index) -> None:
+    idx.apply("b", "m", 0, BlockStored(block_hashes=(7,), parent_hash=None, token_ids=array("I", TOKENS[:4]),
+                                       block_size=4))  # b's blocks hold the model's block size
     ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=array("I", TOKENS[:8]), block_size=8)
     done = idx.apply("a", "m", 0, ev)
     assert done.block_size_mismatch and done.orphans == 1

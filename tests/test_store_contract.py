@@ -27,7 +27,13 @@ from kvindex.answers import cacheable_tokens
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.memory import LocalPreciseIndex, MemoryPreciseStore
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.protocol import PreciseStore, StoreLost, StoreUnavailable
+from kvindex.index.protocol import (
+    BlockSizeChanged,
+    PreciseStore,
+    StoreLost,
+    StoreMisconfigured,
+    StoreUnavailable,
+)
 from kvindex.index.redis_precise import RedisPreciseStore
 from kvindex.index.reference import ReferenceIndex
 from kvindex.sequence import Outcome, Position, StreamRef
@@ -35,6 +41,7 @@ from kvindex.shard.channel import ShardChannel, WorkerSettings, owner_of
 from kvindex.shard.store import ShardedPreciseStore
 from kvindex.shard.supervisor import Shards
 from kvindex.tools.capture import load_capture
+from kvindex.types import Entry, PodMatch
 from tests.conftest import FIXTURES
 from tests.redis_server import RedisServer
 from tests.test_precise_fixtures import meta, predictable, requests_in_order
@@ -222,10 +229,73 @@ async def test_orphans_are_kept_for_removal_but_never_match(store: PreciseStore,
     assert (await store.blocks_held("a"))["orphans"] == 1
 
 
-async def test_block_size_mismatch_is_an_orphan(store: PreciseStore, feed: Feed) -> None:
-    ev = BlockStored(block_hashes=(1,), parent_hash=None, token_ids=array("I", TOKENS[:8]), block_size=8)
-    done = await feed("a", 0, ev)
+async def block_size_now(store: PreciseStore, model: str = "m") -> int | None:
+    """The model's block size as a query finds it (a replica that remembered an older one learns
+    the new one from its walk: ``BlockSizeChanged``, and asks again)."""
+    try:
+        await store.match([1], model=model)
+    except BlockSizeChanged:
+        pass
+    return await store.block_size(model)
+
+
+def sized(hashes: list[int], tokens: list[int], bs: int) -> BlockStored:
+    return BlockStored(block_hashes=tuple(hashes), parent_hash=None, token_ids=array("I", tokens), block_size=bs)
+
+
+async def test_block_size_mismatch_is_an_orphan_while_another_engine_holds_the_size(store: PreciseStore,
+                                                                                    feed: Feed) -> None:
+    await feed("b", 0, stored([7], None, TOKENS[:4]))
+    done = await feed("a", 0, sized([1], TOKENS[:8], 8))
     assert done.block_size_mismatch and done.orphans == 1
+    assert await block_size_now(store) == BS
+    assert (await feed("b", 0, sized([8], TOKENS[:8], 8))).block_size_mismatch == 1  # its own blocks hold it too
+
+
+async def test_an_engine_restarted_with_another_block_size_is_followed(store: PreciseStore, peers: Factory) -> None:
+    """Block size belongs to an engine's life: after its restart cleared it, its blocks of the
+    new size are keyed with it (not orphans) and queries chunk prompts by it."""
+    other = await peers()
+    assert (await store.apply(A, 0, 0, 0, (stored([1, 2], None, TOKENS[:8]),))).applied.orphans == 0
+    await store.restart(A, 0, None)
+    r = await other.apply(A, 0, 1, 0, (sized([5, 6], TOKENS[:16], 8),))
+    assert r.applied.orphans == 0 and r.applied.block_size_mismatch == 0
+    for s in (store, other):
+        assert await block_size_now(s) == 8
+        assert (await s.match(K.prompt_keys(K.root_key("m"), TOKENS, 8), model="m"))["a"].gpu == 2
+    assert await store.blocks_held("a") == {"gpu": 2, "cpu": 0, "disk": 0, "orphans": 0}
+
+
+async def test_set_block_size_never_pins_a_model(store: PreciseStore, feed: Feed) -> None:
+    """A size set while no engine holds blocks (a registration of block_size 1 that was then
+    removed) gives way to the first engine's; one set while engines hold another is refused."""
+    assert await store.set_block_size("m", 1) == 1
+    done = await feed("a", 0, stored([1], None, TOKENS[:4]))
+    assert done.block_size_mismatch == 0 and done.orphans == 0 and await block_size_now(store) == BS
+    assert await store.set_block_size("m", 8) == BS  # a's blocks hold 4
+    assert await block_size_now(store) == BS
+    await store.clear_pod("a")
+    assert await store.set_block_size("m", 8) == 8
+
+
+async def test_restored_blocks_hold_their_block_size(store: PreciseStore) -> None:
+    await store.set_position(A, Position(3, 0, True, None))
+    await store.load_entries([Entry("a", 0, "GPU", 1, keys_of(TOKENS)[0], 1)])
+    b = StreamRef.of("b", "kv@b@m", "m")
+    assert (await store.apply(b, 0, 0, 0, (sized([9], TOKENS[:8], 8),))).applied.block_size_mismatch == 1
+    assert await block_size_now(store) == BS
+
+
+async def test_configured_block_sizes_must_agree(store: PreciseStore, peers: Factory) -> None:
+    """Two replicas (or [models] and [[engines]]) configuring one model differently: refused loudly."""
+    if isinstance(store, ShardedPreciseStore):
+        pytest.skip("one parent per sharded daemon: its configuration is its own")
+    other = await peers()
+    assert await store.set_block_size("cfg", 16, configured=True) == 16
+    assert await other.set_block_size("cfg", 16, configured=True) == 16
+    with pytest.raises(StoreMisconfigured, match=r"block_size 32 .* 16"):
+        await other.set_block_size("cfg", 32, configured=True)
+    assert await block_size_now(other, "cfg") == 16
 
 
 async def test_the_first_block_stored_sets_an_unconfigured_block_size(store: PreciseStore, feed: Feed) -> None:
@@ -377,6 +447,23 @@ async def test_epochs_stale_and_behind(store: PreciseStore) -> None:
     assert r.outcome is Outcome.APPLIED and r.position == Position(0, 5, False, "operator")
 
 
+@pytest.mark.parametrize("top", [2**53, 2**63, 2**64 - 6])
+async def test_seqs_are_exact_up_to_the_top_of_the_u64_range(store: PreciseStore, top: int) -> None:
+    """Seqs beyond 2**53 (where a double loses integers) are judged exactly, by every backend."""
+    clear = (AllBlocksCleared(),)
+    assert (await store.apply(A, top, 0, 0, ONE)).outcome is Outcome.APPLIED
+    r = await store.apply(A, top + 1, 0, 0, ONE)
+    assert r.outcome is Outcome.APPLIED and r.position.last_seq == top + 1
+    assert (await store.apply(A, top + 1, 0, 0, ONE)).outcome is Outcome.DUPLICATE
+    assert (await store.apply(A, top, 0, 0, clear)).outcome is Outcome.DUPLICATE
+    assert (await store.apply(A, top + 3, 0, 0, ONE)).outcome is Outcome.GAP
+    assert (await store.apply(A, top + 3, 0, 0, clear)).outcome is Outcome.GAP
+    assert (await store.apply(A, top + 2, 0, 0, clear)).outcome is Outcome.APPLIED
+    assert (await store.apply(A, top + 4, 0, 0, ONE, force="lost")).position == Position(top + 4, 0, False, "lost")
+    assert await store.position(A) == Position(top + 4, 0, False, "lost")
+    assert (await store.apply(A, 9, 0, 0, ONE)).outcome is Outcome.DUPLICATE
+
+
 async def test_restart_applies_once_across_two_clients(store: PreciseStore, peers: Factory) -> None:
     other = await peers()
     b = StreamRef.of("a", "kv@a@m:rank1", "m")
@@ -460,7 +547,16 @@ async def assert_same_entries(mem: MemoryPreciseStore, red: RedisPreciseStore, p
         assert await red.match(ks) == await mem.match(ks)
 
 
+async def walk(red: RedisPreciseStore, ks: list[int], model: str) -> dict[str, PodMatch]:
+    """A walk of one model's slot; a block size changed since this client last heard is said once."""
+    try:
+        return await red.match(ks, model=model)
+    except BlockSizeChanged:
+        return await red.match(ks, model=model)
+
+
 async def assert_same(mem: MemoryPreciseStore, red: RedisPreciseStore, prompts: list[list[int]], models: list[str]) -> None:
+    assert await red.block_sizes() == await mem.block_sizes()
     pods = await mem.pods()
     assert await red.pods() == pods
     for pod in pods + ["nobody"]:
@@ -471,7 +567,7 @@ async def assert_same(mem: MemoryPreciseStore, red: RedisPreciseStore, prompts: 
         want = await mem.match(ks)
         assert await red.match(ks) == want
         for model in models:
-            assert await red.match(ks, model=model) == {p: m for p, m in want.items() if p in await pods_of(mem, model)}
+            assert await walk(red, ks, model) == {p: m for p, m in want.items() if p in await pods_of(mem, model)}
         assert await red.match(ks, pods[:1]) == await mem.match(ks, pods[:1])
 
 

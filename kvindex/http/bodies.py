@@ -34,6 +34,7 @@ from aiohttp import web
 from kvindex import native
 from kvindex.approx.gojson import NestingTooDeep, RenderError, go_json_loads
 from kvindex.decisions import MAX_BATCH, DecisionIn
+from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.http.errors import ApiError
 from kvindex.limits import (
     FIELD_LIMITS,
@@ -53,7 +54,9 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # a po
 Model = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
 Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SALT_CHARS)]
 Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENDPOINT_CHARS)]
-Count = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # (Dynamo's instance ids are i64 lease ids)
+BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]  # ranges of the engines' own (kvindex.events)
+DpRank = Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
 Pods = list[Id]
 _CONTAINERS = frozenset((dict, list))
 _SIGNED_ZERO = re.compile(rb"-0(?![.0-9eE])")
@@ -156,6 +159,7 @@ class Body(msgspec.Struct, frozen=True):
 
 _PODS_BAD = "pods must be an array of pod ids (strings)"
 _INSTANCE = "instance_id must be a non-negative integer or a non-empty string"
+_RANK = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"
 
 
 class ScoreBody(Body, frozen=True):
@@ -182,25 +186,25 @@ class PodsBody(Body, frozen=True):
 class RegisterBody(Body, frozen=True):
     """``POST /register`` (Dynamo's field names)."""
 
-    bad = {"instance_id": _INSTANCE, "block_size": "block_size must be an integer >= 1",
-           "dp_rank": "dp_rank must be an integer >= 0"}
+    bad = {"instance_id": _INSTANCE, "block_size": f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}",
+           "dp_rank": _RANK}
     missing = {"instance_id": _INSTANCE}
     instance_id: Count | Id
     model_name: Model
     endpoint: Endpoint
-    block_size: Annotated[int, msgspec.Meta(ge=1)]
+    block_size: BlockSize
     routing_group: Id | None = None
-    dp_rank: Count = 0
+    dp_rank: DpRank = 0
     replay_endpoint: Endpoint | None = None
 
 
 class UnregisterBody(Body, frozen=True):
-    bad = {"instance_id": _INSTANCE, "dp_rank": "dp_rank must be an integer >= 0"}
+    bad = {"instance_id": _INSTANCE, "dp_rank": _RANK}
     missing = {"instance_id": _INSTANCE}
     instance_id: Count | Id
     model_name: Model
     routing_group: Id | None = None
-    dp_rank: Count | None = None
+    dp_rank: DpRank | None = None
 
 
 class QueryBody(Body, frozen=True):

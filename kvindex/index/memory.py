@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvindex.events import KVEvent
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.protocol import ApplyResult
+from kvindex.index.protocol import ApplyResult, StoreMisconfigured
 from kvindex.sequence import Outcome, Position, StreamRef, judge, next_position
 from kvindex.settings import ApproxConfig
 from kvindex.types import Applied, Entry, PodMatch
@@ -28,7 +28,7 @@ class LocalPreciseIndex(Protocol):
 
     def apply_batch(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> Applied: ...
     def clear_pod(self, pod: str, dp_rank: int | None = None) -> None: ...
-    def set_block_size(self, model: str, block_size: int) -> None: ...
+    def set_block_size(self, model: str, block_size: int) -> int: ...
     def block_size(self, model: str) -> int | None: ...
     def block_sizes(self) -> dict[str, int]: ...
     def pods(self) -> list[str]: ...
@@ -45,6 +45,7 @@ class MemoryPreciseStore:
     def __init__(self, index: LocalPreciseIndex | None = None) -> None:
         self.index: LocalPreciseIndex = index if index is not None else PreciseIndex()
         self._positions: dict[str, Position] = {}
+        self._configured: dict[str, int] = {}  # model -> the block size configuration gave it
 
     async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
                     *, force: str | None = None) -> ApplyResult:
@@ -77,8 +78,11 @@ class MemoryPreciseStore:
     async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
         self.index.clear_pod(pod, dp_rank)
 
-    async def set_block_size(self, model: str, block_size: int) -> None:
-        self.index.set_block_size(model, block_size)
+    async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:
+        if configured and self._configured.setdefault(model, block_size) != block_size:
+            raise StoreMisconfigured(f"model {model!r} is configured with block_size {block_size} and "
+                                     f"{self._configured[model]} ([models] and [[engines]] must agree)")
+        return self.index.set_block_size(model, block_size)
 
     async def block_size(self, model: str) -> int | None:
         return self.index.block_size(model)

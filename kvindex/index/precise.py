@@ -53,11 +53,18 @@ class PreciseIndex:
         self._slots: list[Worker | None] = []
         self._inv = H.Holders(TIERS)  # the inverted view: tier -> key -> mask of the slots holding it
         self._block_size: dict[str, int] = {}
+        self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
 
-    # -- configuration -------------------------------------------------------------------------
-    def set_block_size(self, model: str, block_size: int) -> None:
-        self._block_size[model] = block_size
+    # -- configuration (block sizes follow the engines' lives: reference.py) --------------------
+    def set_block_size(self, model: str, block_size: int) -> int:
+        if not self._held(model):
+            self._block_size[model] = block_size
+        return self._block_size[model]
+
+    def _held(self, model: str) -> bool:
+        """Whether a worker holds blocks of ``model`` (or of a model not known: restored ones)."""
+        return any(not w.empty() and self._model_of.get(wid, model) == model for wid, w in self._workers.items())
 
     def block_size(self, model: str) -> int | None:
         return self._block_size.get(model)
@@ -109,8 +116,11 @@ class PreciseIndex:
     def _event_keys(self, w: Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
         """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
         bs = ev.block_size
-        if self._block_size.setdefault(model, bs) != bs:
-            return [], True
+        self._model_of[w.ident] = model
+        if self._block_size.get(model) != bs:
+            if self._held(model):
+                return [], True
+            self._block_size[model] = bs  # nobody holds the old size: follow the engine
         if ev.parent_hash is None:
             parent: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
         else:
@@ -239,6 +249,7 @@ class PreciseIndex:
         """Forget every block of ``pod`` (all ranks, or one) — AllBlocksCleared, restart, removal."""
         for wid in [wid for wid in self._workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             w = self._workers.pop(wid)
+            self._model_of.pop(wid, None)
             self._inv.forget(w.bit, w.slot, [(tier_of(m), blocks.keys_()) for m, blocks in w.media.items()])
             self._slots[w.slot] = None
             self._members.clear()

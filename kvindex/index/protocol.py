@@ -19,7 +19,10 @@ Invariants, for every backend:
   only the first replica to announce it clears the ranks and moves the epoch on; the others find
   the epoch already moved and change nothing.
 - ``StoreLost`` (a ``StoreUnavailable``) means the store lost what it held since this client
-  opened it (a Redis restarted without its data): every stream must be resynchronised.
+  opened it (a Redis restarted without its data, keys evicted): every stream must be
+  resynchronised. Every read checks the store's generation in the same atomic step as the read:
+  its answer is exact or ``StoreLost``, never a partial answer. ``StoreMisconfigured`` (also a
+  ``StoreUnavailable``) is a store whose answers cannot be trusted as configured.
 - Semantics of the index operations are those of ``kvindex.index.reference.ReferenceIndex`` (the
   readable oracle; ``kvindex.index.precise.PreciseIndex`` is its fast twin) and
   ``kvindex.index.approx.ApproxIndex``; the memory backends are thin async views of those classes.
@@ -45,6 +48,16 @@ class StoreUnavailable(RuntimeError):
 
 class StoreLost(StoreUnavailable):
     """The store's state was lost since it was opened (e.g. Redis restarted empty)."""
+
+
+class BlockSizeChanged(Exception):
+    """``match(..., model=)`` found the model's block size moved on since ``block_size`` answered
+    (an engine restarted with another): the keys were chunked by the old one; compute them again."""
+
+
+class StoreMisconfigured(StoreUnavailable):
+    """The store is set up so that its answers could not be trusted (a Redis that may evict
+    kvindex's keys, replicas configured with different block sizes): at start kvindex exits 2."""
 
 
 def tier_of(medium: str) -> str:
@@ -84,7 +97,11 @@ class PreciseStore(Protocol):
 
     async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None: ...
 
-    async def set_block_size(self, model: str, block_size: int) -> None: ...
+    async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:
+        """The block size to use for ``model`` while no engine holds blocks of another (see
+        reference.py: block sizes follow the engines); answers the size in force. ``configured``:
+        the operator's ([models], [[engines]]); two different ones are ``StoreMisconfigured``."""
+        ...
 
     async def block_size(self, model: str) -> int | None: ...
 
@@ -99,7 +116,9 @@ class PreciseStore(Protocol):
     async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
                     model: str | None = None) -> dict[str, PodMatch]:
         """``model`` (the model the keys were computed for) lets a sharded backend walk only that
-        model's slot: one round trip on Redis. Without it the answer is the same, at more cost."""
+        model's slot: one round trip on Redis. Without it the answer is the same, at more cost.
+        With it, a store that cannot read the block size in the same step (Redis) raises
+        ``BlockSizeChanged`` when the model's moved on since ``block_size`` answered."""
         ...
 
     async def export_entries(self) -> list[Entry]: ...

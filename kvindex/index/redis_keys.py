@@ -8,7 +8,8 @@ Key layout:
   (Redis Cluster). Global keys: ``<prefix>:gen`` (the store's generation), ``<prefix>:mid`` (HASH
   model -> its small id, allocated from ``<prefix>:mid:n`` by the first client needing it),
   ``<prefix>:pods`` (HASH pod -> model, for load_entries).
-- Under ``B = <prefix>:{<model id>}:``: ``gen`` (copy of the generation), ``bs`` (block size),
+- Under ``B = <prefix>:{<model id>}:``: ``gen`` (copy of the generation), ``bs`` (block size: of the model's workers' engines; set while none exists), ``cbs`` (the
+  block size every replica configured),
   ``off`` (set once a cpu/disk copy was held), ``s:<stream id>`` HASH q(last seq) e(epoch)
   y(synced) r(reason); workers: ``W`` HASH "rank|pod" -> slot (``N``: its inverse), ``slots``
   bitmap of slots in use (the lowest free slot is reused, as PreciseIndex reuses bits), ``v`` HASH
@@ -25,8 +26,9 @@ Key layout:
 
 Encoding invariants:
 - Engine hashes and keys are 8 big-endian bytes (binary strings: compact, and Lua never turns them
-  into numbers); a keyless (orphan) entry's value is ``b"o"``. Seqs and epochs are decimal strings
-  that Lua compares as numbers (exact below 2^53).
+  into numbers); a keyless (orphan) entry's value is ``b"o"``. Seqs and epochs are decimal strings;
+  Lua compares seqs as strings (exact over the whole u64 range), epochs as numbers (they grow by
+  one per engine restart). kvindex sets no TTL on any key.
 - A batch's bulk arguments (hashes per bucket, entries per bucket, holder changes) travel
   msgpack-encoded (str, not bin: cmsgpack reads str) and are unpacked in C by the scripts: they do
   no per-entry parsing, and a batch costs about one Redis call per bucket touched plus a few.
@@ -42,6 +44,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from kvindex.sequence import Position
+from kvindex.types import PodMatch, merged
 
 pack = msgpack.Packer(use_bin_type=False).pack  # the scripts' cmsgpack reads str, not bin
 BUCKET_MASK = 127  # a hash's bucket: its low 7 bits (bucket_of in the script)
@@ -100,6 +103,7 @@ class WorkerView:
     media: tuple[str, ...]  # in first-store order; () when the worker does not exist
     orphans: int  # the worker's keyless entries, all of them (not only those in ``entries``)
     entries: dict[tuple[str, int], tuple[int | None, int]]  # (medium, hash) -> (key or None, extra copies)
+    others: int = 0  # the model's other workers (while any exists, they hold its block size)
 
 
 def view_of(reply: list[Any], hashes: list[int]) -> WorkerView:
@@ -109,14 +113,14 @@ def view_of(reply: list[Any], hashes: list[int]) -> WorkerView:
     media = tuple(text(reply[7]).split("\n")) if reply[7] is not None else ()
     entries: dict[tuple[str, int], tuple[int | None, int]] = {}
     for i, medium in enumerate(media):
-        if 9 + 2 * i >= len(reply):
+        if 10 + 2 * i >= len(reply):
             break
-        values, extras = chain.from_iterable(reply[9 + 2 * i]), reply[10 + 2 * i]  # per bucket group
+        values, extras = chain.from_iterable(reply[10 + 2 * i]), reply[11 + 2 * i]  # per bucket group
         for j, v in enumerate(values):
             if v is not None:
                 x = extras[j] if extras else None
                 entries[(medium, hashes[j])] = (key_of(v), 0 if x is None else int(x))
-    return WorkerView(pos, bs, text(reply[6]), media, int(reply[8] or 0), entries)
+    return WorkerView(pos, bs, text(reply[6]), media, int(reply[8] or 0), entries, int(reply[9]))
 
 
 def read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:
@@ -186,3 +190,14 @@ def pack_holders(base: str, holders: dict[tuple[str, int], int]) -> bytes:
     names = [prefixes[t] + k.to_bytes(8, "big") for t, k in holders]
     offload = any(t != "g" and d > 0 for (t, _), d in holders.items())
     return pack([names, list(holders.values()), 1 if offload else 0])
+
+
+def per_pod(replies: list[list[Any]]) -> dict[str, PodMatch]:
+    """Per-worker depths (name, gpu, cpu, disk) into per-pod matches (``kvindex.types.merged``)."""
+    out: dict[str, PodMatch] = {}
+    for flat in replies:
+        for i in range(0, len(flat), 4):
+            rank, _, pod = text(flat[i]).partition("|")
+            g = int(flat[i + 1])
+            out[pod] = merged(out.get(pod), PodMatch(g, int(flat[i + 2]), int(flat[i + 3]), {int(rank): g}))
+    return out

@@ -21,6 +21,9 @@ Invariants:
   count plus the change among the entries the batch could touch; after a clear, the scratch
   index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
   afterwards, against an empty worker.
+- The model's block size follows the index's rule (reference.py): with ``view.others`` > 0 a
+  scratch worker of an unknown model stands for the other workers (it holds the size); a plan
+  that changes the size is re-checked by the apply script (no other worker then, else retry).
 """
 
 from __future__ import annotations
@@ -32,11 +35,19 @@ from typing import Protocol
 from kvindex.events import GPU, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import tier_of
-from kvindex.index.redis_keys import KEYLESS, UNCHANGED, WorkerView, value_of
+from kvindex.index.redis_keys import (
+    KEYLESS,
+    UNCHANGED,
+    WorkerView,
+    pack_changes,
+    pack_holders,
+    value_of,
+)
 from kvindex.index.table import ORPHAN
 from kvindex.types import Applied, Entry
 
 TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
+OTHERS = "\0others"  # no pod's name: the scratch worker standing for the model's other workers
 
 Change = tuple[int, int, bytes | None, int]  # (medium index, hash, stored value or None: gone, extra or UNCHANGED)
 
@@ -93,9 +104,11 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
         scratch.set_block_size(model, view.block_size)
     marker = _marker(hashes)
     scratch.load_entries(_seed(pod, rank, view, marker))
+    if view.others:  # the model's other workers hold its block size: one stands for them all
+        scratch.load_entries([Entry(OTHERS, 0, GPU, marker, marker, 1)])
     done = scratch.apply_batch(pod, model, rank, events)
     reset = done.cleared > 0
-    copy = scratch.frozen_copy()  # the one worker's media in order, empty ones included
+    copy = [c for c in scratch.frozen_copy() if c[0] == pod]  # the one worker's media in order, empty ones included
     media = tuple(medium for _, _, medium, _, _ in copy) or (GPU,)
     after = _held(copy)
     for m in media:
@@ -104,7 +117,7 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
     keyless = _keyless(after)
     orphans = keyless if reset else view.orphans + keyless - _keyless(before)
     changes, holders, counted = _diff(media, before, after)
-    new_bs = scratch.block_size(model) if view.block_size is None else None
+    new_bs = scratch.block_size(model) if scratch.block_size(model) != view.block_size else None
     return Plan(done, reset, media, orphans, changes, holders, counted, new_bs)
 
 
@@ -168,3 +181,19 @@ def _diff(media: tuple[str, ...], before: dict[tuple[str, int], tuple[int | None
             changes.append((idx, h, new.to_bytes(8, "big"), UNCHANGED if new_x == 0 else new_x))
             deltas[(t, new)] = get((t, new), 0) + 1 + new_x
     return changes, {k: d for k, d in deltas.items() if d}, counted
+
+
+def apply_args(base: str, seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: WorkerView,
+                plan: Plan) -> list[str | bytes]:
+    """The apply script's arguments (see apply_batch in redis_precise.lua); a view of version "*"
+    was not read (nothing to check)."""
+    if view.version == "*":
+        read_bs = "*"
+    else:
+        read_bs = "" if view.block_size is None else str(view.block_size)
+    sets, dels, extras = pack_changes(plan.changes)
+    holders = pack_holders(base, plan.holders)
+    return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
+            view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
+            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), sets, dels, extras, holders,
+            str(plan.counted), str(max(seq - 1, 0))]

@@ -8,8 +8,8 @@ receives the differences and applies them in one server-side script (``lua/redis
 Key layout and encoding: ``redis_keys``.
 
 Invariants:
-- ``apply`` = at most two round trips: a read script (position, block size, worker version and the
-  entries of every hash the batch names), then, unless the read already shows the batch is not to
+- ``apply`` = at most two round trips: a read script (position, block size, worker version, the
+  model's other workers and the entries of every hash the batch names), then, unless the read already shows the batch is not to
   be applied, the apply script. It re-judges the position (``judge``/``next_position`` of kvindex.sequence),
   re-checks the worker version and block size it was computed from (else the client recomputes),
   and writes everything or nothing: the scripts validate before their first write. A batch of
@@ -40,16 +40,18 @@ import redis.exceptions as rex
 from kvindex.events import AllBlocksCleared, BlockStored, KVEvent
 from kvindex.index.protocol import (
     ApplyResult,
+    BlockSizeChanged,
     StoreLost,
+    StoreMisconfigured,
     StoreUnavailable,
 )
+from kvindex.index.redis_config import watch_evictions
 from kvindex.index.redis_keys import (
     WorkerView,
     client_url,
     key_of,
     model_base,
-    pack_changes,
-    pack_holders,
+    per_pod,
     position_of,
     read_groups,
     text,
@@ -57,28 +59,12 @@ from kvindex.index.redis_keys import (
     value_of,
     view_of,
 )
-from kvindex.index.redis_plan import Plan, hashes_of, plan_batch
+from kvindex.index.redis_plan import apply_args, hashes_of, plan_batch
 from kvindex.index.redis_scripts import precise_script
 from kvindex.sequence import Outcome, Position, StreamRef, judge
-from kvindex.types import Entry, PodMatch, merged
+from kvindex.types import Entry, PodMatch
 
 RETRIES = 16  # optimistic recomputations of one batch when another writer changed its worker
-
-
-def _apply_args(base: str, seq: int, epoch: int, force: str | None, cleared: bool, name: str, view: WorkerView,
-                plan: Plan) -> list[str | bytes]:
-    """The apply script's arguments (see apply_batch in redis_precise.lua); a view of version "*"
-    was not read (nothing to check)."""
-    if view.version == "*":
-        read_bs = "*"
-    else:
-        read_bs = "" if view.block_size is None else str(view.block_size)
-    sets, dels, extras = pack_changes(plan.changes)
-    holders = pack_holders(base, plan.holders)
-    return [str(seq), str(epoch), "-" if force is None else "+" + force, "1" if cleared else "0", name,
-            view.version, read_bs, "" if plan.new_block_size is None else str(plan.new_block_size),
-            "1" if plan.reset else "0", "\n".join(plan.media), str(plan.orphans), sets, dels, extras, holders,
-            str(plan.counted)]
 
 
 class RedisPreciseStore:
@@ -95,9 +81,10 @@ class RedisPreciseStore:
         self._source = precise_script()
         self._script = client.register_script(self._source)
         self._gen: str | None = None
+        self._watch = ""  # "|<evicted keys at open>" when the server's eviction policy is unknown
         self._bases: dict[str, str] = {}  # model -> key prefix (ids never change within a generation)
         # model -> block size as last read or set here: a query's keys need it before its one round
-        # trip; it changes only by configuration (set_block_size), never back to unknown
+        # trip, whose reply says the slot's size (a change, an engine's new life: BlockSizeChanged)
         self._block_sizes: dict[str, int] = {}
         self._ready_pods: set[tuple[str, str]] = set()
 
@@ -128,6 +115,7 @@ class RedisPreciseStore:
     async def open(self) -> None:
         """Load the script and read (or create) the store's generation; again after StoreLost."""
         gen_key = f"{self._prefix}:gen"
+        self._watch = await watch_evictions(self._client, self._url, self._call)
         await self._call(lambda: self._client.set(gen_key, secrets.token_hex(8), nx=True))
         self._gen = text(await self._call(lambda: self._client.get(gen_key)))
         await self._call(lambda: self._client.script_load(self._source))
@@ -189,20 +177,26 @@ class RedisPreciseStore:
         return base
 
     async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
-        keys, argv = [base + "gen", base + "s:" + stream], [op, self._gen, base, *args]
+        keys, argv = [base + "gen", base + "s:" + stream], [op, f"{self._gen}{self._watch}", base, *args]
         reply = await self._call(lambda: self._script(keys=keys, args=argv), idempotent=idempotent)
         if reply and text(reply[0]) == "lost":
             raise self._lost()
         return reply
 
     async def _models(self) -> list[str]:
+        """Every model's name, read in one transaction with the generation (and, when watching
+        evictions, the server's count of them: a model list that lost a key is a loss)."""
         async def read() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client.pipeline(transaction=bool(self._watch))
             pipe.get(f"{self._prefix}:gen")
             pipe.hkeys(f"{self._prefix}:mid")
+            if self._watch:
+                pipe.info("stats")
             return await pipe.execute()
-        gen, models = await self._call(read)
+        gen, models, *stats = await self._call(read)
         if self._gen is None or text(gen) != self._gen:
+            raise self._lost()
+        if stats and int(stats[0].get("evicted_keys", 0)) > int(self._watch[1:]):
             raise self._lost()
         return sorted(text(m) for m in models)
 
@@ -215,7 +209,7 @@ class RedisPreciseStore:
         async def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for base in bases:
-                await self._script(keys=[base + "gen", base + "s:"], args=[op, gen, base, *args], client=pipe)
+                await self._script(keys=[base + "gen", base + "s:"], args=[op, gen + self._watch, base, *args], client=pipe)
             return await pipe.execute()
         replies = await self._call(run)
         if any(r and text(r[0]) == "lost" for r in replies):
@@ -240,7 +234,7 @@ class RedisPreciseStore:
                 if outcome is not Outcome.APPLIED:
                     return ApplyResult(outcome, view.position or Position(epoch=epoch))
             plan = plan_batch(stream.pod, stream.model, dp_rank, events, view, hashes)
-            args = _apply_args(base, seq, epoch, force, cleared, name, view, plan)
+            args = apply_args(base, seq, epoch, force, cleared, name, view, plan)
             reply = await self._run(base, "apply", *args, stream=stream.id)
             status = text(reply[0])
             if status == "retry":
@@ -272,13 +266,21 @@ class RedisPreciseStore:
                         "-" if position.reason is None else "+" + position.reason, stream=stream.id)
 
     # -- models and pods -----------------------------------------------------------------------
-    async def set_block_size(self, model: str, block_size: int) -> None:
-        await self._run(await self._ensure(model), "setbs", str(block_size))
-        self._block_sizes[model] = block_size
+    async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:
+        base = await self._ensure(model)
+        reply = await self._run(base, "setbs", str(block_size), "1" if configured else "0")
+        if text(reply[0]) == "conflict":
+            raise StoreMisconfigured(
+                f"redis at {self._url}: model {model!r} is configured with block_size {block_size} here but "
+                f"{text(reply[1])} by another replica of this store: configure every replica alike (once they "
+                f"agree, DEL {base}cbs)")
+        bs = self._block_sizes[model] = int(reply[1])
+        return bs
 
     async def block_size(self, model: str) -> int | None:
         """The model's block size; once known, from this client's memory (no round trip: a
-        query's only round trip is its walk). Unknown sizes are read every time."""
+        query's only round trip is its walk, whose reply says the size the keys needed:
+        ``match`` raises ``BlockSizeChanged`` when it moved on). Unknown sizes are read every time."""
         known = self._block_sizes.get(model)
         if known is not None:
             return known
@@ -347,11 +349,18 @@ class RedisPreciseStore:
             return {}
         args: list[str | bytes] = ["-1"] if wanted is None else [str(len(wanted)), *wanted]
         args.append(struct.pack(f">{len(keys)}Q", *keys))
-        if model is not None:
-            replies = [await self._run(await self._ensure(model), "match", *args)]
-        else:
-            replies = [r for _, r in await self._each_model("match", *args)]
-        return _per_pod(replies)
+        if model is None:
+            return per_pod([r[1:] for _, r in await self._each_model("match", *args)])
+        reply = await self._run(await self._ensure(model), "match", *args)
+        now, used = None if reply[0] is None else int(reply[0]), self._block_sizes.get(model)
+        if now != used:  # an engine restarted with another block size: keys made by the one told are wrong
+            if now is None:
+                self._block_sizes.pop(model, None)
+            else:
+                self._block_sizes[model] = now
+            if used is not None:
+                raise BlockSizeChanged(f"model {model!r}: block size {used} -> {now}")
+        return per_pod([reply[1:]])
 
     # -- state out and in ----------------------------------------------------------------------
     async def export_entries(self) -> list[Entry]:
@@ -385,13 +394,3 @@ class RedisPreciseStore:
         """Nothing to release: the client is the caller's (it may serve other stores too)."""
         return None
 
-
-def _per_pod(replies: list[list[Any]]) -> dict[str, PodMatch]:
-    """Per-worker depths (name, gpu, cpu, disk) into per-pod matches (``kvindex.types.merged``)."""
-    out: dict[str, PodMatch] = {}
-    for flat in replies:
-        for i in range(0, len(flat), 4):
-            rank, _, pod = text(flat[i]).partition("|")
-            g = int(flat[i + 1])
-            out[pod] = merged(out.get(pod), PodMatch(g, int(flat[i + 2]), int(flat[i + 3]), {int(rank): g}))
-    return out

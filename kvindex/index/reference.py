@@ -15,7 +15,15 @@ The rules, once:
   holding it). Blocks past the tokens' end take the key the worker already holds for their hash.
 - A store whose key cannot be computed (unknown or keyless parent, tokens missing, a block size
   other than the model's) is an *orphan*: kept keyless, so a later removal finds it, but it never
-  matches. The model's block size is the configured one, else the first BlockStored's.
+  matches.
+- Block sizes belong to engine streams' lives, not to models forever. A model's block size is
+  *held* while a worker that stored blocks of the model holds any (a worker loaded from a
+  snapshot, whose model is not known until its next batch, holds every model's). A BlockStored
+  whose block size differs from the model's, while the size is held by anyone, is an orphan
+  (``block_size_mismatch``); when nobody holds it, the model follows the engine: its block size
+  becomes the event's (an engine restarted with another block size, after its restart cleared it).
+  ``set_block_size`` (configuration, a registration) sets the size only while nobody holds
+  another one, and answers the size in force.
 - A held hash keeps the key it was first stored with; a keyless one learns the key of a later
   store of it (in that medium). A new hash stored with a key gives that key to the keyless
   entries of the same hash in the worker's other media (offload events carry no tokens).
@@ -69,10 +77,17 @@ class ReferenceIndex:
     def __init__(self) -> None:
         self.workers: dict[tuple[str, int], Worker] = {}
         self._block_size: dict[str, int] = {}
+        self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
 
     # -- configuration -------------------------------------------------------------------------
-    def set_block_size(self, model: str, block_size: int) -> None:
-        self._block_size[model] = block_size
+    def set_block_size(self, model: str, block_size: int) -> int:
+        if not self._held(model):
+            self._block_size[model] = block_size
+        return self._block_size[model]
+
+    def _held(self, model: str) -> bool:
+        """Whether a worker holds blocks of ``model`` (or of a model not known: restored ones)."""
+        return any(w.copies and self._model_of.get(wid, model) == model for wid, w in self.workers.items())
 
     def block_size(self, model: str) -> int | None:
         return self._block_size.get(model)
@@ -89,7 +104,7 @@ class ReferenceIndex:
         done = Applied()
         for ev in events:
             if isinstance(ev, BlockStored):
-                self._store(self.workers.setdefault((pod, dp_rank), Worker()), model, ev, done)
+                self._store((pod, dp_rank), self.workers.setdefault((pod, dp_rank), Worker()), model, ev, done)
             elif isinstance(ev, BlockRemoved):
                 self._remove(self.workers.get((pod, dp_rank)), ev, done)
             elif isinstance(ev, AllBlocksCleared):
@@ -100,6 +115,7 @@ class ReferenceIndex:
         w = self.workers.get((pod, dp_rank))
         if w is not None and not w.copies:
             del self.workers[(pod, dp_rank)]  # holds nothing: forgotten
+            self._model_of.pop((pod, dp_rank), None)
         return done
 
     def _keys(self, w: Worker, model: str, ev: BlockStored) -> list[int]:
@@ -109,8 +125,11 @@ class ReferenceIndex:
             return []
         return K.prompt_keys(parent, ev.token_ids, ev.block_size, limit=len(ev.block_hashes))
 
-    def _store(self, w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
-        done.block_size_mismatch += self._block_size.setdefault(model, ev.block_size) != ev.block_size
+    def _store(self, wid: tuple[str, int], w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
+        if self._block_size.get(model) != ev.block_size and not self._held(model):
+            self._block_size[model] = ev.block_size  # nobody holds the old size: follow the engine
+        self._model_of[wid] = model
+        done.block_size_mismatch += self._block_size[model] != ev.block_size
         keys = self._keys(w, model, ev)
         held = w.media.setdefault(ev.medium, {})
         for i, h in enumerate(ev.block_hashes):
@@ -152,6 +171,7 @@ class ReferenceIndex:
         """Forget every block of ``pod`` (all ranks, or one)."""
         for wid in [wid for wid in self.workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             del self.workers[wid]
+            self._model_of.pop(wid, None)
 
     def pods(self) -> list[str]:
         return sorted({pod for pod, _ in self.workers})

@@ -114,7 +114,7 @@ class EngineLane:
         self._ensure_open = ensure_open  # re-opens the stores after a loss (the guard's)
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
-                                   metrics=metrics, burst=burst)
+                                   metrics=metrics, burst=burst, max_blocks_per_pod=settings.max_blocks_per_pod)
         self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics, settings.replay_max_bytes,
                               self.writer.waiting)
         self._lives = Lives(self.writer, self._replay, first_seq)  # which engine life a batch is of

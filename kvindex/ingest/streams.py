@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvindex.ingest.sequencer import RECENT_CRCS
+from kvindex.config import MAX_BLOCKS_PER_POD
 from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
@@ -162,6 +163,7 @@ class LaneSettings:
     replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold
     rcvhwm: int = 1_000_000
     store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
+    max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
 
 
 @dataclass(slots=True)

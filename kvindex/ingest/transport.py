@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from kvindex.events import Frame
+from kvindex.events import MAX_SEQ, Frame
 from kvindex.limits import MAX_TOPIC_BYTES
 
 END_SEQ = b"\xff" * 8
@@ -76,7 +76,7 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
     if len(parts) != 3:
         return Malformed("frame_count")
     topic, seq, payload = parts
-    if len(seq) != 8:
+    if len(seq) != 8 or seq == END_SEQ:  # all ones ends a replay answer: no batch has that seq (MAX_SEQ)
         return Malformed("bad_seq")
     if len(topic) > MAX_TOPIC_BYTES:  # the pod and model names it carries: bounded (kvindex.limits)
         return Malformed("topic_too_long")
@@ -177,7 +177,11 @@ async def open_replay(
     max_message_bytes: int | None = None, max_bytes: int = MAX_REPLAY_BYTES,
 ) -> AsyncIterator[ReplayAnswer]:
     """Ask an engine's replay endpoint for every buffered batch with seq >= ``start_seq``; the
-    answer is read frame by frame as the caller iterates it (``ReplayAnswer``)."""
+    answer is read frame by frame as the caller iterates it (``ReplayAnswer``). Past ``MAX_SEQ`` no
+    batch can follow: an empty, complete answer (a stream at the last seq is asked nothing)."""
+    if start_seq > MAX_SEQ:
+        yield ReplayAnswer(None, timeout, max_frames, max_bytes, complete=True)
+        return
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -194,17 +198,20 @@ class ReplayAnswer:
     a bound (``cut`` names it). With nothing read by the deadline, a ``ReplayError``; so is a reply
     of no known shape."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, timeout: float, max_frames: int, max_bytes: int) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket | None, timeout: float, max_frames: int, max_bytes: int, *,
+                 complete: bool = False) -> None:
         self._sock = sock
         self._timeout = timeout
         self._max_frames = max_frames
         self._max_bytes = max_bytes
         self.frames = 0
         self.bytes = 0
-        self.complete = False
+        self.complete = complete  # None socket: nothing to ask, the answer is already whole
         self.cut: str | None = None
 
     async def __aiter__(self) -> AsyncIterator[Frame]:
+        if self._sock is None:
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
         while True:

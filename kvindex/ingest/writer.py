@@ -8,6 +8,8 @@ Invariants:
 - An APPLIED batch adds its rank to the stream, moves ``last_seq``, is counted (events, blocks,
   lag) and goes to ``journal`` when set; DUPLICATE and STALE are counted skipped, and a
   DUPLICATE moves ``last_seq`` (another replica applied it: this one has handled it).
+- A pod over ``--max-blocks-per-pod`` has its stores refused and its streams unsynced
+  (``kvindex.ingest.capacity``).
 - Garbage (``decode`` failing, a skipped event or field, a block size mismatch) is counted by
   reason in ``kvindex_decode_errors_total`` and logged at most once per burst.
 """
@@ -20,10 +22,11 @@ import zlib
 
 import msgspec
 
-from kvindex.config import EngineConfig
+from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
 from kvindex.events import DecodeError, Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
+from kvindex.ingest.capacity import OVER_CAPACITY, PodCapacity
 from kvindex.ingest.streams import Stream, new_stream
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
@@ -40,7 +43,7 @@ class StreamWriter:
     """One lane's store calls and their counting; ``streams`` is the lane's table of streams."""
 
     def __init__(self, engine: EngineConfig, streams: dict[str, Stream], *, decoder: Decoder, first_seq: int,
-                 store: PreciseStore, metrics: Metrics, burst: BurstLog) -> None:
+                 store: PreciseStore, metrics: Metrics, burst: BurstLog, max_blocks_per_pod: int = MAX_BLOCKS_PER_POD) -> None:
         self._engine = engine
         self._streams = streams
         self._decoder = decoder
@@ -49,6 +52,7 @@ class StreamWriter:
         self._metrics = metrics
         self._burst = burst
         self.key = engine.name  # the lane's key in the fleet (the journal's records name it)
+        self._capacity = PodCapacity(max_blocks_per_pod, store, metrics)
         self.journal: Journal | None = None
         self._waiting: dict[str, str] = {}  # topic -> the reason its stream was marked unsynced while waiting
 
@@ -72,13 +76,20 @@ class StreamWriter:
     async def apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, force: str | None) -> ApplyResult:
         """Offer one batch to the store (one await); count what it did."""
         rank = self._engine.dp_rank if self._engine.dp_rank is not None else batch.dp_rank
-        result = await self._store.apply(st.ref, seq, st.epoch, rank, batch.events, force=force)
+        events = self._capacity.admit(st.pod, batch.events)
+        result = await self._store.apply(st.ref, seq, st.epoch, rank, events, force=force)
         outcome = result.outcome
         st.observe(result.position)
         if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
             st.handled(seq, zlib.crc32(payload))
+            if await self._capacity.applied(st.pod, result.applied) and result.position.synced:
+                pos = result.position
+                pos = Position(pos.last_seq, pos.epoch, False, OVER_CAPACITY)
+                await self._store.set_position(st.ref, pos)  # it lacks the blocks refused
+                st.observe(pos)
+                result = ApplyResult(outcome, pos, result.applied)
         elif outcome is DUPLICATE or outcome is STALE:
             st.skipped += 1
             (st.counters.duplicate if outcome is DUPLICATE else st.counters.stale).inc()

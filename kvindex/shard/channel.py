@@ -37,7 +37,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvindex.config import EngineConfig
+from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
@@ -71,6 +71,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
     store_buffer: int = 10_000
     max_message_bytes: int = 64 << 20
     replay_max_bytes: int = 128 << 20
+    max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -223,7 +224,7 @@ class ClearPod(Request[None], frozen=True, tag="clear_pod"):
     dp_rank: int | None = None
 
 
-class SetBlockSize(Request[None], frozen=True, tag="set_block_size"):
+class SetBlockSize(Request[int], frozen=True, tag="set_block_size"):
     model: str
     block_size: int
 

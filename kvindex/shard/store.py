@@ -13,8 +13,9 @@ Invariants:
   tiers by max and ``dp`` by union; ``blocks_held`` sums; ``pods``, ``block_sizes`` and
   ``export_entries`` union; ``engine_hashes`` unions ranks; ``position`` is the one worker's
   that holds the stream. ``match`` sends the keys once per worker as one packed frame.
-- A model's block size, once known, is kept here (it is fixed per model: keys are chunked by it),
-  so a query is one round trip per worker.
+- A model's block size is asked of the workers by every query (it follows the engines' lives:
+  an engine restarted with another block size changes it), so a query is two round trips per
+  worker; configured block sizes must agree (``StoreMisconfigured``).
 - Writes that come from HTTP (``clear_pod``, ``set_block_size``) go to every worker (pods are few
   per worker and the ops are idempotent).
 - The daemon's ingest writes happen in the workers, by their own lanes. Writes made through this
@@ -33,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 from kvindex.events import KVEvent
-from kvindex.index.protocol import ApplyResult, StoreUnavailable
+from kvindex.index.protocol import ApplyResult, StoreMisconfigured
 from kvindex.sequence import Position, StreamRef
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import ShardChannel, owner_of, pack_keys
@@ -59,7 +60,7 @@ class ShardedPreciseStore:
 
     def __init__(self, channels: Sequence[ShardChannel]) -> None:
         self.channels = list(channels)
-        self._block_sizes: dict[str, int] = {}  # known ones: fixed per model (keys are chunked by it)
+        self._configured: dict[str, int] = {}  # model -> the block size configuration gave it
 
     async def _all(self, req: ch.Request[R], *, extra: bytes | None = None) -> list[R]:
         return list(await asyncio.gather(*(c.request(req, extra=extra) for c in self.channels)))
@@ -98,27 +99,20 @@ class ShardedPreciseStore:
         return None
 
     async def block_size(self, model: str) -> int | None:
-        known = self._block_sizes.get(model)
-        if known is not None:
-            self._usable()  # a dead worker is a 503 here too, as on every other path
-            return known
         return (await self.block_sizes()).get(model)
 
     async def block_sizes(self) -> dict[str, int]:
         sizes: dict[str, int] = {}
         for part in await self._all(ch.BlockSizes()):
             sizes.update(part)
-        self._block_sizes.update(sizes)
         return sizes
 
-    async def set_block_size(self, model: str, block_size: int) -> None:
-        await self._all(ch.SetBlockSize(model, block_size))
-        self._block_sizes[model] = block_size
-
-    def _usable(self) -> None:
-        for c in self.channels:
-            if c.dead is not None:
-                raise StoreUnavailable(f"worker {c.index} {c.dead}")
+    async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:
+        if configured and self._configured.setdefault(model, block_size) != block_size:
+            raise StoreMisconfigured(f"model {model!r} is configured with block_size {block_size} and "
+                                     f"{self._configured[model]} ([models] and [[engines]] must agree)")
+        sizes = await self._all(ch.SetBlockSize(model, block_size))
+        return next((bs for bs in sizes if bs != block_size), block_size)
 
     async def clear_pod(self, pod: str, dp_rank: int | None = None) -> None:
         await self._all(ch.ClearPod(pod, dp_rank))

@@ -95,7 +95,8 @@ class Worker:
         return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics,
                           settings=LaneSettings(replay_timeout=s.replay_timeout, rcvhwm=s.rcvhwm,
-                                                store_buffer=s.store_buffer, replay_max_bytes=s.replay_max_bytes),
+                                                store_buffer=s.store_buffer, replay_max_bytes=s.replay_max_bytes,
+                                                max_blocks_per_pod=s.max_blocks_per_pod),
                           burst=self._burst)
 
     # -- operations ----------------------------------------------------------------------------

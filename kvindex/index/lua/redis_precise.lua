@@ -1,9 +1,16 @@
 -- The precise index's one script (kvindex/index/redis_precise.py; layout in its docstring).
 -- KEYS[1] the model slot's generation copy, KEYS[2] the stream's position HASH; ARGV[1] the op,
--- ARGV[2] the generation read at open(), ARGV[3] the model's key prefix, then the op's arguments.
--- Every op checks the generation first ({'lost'} on a mismatch).
+-- ARGV[2] the generation read at open() (then "|<evicted keys at open>" when the client could not
+-- read the server's eviction policy), ARGV[3] the model's key prefix, then the op's arguments.
+-- Every op, reads included, checks the generation first, in the same atomic step as its work
+-- ({'lost'} on a mismatch: the store restarted empty); when watching, any key evicted since open
+-- is a loss too (it may have been one of kvindex's).
 local op, base = ARGV[1], ARGV[3]
-if redis.call('GET', KEYS[1]) ~= ARGV[2] then return {'lost'} end
+local gen, evicted = string.match(ARGV[2], '^([^|]*)|?(%d*)$')
+if redis.call('GET', KEYS[1]) ~= gen then return {'lost'} end
+if evicted ~= '' and tonumber(string.match(redis.call('INFO', 'stats'), 'evicted_keys:(%d+)')) > tonumber(evicted) then
+  return {'lost'}
+end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
 local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
@@ -212,15 +219,21 @@ local function write_pos(key, q, e, y, r)
   redis.call('DEL', key)
   redis.call('HSET', key, unpack(fields))
 end
-local function judge(p, seq, epoch, forced)
+-- seqs are u64s: compared as decimal strings without leading zeros (Lua numbers are doubles, exact
+-- only below 2**53), shorter first; ``prev`` is seq - 1, sent by the client (no arithmetic here)
+local function dec_lt(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function judge(p, seq, prev, epoch, forced)
   if not p[2] then return 'applied' end
   local e = tonumber(p[2])
   if epoch < e then return 'stale' end
   if epoch > e then return 'behind' end
   if not p[1] then return 'applied' end
-  local last = tonumber(p[1])
-  if seq <= last then return 'duplicate' end
-  if seq > last + 1 and not forced then return 'gap' end
+  local last = p[1]
+  if not dec_lt(last, seq) then return 'duplicate' end
+  if dec_lt(last, prev) and not forced then return 'gap' end
   return 'applied'
 end
 local function new_worker(name, media)  -- the lowest free slot, as PreciseIndex reuses its bits
@@ -243,14 +256,18 @@ end
 
 -- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, ...],
 -- [number of hashes, ...], [hash, ...]] (unpacked in C: no per-hash work here). Replies position, block size, version,
--- media, orphans, then per medium the values of the hashes in the order sent (key, 'o' or nil)
--- and their extra copies (false when the worker has none)
+-- media, orphans, the number of the model's other workers (they hold the block size), then per
+-- medium the values of the hashes in the order sent (key, 'o' or nil) and their extra copies
+-- (false when the worker has none)
+local function others_than(name)
+  return redis.call('HLEN', base .. 'W') - redis.call('HEXISTS', base .. 'W', name)
+end
 local function read_worker()
   local name = ARGV[4]
   local p = read_pos(KEYS[2])
   local slot = redis.call('HGET', base .. 'W', name)
   local out = {'ok', p[1], p[2], p[3], p[4], redis.call('GET', base .. 'bs'),
-               redis.call('HGET', base .. 'v', name) or '0', false, 0}
+               redis.call('HGET', base .. 'v', name) or '0', false, 0, others_than(name)}
   if not slot then return out end
   local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
   out[8], out[9] = meta[1], tonumber(meta[2]) or 0
@@ -337,18 +354,22 @@ end
 -- ARGV[4] seq, [5] epoch, [6] '-' or '+reason', [7] cleared, [8] name, [9] version read ('*': any),
 -- [10] block size read ('*': any), [11] block size to set, [12] reset, [13] media order, [14] orphans,
 -- [15] sets, [16] dels, [17] extras (see write_entries), [18] holder changes (see write_holders),
--- [19] change of the number of entries held
+-- [19] change of the number of entries held, [20] seq - 1 (decimal; seqs are never turned into numbers)
 local function apply_batch()
   local p = read_pos(KEYS[2])
-  local seq, epoch, forced = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6] ~= '-'
-  local outcome = judge(p, seq, epoch, forced)
+  local epoch, forced = tonumber(ARGV[5]), ARGV[6] ~= '-'
+  local outcome = judge(p, ARGV[4], ARGV[20], epoch, forced)
   if outcome ~= 'applied' then return {outcome, p[1], p[2], p[3], p[4]} end
   local name = ARGV[8]
   if (ARGV[9] ~= '*' and (redis.call('HGET', base .. 'v', name) or '0') ~= ARGV[9])
      or (ARGV[10] ~= '*' and (redis.call('GET', base .. 'bs') or '') ~= ARGV[10]) then
     return {'retry'}
   end
-  if ARGV[11] ~= '' then redis.call('SET', base .. 'bs', ARGV[11]) end
+  if ARGV[11] ~= '' then  -- the model follows the engine: only while no other worker holds the old size
+    local bs = redis.call('GET', base .. 'bs')
+    if bs and bs ~= ARGV[11] and others_than(name) > 0 then return {'retry'} end
+    redis.call('SET', base .. 'bs', ARGV[11])
+  end
   local slot = redis.call('HGET', base .. 'W', name)
   local written = #ARGV[15] > 0 or #ARGV[16] > 0 or #ARGV[17] > 0
   if ARGV[12] == '1' or written or (slot and redis.call('HGET', base .. 'w:' .. slot, 'M') ~= ARGV[13]) then
@@ -482,7 +503,7 @@ local function match()
     if offload then note_dropped(w.gdep, j, w.g[j], depth); note_dropped(w.cdep, j, w.c[j], depth) end
     note_dropped(w.ddep, j, w.d[j], depth)
   end
-  local out, slots = {}, {}
+  local out, slots = {redis.call('GET', base .. 'bs')}, {}  -- the block size the keys must have been made with
   for s, d in pairs(w.ddep) do
     if d > 0 then
       slots[#slots + 1] = s
@@ -491,7 +512,7 @@ local function match()
   end
   if #slots > 0 then
     local names = hmget(base .. 'N', slots)
-    for i = 1, #slots do out[4 * i - 3] = names[i] end
+    for i = 1, #slots do out[4 * i - 2] = names[i] end
   end
   return out
 end
@@ -589,6 +610,11 @@ elseif op == 'setpos' then
   return {'ok'}
 elseif op == 'names' then return redis.call('HKEYS', base .. 'W')
 elseif op == 'getbs' then return {'ok', redis.call('GET', base .. 'bs')}
-elseif op == 'setbs' then redis.call('SET', base .. 'bs', ARGV[4]); return {'ok'}
+elseif op == 'setbs' then  -- ARGV[4] size, [5] '1' when configured: every replica must configure the same
+  local cfg = redis.call('GET', base .. 'cbs')
+  if ARGV[5] == '1' and cfg and cfg ~= ARGV[4] then return {'conflict', cfg} end
+  if ARGV[5] == '1' then redis.call('SET', base .. 'cbs', ARGV[4]) end
+  if redis.call('HLEN', base .. 'W') == 0 or not redis.call('GET', base .. 'bs') then redis.call('SET', base .. 'bs', ARGV[4]) end
+  return {'ok', redis.call('GET', base .. 'bs')}
 end
 return redis.error_reply('kvindex: unknown op ' .. tostring(op))
