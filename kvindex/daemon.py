@@ -106,6 +106,9 @@ class Daemon:
         self._fatal = asyncio.Event()
         self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
+        self.snapshot_errors = Counter("kvindex_snapshot_errors", "Snapshot writes that failed (disk full, EIO); "
+                                       "kvindex keeps serving and retries at the next snapshot", registry=self.registry)
+        self.loading: str | None = None  # while start() restores the state: HTTP answers 503 with this
         self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet: FleetView = (
             ShardedFleet(self.shards) if self.shards is not None
@@ -124,13 +127,15 @@ class Daemon:
                                  drift=self.drift, token=token,
                                  engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
-                                 before_metrics=self._refresh_gauges, store_problem=self._store_problem)
+                                 before_metrics=self._refresh_gauges, store_problem=self._store_problem,
+                                 loading=lambda: self.loading)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, [*native_api.routes(), *dynamo.routes()])
         self.recovery = Recovery(config, index=self.index or PreciseIndex(),
                                  approx=self.approx or ApproxIndex(config.approx), fleet=self.fleet, pods=self.pods,
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,
-                                 on_wal_error=lambda op: self.wal_errors.labels(op).inc())
+                                 on_wal_error=lambda op: self.wal_errors.labels(op).inc(),
+                                 on_snapshot_error=self.snapshot_errors.inc)
         self._runner: web.AppRunner | None = None
         self._stopped = False
         self._drift_task: asyncio.Task[None] | None = None
@@ -197,6 +202,8 @@ class Daemon:
         self.fleet.store_lost()
 
     def _store_problem(self) -> str | None:
+        if self.loading is not None:
+            return self.loading
         if self.guard.reopen_due:
             return f"store lost its state ({self.guard.reason}): resynchronising"
         if not self.guard.up:
@@ -265,6 +272,8 @@ class Daemon:
         for engine in self.config.engines:
             if engine.model and engine.block_size:
                 await self.store.set_block_size(engine.model, engine.block_size)
+        await self._listen()  # HTTP first: while the state loads it answers 503 "loading"
+        self.loading = self.recovery.loading_reason()
         await self.recovery.restore()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:
@@ -275,13 +284,17 @@ class Daemon:
             self.fleet.add(engine.lane_key, engine)
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
+        self.loading = None
+        log.info("kvindex listening on http://%s:%d with %d engine(s); event loop %s; %s", self.config.host, self.port,
+                 len(self.config.engines), type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
+
+    async def _listen(self) -> None:
+        self.recovery.lock()  # a second daemon on the state dir stops here (exit 2), before binding
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         self.port = self._runner.addresses[0][1]
-        log.info("kvindex listening on http://%s:%d with %d engine(s); event loop %s; %s", self.config.host, self.port,
-                 len(self.config.engines), type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
 
     async def stop(self) -> None:
         """Undo whatever ``start()`` got to (all of it, part of it, or nothing); idempotent."""
@@ -294,11 +307,7 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.recovery.wal is not None:  # while the lanes still hold their streams' watermarks
-            try:
-                await self.recovery.snapshot()
-            except Exception as exc:
-                log.error("final snapshot failed: %s: %s (the write-ahead log keeps everything)",
-                          type(exc).__name__, exc)
+            await self.recovery.try_snapshot("final")  # (no log before the state was whole: no snapshot)
         try:
             await self.fleet.close()
         except Exception:
@@ -323,13 +332,19 @@ class Daemon:
         log.info("kvindex stopped")
 
     async def run_forever(self, stop: asyncio.Event) -> None:
+        """Start, serve until ``stop`` (or a fatal failure), stop. A stop during ``start()`` (SIGTERM
+        while a big state loads) cancels the start: the process exits promptly, state untouched."""
+        starting = asyncio.create_task(self.start(), name="start")
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._fatal.wait())]
         try:
-            await self.start()
-            waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._fatal.wait())]
-            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for t in pending:
-                t.cancel()
+            await asyncio.wait([starting, *waits], return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()  # start's error, if it failed
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for t in (starting, *waits):
+                t.cancel()
+            await asyncio.gather(starting, *waits, return_exceptions=True)
             await self.stop()
         if self._fatal.is_set():
             raise ShardFailed(self.failure or "a worker died")

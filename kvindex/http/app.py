@@ -9,6 +9,8 @@ Invariants:
   4xx (or 503 when a dependency is down), and is counted in ``kvindex_http_rejections`` by endpoint
   and reason. The store unreachable is a 503 ``store unavailable: <reason>``, never a 500 and
   never a partial answer. Nothing a request carries can crash the server or change state before it is valid.
+- While the saved state loads at start (``Services.loading``), every endpoint but ``/healthz``,
+  ``/readyz`` (503 with the reason) and ``/metrics`` answers 503 ``loading: ...``.
 - Handlers read parts from ``Services`` and call their methods; they hold no state of their own and
   never reach through a service into a store.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
@@ -50,9 +52,11 @@ class Services:
     state: Callable[[], Awaitable[bytes]] | None = None  # the snapshot format, for GET /v1/state
     before_metrics: Callable[[], Awaitable[None]] | None = None  # reads the store-backed gauges
     store_problem: Callable[[], str | None] | None = None  # why the store cannot serve, for /readyz
+    loading: Callable[[], str | None] | None = None  # set while the saved state loads (start): 503s
 
 
 SERVICES = web.AppKey("services", Services)
+OPEN_WHILE_LOADING = frozenset({"/healthz", "/readyz", "/metrics"})  # the rest answers 503 "loading" meanwhile
 
 
 def services(request: web.Request) -> Services:
@@ -68,6 +72,9 @@ def endpoint_label(request: web.Request) -> str:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     svc = services(request)
     try:
+        loading = svc.loading() if svc.loading is not None else None
+        if loading is not None and request.path not in OPEN_WHILE_LOADING:
+            raise ApiError(loading, status=503, reason="loading")
         return await handler(request)
     except QueryError as exc:
         err = ApiError(str(exc), field=exc.field, status=exc.status, reason=exc.reason)

@@ -28,6 +28,8 @@ for byte. Matches walk the holder masks (kvindex.index.walk).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import groupby
+from operator import itemgetter
 from types import ModuleType
 
 from kvindex import keys as K
@@ -39,6 +41,8 @@ from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 from kvindex.types import TIERS, Applied, Entry, PodMatch
 
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
+_TABLE_OF = itemgetter(0, 1, 2)  # an Entry's (pod, dp_rank, medium)
+_HASH_OF, _KEY_OF = itemgetter(3), itemgetter(4)
 
 
 class PreciseIndex:
@@ -282,23 +286,68 @@ class PreciseIndex:
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 
     def load_entries(self, entries: Iterable[Entry]) -> int:
-        """Add exported entries (to an index that does not hold them yet); returns how many."""
-        n = 0
-        for e in entries:
-            w = self._worker(e.pod, e.dp_rank)
-            blocks = w.media.get(e.medium)
-            if blocks is None:
-                blocks = w.media[e.medium] = Table(native=self._native)
+        """Add exported entries (to an index that does not hold them yet); returns how many.
+        Linear in their number: each table is sized for all of its entries before the first goes
+        in (an exported table comes in its slot order; re-inserted into a table that grows as they
+        come, those entries pile up at the front in one long probe run: quadratic), and its keyed
+        single-copy entries go through the C store loop when built."""
+        rows = entries if isinstance(entries, list) else list(entries)
+        for where, parts in self._runs(rows).items():
+            w, blocks = self._table(*where)
+            blocks.reserve(sum(map(len, parts)))
+            for part in parts:
+                self._load_run(w, where[2], blocks, part)
+        return len(rows)
+
+    def reserve_entries(self, entries: Sequence[Entry]) -> None:
+        """Size each table for the entries that later ``load_entries`` calls (of parts of
+        ``entries``) will add to it, so that loading in parts is linear too."""
+        for where, parts in self._runs(entries).items():
+            self._table(*where)[1].reserve(sum(map(len, parts)))
+
+    @staticmethod
+    def _runs(rows: Iterable[Entry]) -> dict[tuple[str, int, str], list[list[Entry]]]:
+        """The entries per table, as the runs they come in (an export's: one run per table)."""
+        runs: dict[tuple[str, int, str], list[list[Entry]]] = {}
+        for where, run in groupby(rows, _TABLE_OF):
+            runs.setdefault(where, []).append(list(run))
+        return runs
+
+    def _table(self, pod: str, rank: int, medium: str) -> tuple[Worker, Table]:
+        w = self._worker(pod, rank)
+        blocks = w.media.get(medium)
+        if blocks is None:
+            blocks = w.media[medium] = Table(native=self._native)
+        return w, blocks
+
+    def _load_run(self, w: Worker, medium: str, blocks: Table, run: list[Entry]) -> None:
+        tier, i, n = tier_of(medium), 0, len(run)
+        if self._native is not None:  # a copy of each (keyed) entry in C; the rest below
+            store, holders, masks = self._native.store, self._inv.tiers[tier], self._inv.masks
+            hashes, keys = list(map(_HASH_OF, run)), list(map(_KEY_OF, run))
+            left: set[int] = set()  # the entries C left to Python (loaded whole below)
+            while (i := store(blocks, holders, masks, w.bit, hashes, keys, i, H.MASKS_CAP)) < n:
+                self._load_one(w, medium, tier, blocks, run[i], 0)
+                left.add(i)
+                i += 1
+            for j, e in enumerate(run):
+                if e.copies != 1 and j not in left:
+                    self._load_one(w, medium, tier, blocks, e, 1)
+            return
+        for e in run:
+            self._load_one(w, medium, tier, blocks, e, 0)
+
+    def _load_one(self, w: Worker, medium: str, tier: str, blocks: Table, e: Entry, stored: int) -> None:
+        """Entry ``e``, of which ``stored`` copies are in already (C stored its first one)."""
+        if not stored:
             blocks.put(e.hash, ORPHAN if e.key is None else e.key)
-            if e.copies > 1:
-                w.extra[(e.medium, e.hash)] = e.copies - 1
             if e.key is None:
                 w.orphans += 1
-            else:
-                for _ in range(e.copies):
-                    self._inv.hold(tier_of(e.medium), e.key, w.bit, w.slot)
-            n += 1
-        return n
+        if e.copies > 1:
+            w.extra[(medium, e.hash)] = e.copies - 1
+        if e.key is not None:
+            for _ in range(e.copies - stored):
+                self._inv.hold(tier, e.key, w.bit, w.slot)
 
     # -- queries -------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:

@@ -38,6 +38,7 @@ from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
+from kvindex.persist.lock import StateDirLock
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
     Batch,
@@ -55,6 +56,7 @@ from kvindex.registrations import Registration, Registrations
 from kvindex.views import FleetView, PodsView, RestorableLane
 
 log = logging.getLogger("kvindex.persist.restore")
+LOAD_CHUNK = 1 << 16  # entries loaded per turn of the event loop
 _NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
 _REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be used
 
@@ -65,18 +67,32 @@ class Recovery:
     def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: FleetView,
                  pods: PodsView, registrations: Registrations,
                  make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
-                 on_wal_error: Callable[[str], None] | None = None) -> None:
+                 on_wal_error: Callable[[str], None] | None = None,
+                 on_snapshot_error: Callable[[], None] | None = None) -> None:
         self.config = config
         self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
         self.registrations = registrations
         self._make_lane = make_lane
         self._token = token
         self._on_wal_error = on_wal_error  # called per write-ahead log failure (the daemon counts them)
+        self._on_snapshot_error = on_snapshot_error  # called per failed snapshot write (counted too)
+        self._lock = StateDirLock(config.state_dir) if config.state_dir is not None else None
         self._wal_burst = BurstLog(logging.getLogger("kvindex.persist.wal"))
         self._snapshot_lock = asyncio.Lock()
         self.wal: WriteAheadLog | None = None
         self._restored_streams: dict[str, list[dict[str, Any]]] = {}
         self.restored_from: str | None = None  # "state-dir", "peer" or None (started empty)
+
+    def lock(self) -> None:
+        """Take the state dir's lock (``StateDirBusy``: another daemon holds it); idempotent."""
+        if self._lock is not None:
+            self._lock.acquire()
+
+    def loading_reason(self) -> str | None:
+        """What HTTP answers (503) while ``restore()`` runs; None: nothing to restore from."""
+        if self.config.state_dir is None and not self.config.peer:
+            return None
+        return "loading: restoring the saved state"
 
     @property
     def state_dir(self) -> Path | None:
@@ -92,8 +108,11 @@ class Recovery:
         """Everything a snapshot holds, copied now (no await: consistent with the log). The precise
         index is copied as its maps (C-level dict copies, cheap on the event loop); ``_encode``
         turns the copy into entries in a thread."""
-        streams = {key: [snapshots.stream_state(st) for st in lane.state.streams.values()]
-                   for key, lane in self.fleet.lanes().items()}
+        # restored watermarks no lane has taken yet (a snapshot before the lanes exist, e.g. at start)
+        # are part of the state: without them the next start would take every stream for new
+        streams = {key: list(saved) for key, saved in self._restored_streams.items()}
+        streams.update({key: [snapshots.stream_state(st) for st in lane.state.streams.values()]
+                        for key, lane in self.fleet.lanes().items()})
         state = State(block_sizes=self.index.block_sizes(), approx=self.approx.export_state(), streams=streams,
                       registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
         return state, self.index.frozen_copy()
@@ -124,13 +143,23 @@ class Recovery:
             log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", len(state.entries),
                      self.approx.entries(), len(data))
 
+    async def try_snapshot(self, when: str) -> bool:
+        """``snapshot()``, a failure (disk full, EIO) counted and logged, never raised: the previous
+        snapshot and the log segments it did not cover stay, so nothing is lost; the next one retries."""
+        try:
+            await self.snapshot()
+            return True
+        except Exception as exc:  # noqa: BLE001 (the daemon must outlive a failed snapshot)
+            if self._on_snapshot_error is not None:
+                self._on_snapshot_error()
+            log.error("%s snapshot failed: %s: %s (the previous snapshot and the write-ahead log keep everything; "
+                      "retrying at the next snapshot)", when, type(exc).__name__, exc)
+            return False
+
     async def snapshot_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.snapshot_seconds)
-            try:
-                await self.snapshot()
-            except Exception as exc:  # the timer must outlive a failed snapshot (disk full, ...)
-                log.error("snapshot failed: %s: %s (the write-ahead log keeps everything)", type(exc).__name__, exc)
+            await self.try_snapshot("periodic")
 
     async def fsync_loop(self) -> None:
         while True:
@@ -166,15 +195,18 @@ class Recovery:
                     if r.status != 200:
                         raise StateError(f"answered HTTP {r.status}: {(await r.text())[:200]}")
                     data = await r.read()
-            return snapshots.decode(data)
+            return await asyncio.to_thread(snapshots.decode, data)  # off the loop, as a local one
         except (aiohttp.ClientError, TimeoutError, OSError, StateError) as exc:
             log.error("peer %s: cannot load its state (%s: %s); starting empty", url, type(exc).__name__, exc)
             return None
 
-    def _install(self, st: State) -> None:
+    async def _install(self, st: State) -> None:
         for model, n in st.block_sizes.items():
             self.index.set_block_size(model, n)
-        self.index.load_entries(st.entries)
+        self.index.reserve_entries(st.entries)  # every table sized once: the load is linear
+        for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
+            self.index.load_entries(st.entries[i:i + LOAD_CHUNK])
+            await asyncio.sleep(0)
         try:
             self.approx.load_state(st.approx)
         except ValueError as exc:
@@ -263,7 +295,10 @@ class Recovery:
         st: State | None = None
         refused = False
         if self.config.state_dir is not None:
-            st = self._load_local()
+            self.lock()  # StateDirBusy: another daemon has it (nothing was touched)
+            for name in snapshots.remove_stale_temps(self.config.state_dir / snapshots.SNAPSHOT_NAME):
+                log.warning("state: removed %s, left by an interrupted snapshot write", name)
+            st = await asyncio.to_thread(self._load_local)  # off the loop: HTTP answers "loading"
             refused = st is _REFUSED
             if refused:
                 st = None
@@ -277,7 +312,7 @@ class Recovery:
                 self.restored_from = "peer"
                 st.wal_from = _NO_LOG  # the peer's log is not ours
         if st is not None:
-            self._install(st)
+            await self._install(st)
         if self.config.state_dir is not None:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
             if await self._replay_log(first) and self.restored_from is None:
@@ -285,7 +320,7 @@ class Recovery:
             self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync, on_error=self._on_wal_error,
                                      burst=self._wal_burst)
             self._journal_on()
-            await self.snapshot()
+            await self.try_snapshot("startup")
         if self.restored_from:
             log.info("state restored from %s: %d pods, %d approximate entries", self.restored_from,
                      len(self.index.pods()), self.approx.entries())
@@ -318,6 +353,8 @@ class Recovery:
         if self.wal is not None:
             self.wal.close()
             self.wal = None
+        if self._lock is not None:
+            self._lock.release()
 
 
 class _LaneJournal:
