@@ -262,6 +262,7 @@ class Daemon:
                [], [([], float(approx_entries))])
 
     async def start(self) -> None:
+        self.recovery.lock()  # a second daemon on the state dir stops here (exit 2), before anything else
         await self.stores.open()  # StoreUnavailable: the store cannot be reached at start
         log.info("store: %s", describe(self.config.store))
         if self.shards is not None:
@@ -272,8 +273,8 @@ class Daemon:
         for engine in self.config.engines:
             if engine.model and engine.block_size:
                 await self.store.set_block_size(engine.model, engine.block_size)
-        await self._listen()  # HTTP first: while the state loads it answers 503 "loading"
         self.loading = self.recovery.loading_reason()
+        await self._listen()  # HTTP first: while the state loads it answers 503 "loading"
         await self.recovery.restore()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:
@@ -289,7 +290,6 @@ class Daemon:
                  len(self.config.engines), type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
 
     async def _listen(self) -> None:
-        self.recovery.lock()  # a second daemon on the state dir stops here (exit 2), before binding
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)

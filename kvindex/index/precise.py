@@ -38,11 +38,11 @@ from kvindex.index import holders as H
 from kvindex.index import walk
 from kvindex.index.protocol import tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
-from kvindex.types import TIERS, Applied, Entry, PodMatch
+from kvindex.types import TIERS, Applied, Entry, EntryRow, PodMatch
 
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
 _TABLE_OF = itemgetter(0, 1, 2)  # an Entry's (pod, dp_rank, medium)
-_HASH_OF, _KEY_OF = itemgetter(3), itemgetter(4)
+_HASH_OF, _KEY_OF, _COPIES_OF = itemgetter(3), itemgetter(4), itemgetter(5)
 
 
 class PreciseIndex:
@@ -285,7 +285,7 @@ class PreciseIndex:
         return [(w.pod, w.rank, medium, blocks.copy(), w.extra.copy())
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 
-    def load_entries(self, entries: Iterable[Entry]) -> int:
+    def load_entries(self, entries: Iterable[EntryRow]) -> int:
         """Add exported entries (to an index that does not hold them yet); returns how many.
         Linear in their number: each table is sized for all of its entries before the first goes
         in (an exported table comes in its slot order; re-inserted into a table that grows as they
@@ -299,16 +299,16 @@ class PreciseIndex:
                 self._load_run(w, where[2], blocks, part)
         return len(rows)
 
-    def reserve_entries(self, entries: Sequence[Entry]) -> None:
+    def reserve_entries(self, entries: Iterable[EntryRow]) -> None:
         """Size each table for the entries that later ``load_entries`` calls (of parts of
         ``entries``) will add to it, so that loading in parts is linear too."""
         for where, parts in self._runs(entries).items():
             self._table(*where)[1].reserve(sum(map(len, parts)))
 
     @staticmethod
-    def _runs(rows: Iterable[Entry]) -> dict[tuple[str, int, str], list[list[Entry]]]:
+    def _runs(rows: Iterable[EntryRow]) -> dict[tuple[str, int, str], list[list[EntryRow]]]:
         """The entries per table, as the runs they come in (an export's: one run per table)."""
-        runs: dict[tuple[str, int, str], list[list[Entry]]] = {}
+        runs: dict[tuple[str, int, str], list[list[EntryRow]]] = {}
         for where, run in groupby(rows, _TABLE_OF):
             runs.setdefault(where, []).append(list(run))
         return runs
@@ -320,7 +320,7 @@ class PreciseIndex:
             blocks = w.media[medium] = Table(native=self._native)
         return w, blocks
 
-    def _load_run(self, w: Worker, medium: str, blocks: Table, run: list[Entry]) -> None:
+    def _load_run(self, w: Worker, medium: str, blocks: Table, run: list[EntryRow]) -> None:
         tier, i, n = tier_of(medium), 0, len(run)
         if self._native is not None:  # a copy of each (keyed) entry in C; the rest below
             store, holders, masks = self._native.store, self._inv.tiers[tier], self._inv.masks
@@ -330,24 +330,27 @@ class PreciseIndex:
                 self._load_one(w, medium, tier, blocks, run[i], 0)
                 left.add(i)
                 i += 1
-            for j, e in enumerate(run):
-                if e.copies != 1 and j not in left:
-                    self._load_one(w, medium, tier, blocks, e, 1)
+            copies = list(map(_COPIES_OF, run))
+            if copies.count(1) != n:  # entries with more copies than the one C stored
+                for j, c in enumerate(copies):
+                    if c != 1 and j not in left:
+                        self._load_one(w, medium, tier, blocks, run[j], 1)
             return
         for e in run:
             self._load_one(w, medium, tier, blocks, e, 0)
 
-    def _load_one(self, w: Worker, medium: str, tier: str, blocks: Table, e: Entry, stored: int) -> None:
+    def _load_one(self, w: Worker, medium: str, tier: str, blocks: Table, e: EntryRow, stored: int) -> None:
         """Entry ``e``, of which ``stored`` copies are in already (C stored its first one)."""
+        h, key, copies = e[3], e[4], e[5]
         if not stored:
-            blocks.put(e.hash, ORPHAN if e.key is None else e.key)
-            if e.key is None:
+            blocks.put(h, ORPHAN if key is None else key)
+            if key is None:
                 w.orphans += 1
-        if e.copies > 1:
-            w.extra[(medium, e.hash)] = e.copies - 1
-        if e.key is not None:
-            for _ in range(e.copies - stored):
-                self._inv.hold(tier, e.key, w.bit, w.slot)
+        if copies > 1:
+            w.extra[(medium, h)] = copies - 1
+        if key is not None:
+            for _ in range(copies - stored):
+                self._inv.hold(tier, key, w.bit, w.slot)
 
     # -- queries -------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:
