@@ -6,7 +6,9 @@ Invariants:
 - Every background task (engine lanes, the drift timer, the HTTP site, the snapshot and fsync
   timers) is owned here and is cancelled and awaited by ``stop()``; the ZeroMQ context is
   terminated last.
-- With ``state_dir`` (or ``peer``): ``Recovery`` restores the state before any lane starts;
+- With ``state_dir`` (or ``peer``): ``start()`` takes the state dir's lock first (a second daemon
+  exits 2), starts HTTP (503 "loading" until the state is whole), then ``Recovery`` restores the
+  state before any lane starts; a stop during ``start()`` cancels it (``run_forever``);
   ``stop()`` writes a final snapshot while the lanes still hold their watermarks.
 - ``stop()`` undoes whatever ``start()`` got to, even when it failed half-way (``run_forever``
   calls it either way), and is idempotent: a failed start leaves no task, socket or fd behind.

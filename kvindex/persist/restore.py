@@ -15,7 +15,23 @@ Invariants:
 - ``_capture`` copies the precise index's maps on the loop (``frozen_copy``) and turns them into
   entries in the encoding thread: a big index never stalls the event loop for a snapshot.
 - Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
-  engine's replay endpoint for what followed.
+  engine's replay endpoint for what followed. Until a lane takes them they are still part of the
+  state: every snapshot (the startup one, written before any lane exists, included) carries
+  them, so a snapshot never drops the log segments that held a stream's watermark without holding
+  it itself (a SIGKILL soon after a restart would otherwise take every stream for new and replay
+  the engine's history over the restored blocks).
+- One daemon per state dir: ``lock()`` (``kvindex.persist.lock``) before anything in it is read;
+  then the temp files of interrupted snapshot writes are removed (``write_atomic`` removes its own
+  on a failure).
+- A failed snapshot (disk full, EIO), at start as later, is counted (``on_snapshot_error``) and
+  logged, never raised (``try_snapshot``): the previous snapshot and the segments it does not
+  cover stay, answers stay exact, the next snapshot retries. A snapshot write cancelled (SIGTERM)
+  is waited for before the next one starts.
+- Loading is linear and leaves the loop its turns: the snapshot is read and decoded in a thread
+  (into plain rows, the garbage collector off while restoring), every table is sized once for all
+  of its entries, and the entries go in ``LOAD_CHUNK`` at a time. The daemon's HTTP meanwhile
+  answers 503 "loading" and a SIGTERM cancels the restore (nothing is written: the log and the
+  final snapshot start only once the state is whole). A peer's state loads the same way.
 - Only with the memory store (``--store memory://``): ``index`` and ``approx`` are its own
   ``PreciseIndex`` and ``ApproxIndex``; logged batches are re-applied through the lanes, i.e.
   through the store, so its stream positions are rebuilt with them. With Redis the state lives
@@ -28,7 +44,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +55,7 @@ from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
+from kvindex.persist.journal import LaneJournal, finished, journal_on
 from kvindex.persist.lock import StateDirLock
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
@@ -138,7 +155,8 @@ class Recovery:
             state, copy = self._capture()
             state.wal_from = wal.rotate()
             data = await asyncio.to_thread(self._encode, state, copy)
-            await asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME, data)
+            await finished(asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME,
+                                              data))
             wal.drop_before(state.wal_from)
             wal.covered(state.wal_from)
             log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", len(state.entries),
@@ -338,27 +356,15 @@ class Recovery:
                      len(self.index.pods()), self.approx.entries())
 
     def _journal_on(self) -> None:
-        wal = self.wal
-        assert wal is not None
-        def decided(pod: str, model: str, hashes: Sequence[int]) -> None:
-            wal.append(Decision(pod, model, tuple(hashes)))
-
-        def removed(pod: str) -> None:
-            wal.append(PodRemoved(pod))
-
-        def registered(kind: str, reg: Registration) -> None:
-            wal.append(RegistrationChange("add" if kind == "add" else "remove", reg.to_json()))
-
-        self.approx.on_record = decided
-        self.pods.on_remove = removed
-        self.registrations.on_change = registered
+        assert self.wal is not None
+        journal_on(self.wal, self.approx, self.pods, self.registrations)
 
     def lane_added(self, key: str, lane: RestorableLane) -> None:
         saved = self._restored_streams.pop(key, None)
         if saved:
             lane.restore_streams(saved)
         if self.wal is not None:
-            lane.journal = _LaneJournal(self.wal)
+            lane.journal = LaneJournal(self.wal)
 
     def close(self) -> None:
         """After the lanes stopped: what they applied after the last snapshot is in the log."""
@@ -367,18 +373,3 @@ class Recovery:
             self.wal = None
         if self._lock is not None:
             self._lock.release()
-
-
-class _LaneJournal:
-    """What a lane logs: applied batches and operator resyncs."""
-
-    __slots__ = ("_wal",)
-
-    def __init__(self, wal: WriteAheadLog) -> None:
-        self._wal = wal
-
-    def batch(self, key: str, topic: str, seq: int, payload: bytes) -> None:
-        self._wal.append(Batch(key, topic, seq, payload))
-
-    def resync(self, key: str, pod: str) -> None:
-        self._wal.append(Resync(key, pod))
