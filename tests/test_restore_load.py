@@ -5,9 +5,11 @@ Python one give the original index back), and, in a real ``kvindex serve``, HTTP
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import signal
 import subprocess
+import sys
 import time
 from array import array
 from pathlib import Path
@@ -132,3 +134,14 @@ def test_serve_answers_loading_and_honours_sigterm_while_a_big_state_loads(tmp_p
         assert [(v["pod"], v["blocks"]["gpu"]) for v in body["pods"]] == [("big", n)]
     finally:
         assert stop(p) == 0
+
+
+def test_restore_benchmark_runs_and_checks_exactness() -> None:
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "restore.py"), "--entries", "20000", "40000",
+                           "--json"], capture_output=True, text=True, timeout=120, check=False, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["entries"] for r in rows] == [20000, 40000]
+    assert all({"decode_s", "load_s", "restore_s", "restore_cpu_s", "restore_s_per_million", "apply_s",
+                "ratio_restore_to_apply"} <= set(r) for r in rows)
