@@ -94,6 +94,7 @@ def test_sigkill_at_random_moments_including_right_after_a_restart(tmp_path: Pat
         assert status == 200
         held = {e.hash for e in snapshots.decode(raw).entries}
         assert held == set(truth.held()), (moments, len(held - set(truth.held())), "phantom blocks")
+        print("SIGKILL moments:", moments)  # with -s: how many kills landed mid-write
     finally:
         for p in (engine, ref, victim):
             stop(p)

@@ -13,9 +13,11 @@ import sys
 import time
 from array import array
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvindex.config import Config
 from kvindex.events import BlockStored
 from kvindex.index.precise import PreciseIndex
 from kvindex.index.table import APPLY
@@ -145,3 +147,16 @@ def test_restore_benchmark_runs_and_checks_exactness() -> None:
     assert [r["entries"] for r in rows] == [20000, 40000]
     assert all({"decode_s", "load_s", "restore_s", "restore_cpu_s", "restore_s_per_million", "apply_s",
                 "ratio_restore_to_apply"} <= set(r) for r in rows)
+
+
+async def test_a_peers_state_loads_linearly_too(make_harness: Any) -> None:
+    """``--peer`` goes through the same load (the old one took minutes for this)."""
+    n = 200_000
+    donor = await make_harness(Config())
+    assert donor.daemon.index.load_entries(one_pod_in_slot_order(n)) == n
+    t = time.process_time()
+    h = await make_harness(Config(peer=donor.url))
+    took = time.process_time() - t  # the donor's encoding included: one process
+    assert h.daemon.restored_from == "peer"
+    assert h.daemon.index.blocks_held("big") == donor.daemon.index.blocks_held("big") == {**h.daemon.index.blocks_held("big"), "gpu": n}
+    assert took < 10, f"a peer's {n} entries took {took:.1f} CPU s"
