@@ -27,8 +27,7 @@ for byte. Matches walk the holder masks (kvindex.index.walk).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from itertools import groupby
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from types import ModuleType
 
@@ -36,12 +35,12 @@ from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import holders as H
 from kvindex.index import walk
+from kvindex.index.entries import Where, runs_by_table, table_sizes
 from kvindex.index.protocol import tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 from kvindex.types import TIERS, Applied, Entry, EntryRow, PodMatch
 
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
-_TABLE_OF = itemgetter(0, 1, 2)  # an Entry's (pod, dp_rank, medium)
 _HASH_OF, _KEY_OF, _COPIES_OF = itemgetter(3), itemgetter(4), itemgetter(5)
 
 
@@ -292,7 +291,7 @@ class PreciseIndex:
         come, those entries pile up at the front in one long probe run: quadratic), and its keyed
         single-copy entries go through the C store loop when built."""
         rows = entries if isinstance(entries, list) else list(entries)
-        for where, parts in self._runs(rows).items():
+        for where, parts in runs_by_table(rows).items():
             w, blocks = self._table(*where)
             blocks.reserve(sum(map(len, parts)))
             for part in parts:
@@ -302,16 +301,12 @@ class PreciseIndex:
     def reserve_entries(self, entries: Iterable[EntryRow]) -> None:
         """Size each table for the entries that later ``load_entries`` calls (of parts of
         ``entries``) will add to it, so that loading in parts is linear too."""
-        for where, parts in self._runs(entries).items():
-            self._table(*where)[1].reserve(sum(map(len, parts)))
+        self.reserve_tables(table_sizes(entries))
 
-    @staticmethod
-    def _runs(rows: Iterable[EntryRow]) -> dict[tuple[str, int, str], list[list[EntryRow]]]:
-        """The entries per table, as the runs they come in (an export's: one run per table)."""
-        runs: dict[tuple[str, int, str], list[list[EntryRow]]] = {}
-        for where, run in groupby(rows, _TABLE_OF):
-            runs.setdefault(where, []).append(list(run))
-        return runs
+    def reserve_tables(self, sizes: Mapping[Where, int]) -> None:
+        """Room in each (pod, dp_rank, medium) table for that many more entries."""
+        for where, n in sizes.items():
+            self._table(*where)[1].reserve(n)
 
     def _table(self, pod: str, rank: int, medium: str) -> tuple[Worker, Table]:
         w = self._worker(pod, rank)

@@ -52,6 +52,7 @@ import aiohttp
 
 from kvindex.config import Config, EngineConfig
 from kvindex.index.approx import ApproxIndex
+from kvindex.index.entries import table_sizes
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
@@ -222,7 +223,8 @@ class Recovery:
     async def _install(self, st: State) -> None:
         for model, n in st.block_sizes.items():
             self.index.set_block_size(model, n)
-        self.index.reserve_entries(st.entries)  # every table sized once: the load is linear
+        sizes = await asyncio.to_thread(table_sizes, st.entries)  # counted off the loop
+        self.index.reserve_tables(sizes)  # every table sized once for all of its entries: the load is linear
         for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
             self.index.load_entries(st.entries[i:i + LOAD_CHUNK])
             await asyncio.sleep(0)
