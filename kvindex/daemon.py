@@ -6,7 +6,9 @@ Invariants:
 - Every background task (engine lanes, the drift timer, the HTTP site, the snapshot and fsync
   timers) is owned here and is cancelled and awaited by ``stop()``; the ZeroMQ context is
   terminated last.
-- With ``state_dir`` (or ``peer``): ``Recovery`` restores the state before any lane starts;
+- With ``state_dir`` (or ``peer``): ``start()`` takes the state dir's lock first (a second daemon
+  exits 2), starts HTTP (503 "loading" until the state is whole), then ``Recovery`` restores the
+  state before any lane starts; a stop during ``start()`` cancels it (``run_forever``);
   ``stop()`` writes a final snapshot while the lanes still hold their watermarks.
 - ``stop()`` undoes whatever ``start()`` got to, even when it failed half-way (``run_forever``
   calls it either way), and is idempotent: a failed start leaves no task, socket or fd behind.
@@ -111,6 +113,9 @@ class Daemon:
         self._fatal = asyncio.Event()
         self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
+        self.snapshot_errors = Counter("kvindex_snapshot_errors", "Snapshot writes that failed (disk full, EIO); "
+                                       "kvindex keeps serving and retries at the next snapshot", registry=self.registry)
+        self.loading: str | None = None  # while start() restores the state: HTTP answers 503 with this
         self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet: FleetView = (
             ShardedFleet(self.shards) if self.shards is not None
@@ -130,13 +135,15 @@ class Daemon:
                                  drift=self.drift, token=token,
                                  engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
-                                 before_metrics=self._refresh_gauges, store_problem=self._store_problem)
+                                 before_metrics=self._refresh_gauges, store_problem=self._store_problem,
+                                 loading=lambda: self.loading)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, [*native_api.routes(), *dynamo.routes()])
         self.recovery = Recovery(config, index=self.index or PreciseIndex(),
                                  approx=self.approx or ApproxIndex(config.approx), fleet=self.fleet, pods=self.pods,
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,
-                                 on_wal_error=lambda op: self.wal_errors.labels(op).inc())
+                                 on_wal_error=lambda op: self.wal_errors.labels(op).inc(),
+                                 on_snapshot_error=self.snapshot_errors.inc)
         self._runner: web.AppRunner | None = None
         self._http: HttpServer | None = None
         self._stopped = False
@@ -208,6 +215,8 @@ class Daemon:
         self.fleet.store_lost()
 
     def _store_problem(self) -> str | None:
+        if self.loading is not None:
+            return self.loading
         if self.guard.reopen_due:
             return f"store lost its state ({self.guard.reason}): resynchronising"
         if not self.guard.up:
@@ -276,6 +285,7 @@ class Daemon:
                [], [([], float(approx_entries))])
 
     async def start(self) -> None:
+        self.recovery.lock()  # a second daemon on the state dir stops here (exit 2), before anything else
         await self.stores.open()  # StoreUnavailable: the store cannot be reached at start
         log.info("store: %s", describe(self.config.store))
         if self.shards is not None:
@@ -286,6 +296,8 @@ class Daemon:
         for engine in self.config.engines:
             if engine.model and engine.block_size:
                 await self.store.set_block_size(engine.model, engine.block_size, configured=True)
+        self.loading = self.recovery.loading_reason()
+        await self._listen()  # HTTP first: while the state loads it answers 503 "loading"
         await self.recovery.restore()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:
@@ -296,7 +308,7 @@ class Daemon:
             self.fleet.add(engine.lane_key, engine)
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
-        await self._listen()
+        self.loading = None
         log.info("kvindex listening on http://%s:%d with %d engine(s), at most %d connections; event loop %s; %s",
                  self.config.host, self.port, len(self.config.engines), self._http.max_connections if self._http else 0,
                  type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())
@@ -322,11 +334,7 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.recovery.wal is not None:  # while the lanes still hold their streams' watermarks
-            try:
-                await self.recovery.snapshot()
-            except Exception as exc:
-                log.error("final snapshot failed: %s: %s (the write-ahead log keeps everything)",
-                          type(exc).__name__, exc)
+            await self.recovery.try_snapshot("final")  # (no log before the state was whole: no snapshot)
         try:
             await self.fleet.close()
         except Exception:
@@ -354,13 +362,19 @@ class Daemon:
         log.info("kvindex stopped")
 
     async def run_forever(self, stop: asyncio.Event) -> None:
+        """Start, serve until ``stop`` (or a fatal failure), stop. A stop during ``start()`` (SIGTERM
+        while a big state loads) cancels the start: the process exits promptly, state untouched."""
+        starting = asyncio.create_task(self.start(), name="start")
+        waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._fatal.wait())]
         try:
-            await self.start()
-            waits = [asyncio.create_task(stop.wait()), asyncio.create_task(self._fatal.wait())]
-            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for t in pending:
-                t.cancel()
+            await asyncio.wait([starting, *waits], return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()  # start's error, if it failed
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for t in (starting, *waits):
+                t.cancel()
+            await asyncio.gather(starting, *waits, return_exceptions=True)
             await self.stop()
         if self._fatal.is_set():
             raise ShardFailed(self.failure or "a worker died")

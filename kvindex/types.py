@@ -36,6 +36,11 @@ class Entry(NamedTuple):
     copies: int
 
 
+EntryRow = tuple[str, int, str, int, int | None, int]
+"""An ``Entry``'s fields as a plain tuple (an ``Entry`` is one): what a snapshot decodes to for a
+restore, millions of them, without an object per entry beyond the tuple."""
+
+
 class PodMatch(NamedTuple):
     """Longest matched prefix of one pod, in blocks. ``dp`` per rank; tiers cumulative."""
 

@@ -94,7 +94,14 @@ def serve(port: int, *args: str, log: Path | None = None) -> subprocess.Popen:
         if log:
             err.close()
     wait_http(f"http://127.0.0.1:{port}/healthz")
+    wait_until(lambda: not loading(port), 60, "the saved state to load")
     return p
+
+
+def loading(port: int) -> bool:
+    """True while the daemon restores its saved state (HTTP is up, answering 503 "loading")."""
+    status, body = http(f"http://127.0.0.1:{port}/readyz")
+    return status == 503 and any(str(r).startswith("loading") for r in body.get("reasons", []))
 
 
 def replay(capture: Path, pub: int, rep: int | None, *extra: str) -> subprocess.Popen:

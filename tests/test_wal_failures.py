@@ -32,7 +32,7 @@ from kvindex.persist.wal import (
     segments,
 )
 from tests.conftest import engine_config, ipc_endpoint
-from tests.faultkit import KVINDEX, free_port, http, stop, stream, wait_http
+from tests.faultkit import KVINDEX, free_port, http, loading, stop, stream, wait_http, wait_until
 
 MSGS = [{"role": "system", "content": "you are a disk filler " * 4}]
 
@@ -67,6 +67,7 @@ def test_file_size_limit_hit_mid_record_truncates_and_keeps_serving(tmp_path: Pa
                                   stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limited)
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz")
+        wait_until(lambda: not loading(port), 30, "the state loaded")  # HTTP is up (503 "loading") before
         url = f"http://127.0.0.1:{port}"
         i = 0
         while True:  # until the log has hit the limit, then some more

@@ -13,6 +13,8 @@ Invariants:
   every ``REFUSAL_LOG_SECONDS``, saying how many were suppressed, names escaped (``kvindex.logs.shown``).
   An unexpected exception is a 500 ``internal error`` counted under reason ``internal``, its
   traceback logged at most once per (endpoint, exception type) per interval.
+- While the saved state loads at start (``Services.loading``), every endpoint but ``/healthz``,
+  ``/readyz`` (503 with the reason) and ``/metrics`` answers 503 ``loading: ...``.
 - Handlers read parts from ``Services`` and call their methods; they hold no state of their own and
   never reach through a service into a store.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
@@ -78,11 +80,13 @@ class Services:
     state: Callable[[], Awaitable[bytes]] | None = None  # the snapshot format, for GET /v1/state
     before_metrics: Callable[[], Awaitable[None]] | None = None  # reads the store-backed gauges
     store_problem: Callable[[], str | None] | None = None  # why the store cannot serve, for /readyz
+    loading: Callable[[], str | None] | None = None  # set while the saved state loads (start): 503s
 
 
 SERVICES = web.AppKey("services", Services)
 REFUSALS = web.AppKey("refusals", BurstLog)  # the rate-limited log of refused requests
 REFUSAL_LOG_SECONDS = 10.0
+OPEN_WHILE_LOADING = frozenset({"/healthz", "/readyz", "/metrics"})  # the rest answers 503 "loading" meanwhile
 
 
 def services(request: web.Request) -> Services:
@@ -98,6 +102,9 @@ def endpoint_label(request: web.Request) -> str:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     svc = services(request)
     try:
+        loading = svc.loading() if svc.loading is not None else None
+        if loading is not None and request.path not in OPEN_WHILE_LOADING:
+            raise ApiError(loading, status=503, reason="loading")
         await read_body_within(request, svc.config.body_timeout)
         return await handler(request)
     except QueryError as exc:

@@ -27,18 +27,21 @@ for byte. Matches walk the holder masks (kvindex.index.walk).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from types import ModuleType
 
 from kvindex import keys as K
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import holders as H
 from kvindex.index import walk
+from kvindex.index.entries import Where, runs_by_table, table_sizes
 from kvindex.index.protocol import tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
-from kvindex.types import TIERS, Applied, Entry, PodMatch
+from kvindex.types import TIERS, Applied, Entry, EntryRow, PodMatch
 
 _MEMBERS_CAP = 1 << 10  # cached member lists (of shared (pod, rank) tuples)
+_HASH_OF, _KEY_OF, _COPIES_OF = itemgetter(3), itemgetter(4), itemgetter(5)
 
 
 class PreciseIndex:
@@ -292,24 +295,68 @@ class PreciseIndex:
         return [(w.pod, w.rank, medium, blocks.copy(), w.extra.copy())
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 
-    def load_entries(self, entries: Iterable[Entry]) -> int:
-        """Add exported entries (to an index that does not hold them yet); returns how many."""
-        n = 0
-        for e in entries:
-            w = self._worker(e.pod, e.dp_rank)
-            blocks = w.media.get(e.medium)
-            if blocks is None:
-                blocks = w.media[e.medium] = Table(native=self._native)
-            blocks.put(e.hash, ORPHAN if e.key is None else e.key)
-            if e.copies > 1:
-                w.extra[(e.medium, e.hash)] = e.copies - 1
-            if e.key is None:
+    def load_entries(self, entries: Iterable[EntryRow]) -> int:
+        """Add exported entries (to an index that does not hold them yet); returns how many.
+        Linear in their number: each table is sized for all of its entries before the first goes
+        in (an exported table comes in its slot order; re-inserted into a table that grows as they
+        come, those entries pile up at the front in one long probe run: quadratic), and its keyed
+        single-copy entries go through the C store loop when built."""
+        rows = entries if isinstance(entries, list) else list(entries)
+        for where, parts in runs_by_table(rows).items():
+            w, blocks = self._table(*where)
+            blocks.reserve(sum(map(len, parts)))
+            for part in parts:
+                self._load_run(w, where[2], blocks, part)
+        return len(rows)
+
+    def reserve_entries(self, entries: Iterable[EntryRow]) -> None:
+        """Size each table for the entries that later ``load_entries`` calls (of parts of
+        ``entries``) will add to it, so that loading in parts is linear too."""
+        self.reserve_tables(table_sizes(entries))
+
+    def reserve_tables(self, sizes: Mapping[Where, int]) -> None:
+        """Room in each (pod, dp_rank, medium) table for that many more entries."""
+        for where, n in sizes.items():
+            self._table(*where)[1].reserve(n)
+
+    def _table(self, pod: str, rank: int, medium: str) -> tuple[Worker, Table]:
+        w = self._worker(pod, rank)
+        blocks = w.media.get(medium)
+        if blocks is None:
+            blocks = w.media[medium] = Table(native=self._native)
+        return w, blocks
+
+    def _load_run(self, w: Worker, medium: str, blocks: Table, run: list[EntryRow]) -> None:
+        tier, i, n = tier_of(medium), 0, len(run)
+        if self._native is not None:  # a copy of each (keyed) entry in C; the rest below
+            store, holders, masks = self._native.store, self._inv.tiers[tier], self._inv.masks
+            hashes, keys = list(map(_HASH_OF, run)), list(map(_KEY_OF, run))
+            left: set[int] = set()  # the entries C left to Python (loaded whole below)
+            while (i := store(blocks, holders, masks, w.bit, hashes, keys, i, H.MASKS_CAP)) < n:
+                self._load_one(w, medium, tier, blocks, run[i], 0)
+                left.add(i)
+                i += 1
+            copies = list(map(_COPIES_OF, run))
+            if copies.count(1) != n:  # entries with more copies than the one C stored
+                for j, c in enumerate(copies):
+                    if c != 1 and j not in left:
+                        self._load_one(w, medium, tier, blocks, run[j], 1)
+            return
+        for e in run:
+            self._load_one(w, medium, tier, blocks, e, 0)
+
+    def _load_one(self, w: Worker, medium: str, tier: str, blocks: Table, e: EntryRow, stored: int) -> None:
+        """Entry ``e``, of which ``stored`` copies are in already (C stored its first one)."""
+        h, key, copies = e[3], e[4], e[5]
+        if not stored:
+            blocks.put(h, ORPHAN if key is None else key)
+            if key is None:
                 w.orphans += 1
-            else:
-                for _ in range(e.copies):
-                    self._inv.hold(tier_of(e.medium), e.key, w.bit, w.slot)
-            n += 1
-        return n
+        if copies > 1:
+            w.extra[(medium, h)] = copies - 1
+        if key is not None:
+            for _ in range(copies - stored):
+                self._inv.hold(tier, key, w.bit, w.slot)
 
     # -- queries -------------------------------------------------------------------------------
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]:

@@ -15,7 +15,23 @@ Invariants:
 - ``_capture`` copies the precise index's maps on the loop (``frozen_copy``) and turns them into
   entries in the encoding thread: a big index never stalls the event loop for a snapshot.
 - Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
-  engine's replay endpoint for what followed.
+  engine's replay endpoint for what followed. Until a lane takes them they are still part of the
+  state: every snapshot (the startup one, written before any lane exists, included) carries
+  them, so a snapshot never drops the log segments that held a stream's watermark without holding
+  it itself (a SIGKILL soon after a restart would otherwise take every stream for new and replay
+  the engine's history over the restored blocks).
+- One daemon per state dir: ``lock()`` (``kvindex.persist.lock``) before anything in it is read;
+  then the temp files of interrupted snapshot writes are removed (``write_atomic`` removes its own
+  on a failure).
+- A failed snapshot (disk full, EIO), at start as later, is counted (``on_snapshot_error``) and
+  logged, never raised (``try_snapshot``): the previous snapshot and the segments it does not
+  cover stay, answers stay exact, the next snapshot retries. A snapshot write cancelled (SIGTERM)
+  is waited for before the next one starts.
+- Loading is linear and leaves the loop its turns: the snapshot is read and decoded in a thread
+  (into plain rows, the garbage collector off while restoring), every table is sized once for all
+  of its entries, and the entries go in ``LOAD_CHUNK`` at a time. The daemon's HTTP meanwhile
+  answers 503 "loading" and a SIGTERM cancels the restore (nothing is written: the log and the
+  final snapshot start only once the state is whole). A peer's state loads the same way.
 - Only with the memory store (``--store memory://``): ``index`` and ``approx`` are its own
   ``PreciseIndex`` and ``ApproxIndex``; logged batches are re-applied through the lanes, i.e.
   through the store, so its stream positions are rebuilt with them. With Redis the state lives
@@ -25,9 +41,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +52,12 @@ import aiohttp
 
 from kvindex.config import Config, EngineConfig
 from kvindex.index.approx import ApproxIndex
+from kvindex.index.entries import table_sizes
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
+from kvindex.persist.journal import LaneJournal, finished, journal_on
+from kvindex.persist.lock import StateDirLock
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
     Batch,
@@ -55,6 +75,7 @@ from kvindex.registrations import Registration, Registrations
 from kvindex.views import FleetView, PodsView, RestorableLane
 
 log = logging.getLogger("kvindex.persist.restore")
+LOAD_CHUNK = 1 << 16  # entries loaded per turn of the event loop
 _NO_LOG = 1 << 62  # a first log segment past any real one: replay nothing
 _REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be used
 
@@ -65,18 +86,32 @@ class Recovery:
     def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: FleetView,
                  pods: PodsView, registrations: Registrations,
                  make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
-                 on_wal_error: Callable[[str], None] | None = None) -> None:
+                 on_wal_error: Callable[[str], None] | None = None,
+                 on_snapshot_error: Callable[[], None] | None = None) -> None:
         self.config = config
         self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
         self.registrations = registrations
         self._make_lane = make_lane
         self._token = token
         self._on_wal_error = on_wal_error  # called per write-ahead log failure (the daemon counts them)
+        self._on_snapshot_error = on_snapshot_error  # called per failed snapshot write (counted too)
+        self._lock = StateDirLock(config.state_dir) if config.state_dir is not None else None
         self._wal_burst = BurstLog(logging.getLogger("kvindex.persist.wal"))
         self._snapshot_lock = asyncio.Lock()
         self.wal: WriteAheadLog | None = None
         self._restored_streams: dict[str, list[dict[str, Any]]] = {}
         self.restored_from: str | None = None  # "state-dir", "peer" or None (started empty)
+
+    def lock(self) -> None:
+        """Take the state dir's lock (``StateDirBusy``: another daemon holds it); idempotent."""
+        if self._lock is not None:
+            self._lock.acquire()
+
+    def loading_reason(self) -> str | None:
+        """What HTTP answers (503) while ``restore()`` runs; None: nothing to restore from."""
+        if self.config.state_dir is None and not self.config.peer:
+            return None
+        return "loading: restoring the saved state"
 
     @property
     def state_dir(self) -> Path | None:
@@ -92,8 +127,11 @@ class Recovery:
         """Everything a snapshot holds, copied now (no await: consistent with the log). The precise
         index is copied as its maps (C-level dict copies, cheap on the event loop); ``_encode``
         turns the copy into entries in a thread."""
-        streams = {key: [snapshots.stream_state(st) for st in lane.state.streams.values()]
-                   for key, lane in self.fleet.lanes().items()}
+        # restored watermarks no lane has taken yet (a snapshot before the lanes exist, e.g. at start)
+        # are part of the state: without them the next start would take every stream for new
+        streams = {key: list(saved) for key, saved in self._restored_streams.items()}
+        streams.update({key: [snapshots.stream_state(st) for st in lane.state.streams.values()]
+                        for key, lane in self.fleet.lanes().items()})
         state = State(block_sizes=self.index.block_sizes(), approx=self.approx.export_state(), streams=streams,
                       registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
         return state, self.index.frozen_copy()
@@ -118,19 +156,30 @@ class Recovery:
             state, copy = self._capture()
             state.wal_from = wal.rotate()
             data = await asyncio.to_thread(self._encode, state, copy)
-            await asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME, data)
+            await finished(asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME,
+                                              data))
             wal.drop_before(state.wal_from)
             wal.covered(state.wal_from)
             log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", len(state.entries),
                      self.approx.entries(), len(data))
 
+    async def try_snapshot(self, when: str) -> bool:
+        """``snapshot()``, a failure (disk full, EIO) counted and logged, never raised: the previous
+        snapshot and the log segments it did not cover stay, so nothing is lost; the next one retries."""
+        try:
+            await self.snapshot()
+            return True
+        except Exception as exc:  # noqa: BLE001 (the daemon must outlive a failed snapshot)
+            if self._on_snapshot_error is not None:
+                self._on_snapshot_error()
+            log.error("%s snapshot failed: %s: %s (the previous snapshot and the write-ahead log keep everything; "
+                      "retrying at the next snapshot)", when, type(exc).__name__, exc)
+            return False
+
     async def snapshot_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.snapshot_seconds)
-            try:
-                await self.snapshot()
-            except Exception as exc:  # the timer must outlive a failed snapshot (disk full, ...)
-                log.error("snapshot failed: %s: %s (the write-ahead log keeps everything)", type(exc).__name__, exc)
+            await self.try_snapshot("periodic")
 
     async def fsync_loop(self) -> None:
         while True:
@@ -149,7 +198,7 @@ class Recovery:
         d.mkdir(parents=True, exist_ok=True)
         path = d / snapshots.SNAPSHOT_NAME
         try:
-            st = snapshots.read_file(path)
+            st = snapshots.read_file(path, rows=True)
         except StateError as exc:
             aside = path.with_name(f"{path.name}.refused-{int(time.time())}")
             path.rename(aside)
@@ -166,15 +215,19 @@ class Recovery:
                     if r.status != 200:
                         raise StateError(f"answered HTTP {r.status}: {(await r.text())[:200]}")
                     data = await r.read()
-            return snapshots.decode(data)
+            return await asyncio.to_thread(lambda: snapshots.decode(data, rows=True))  # off the loop, as a local one
         except (aiohttp.ClientError, TimeoutError, OSError, StateError) as exc:
             log.error("peer %s: cannot load its state (%s: %s); starting empty", url, type(exc).__name__, exc)
             return None
 
-    def _install(self, st: State) -> None:
+    async def _install(self, st: State) -> None:
         for model, n in st.block_sizes.items():
             self.index.set_block_size(model, n)
-        self.index.load_entries(st.entries)
+        sizes = await asyncio.to_thread(table_sizes, st.entries)  # counted off the loop
+        self.index.reserve_tables(sizes)  # every table sized once for all of its entries: the load is linear
+        for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
+            self.index.load_entries(st.entries[i:i + LOAD_CHUNK])
+            await asyncio.sleep(0)
         try:
             self.approx.load_state(st.approx)
         except ValueError as exc:
@@ -259,11 +312,25 @@ class Recovery:
             lanes.pop(reg.lane_key, None)
 
     async def restore(self) -> None:
-        """Local state first (snapshot + log); else the peer's; else empty."""
+        """Local state first (snapshot + log); else the peer's; else empty. The garbage collector
+        is off meanwhile: a big snapshot decodes to millions of (acyclic) rows, which every full
+        collection would traverse again (a 5M-entry restore took twice as long with it on)."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            await self._restore()
+        finally:
+            if enabled:
+                gc.enable()
+
+    async def _restore(self) -> None:
         st: State | None = None
         refused = False
         if self.config.state_dir is not None:
-            st = self._load_local()
+            self.lock()  # StateDirBusy: another daemon has it (nothing was touched)
+            for name in snapshots.remove_stale_temps(self.config.state_dir / snapshots.SNAPSHOT_NAME):
+                log.warning("state: removed %s, left by an interrupted snapshot write", name)
+            st = await asyncio.to_thread(self._load_local)  # off the loop: HTTP answers "loading"
             refused = st is _REFUSED
             if refused:
                 st = None
@@ -277,7 +344,7 @@ class Recovery:
                 self.restored_from = "peer"
                 st.wal_from = _NO_LOG  # the peer's log is not ours
         if st is not None:
-            self._install(st)
+            await self._install(st)
         if self.config.state_dir is not None:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
             if await self._replay_log(first) and self.restored_from is None:
@@ -285,51 +352,26 @@ class Recovery:
             self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync, on_error=self._on_wal_error,
                                      burst=self._wal_burst)
             self._journal_on()
-            await self.snapshot()
+            await self.try_snapshot("startup")
         if self.restored_from:
             log.info("state restored from %s: %d pods, %d approximate entries", self.restored_from,
                      len(self.index.pods()), self.approx.entries())
 
     def _journal_on(self) -> None:
-        wal = self.wal
-        assert wal is not None
-        def decided(pod: str, model: str, hashes: Sequence[int]) -> None:
-            wal.append(Decision(pod, model, tuple(hashes)))
-
-        def removed(pod: str) -> None:
-            wal.append(PodRemoved(pod))
-
-        def registered(kind: str, reg: Registration) -> None:
-            wal.append(RegistrationChange("add" if kind == "add" else "remove", reg.to_json()))
-
-        self.approx.on_record = decided
-        self.pods.on_remove = removed
-        self.registrations.on_change = registered
+        assert self.wal is not None
+        journal_on(self.wal, self.approx, self.pods, self.registrations)
 
     def lane_added(self, key: str, lane: RestorableLane) -> None:
         saved = self._restored_streams.pop(key, None)
         if saved:
             lane.restore_streams(saved)
         if self.wal is not None:
-            lane.journal = _LaneJournal(self.wal)
+            lane.journal = LaneJournal(self.wal)
 
     def close(self) -> None:
         """After the lanes stopped: what they applied after the last snapshot is in the log."""
         if self.wal is not None:
             self.wal.close()
             self.wal = None
-
-
-class _LaneJournal:
-    """What a lane logs: applied batches and operator resyncs."""
-
-    __slots__ = ("_wal",)
-
-    def __init__(self, wal: WriteAheadLog) -> None:
-        self._wal = wal
-
-    def batch(self, key: str, topic: str, seq: int, payload: bytes) -> None:
-        self._wal.append(Batch(key, topic, seq, payload))
-
-    def resync(self, key: str, pod: str) -> None:
-        self._wal.append(Resync(key, pod))
+        if self._lock is not None:
+            self._lock.release()

@@ -1,15 +1,6 @@
 """The write-ahead log: what changed the indexes since the last snapshot, in the order it happened.
 
-Format: a directory of segments ``wal-<n:08d>.log``; each is a sequence of records
-``[length: u32 big-endian][crc32 of the body: u32 big-endian][body: msgpack array]``. A body is one
-of the ``Record`` union: frozen, tagged, array-like ``msgspec.Struct``s, so on disk the tag is the
-array's first element (the same bytes the untyped lists of earlier releases were: their segments
-read as these records):
-- ``Batch``    ``["b", lane_key, topic, seq, payload]`` an engine batch as applied (raw payload bytes);
-- ``Resync``   ``["r", lane_key, pod]`` an operator's resync of a pod (the batches it replayed follow);
-- ``Decision`` ``["d", pod, model, [hash, ...]]`` a decision recorded into the approximate index;
-- ``PodRemoved`` ``["x", pod]`` a pod removed from both indexes (``DELETE /v1/pods/{pod}``, last unregister);
-- ``RegistrationChange`` ``["g", "add" | "remove", registration]`` a ``/register`` or ``/unregister``.
+The format of a segment and how it is read back: ``kvindex.persist.records`` (re-exported here).
 
 Invariants:
 - A record is handed to the OS (one ``write``) before the call that logs it returns, so a SIGKILL
@@ -21,20 +12,9 @@ Invariants:
   most once per 10 s per kind, and the log is ``degraded`` until a snapshot written after the
   failure covers it (``covered(n)``): the lost record's change is in memory but would not survive
   a restart. The daemon keeps serving.
-- An intact record (its CRC holds, its body is a msgpack array) that is not one of ``Record`` (a
-  kind this release does not know, a field of the wrong type) is read as ``Unknown``: the replay
-  counts it as skipped and goes on. Damage is different:
-- Reading never stops at a bad record (short, too long, failing its CRC or not a record): the
-  reader reports it with the bytes it skipped and resynchronises on the next valid record. First
-  it trusts the bad record's own length (the usual case: a flipped bit in a body, which skips
-  exactly that record, engine payload included); if no valid record starts there (the length
-  itself is damaged) it scans forward for the next position whose body starts like a record
-  (a msgpack array of 2-5 whose first element is a one-letter kind, ``[\x92-\x95]\xa1[bdgrx]``),
-  whose announced length fits, whose CRC holds and whose body decodes as a ``Record``. A false
-  resync needs a CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one
-  residual risk is a damaged length field in front of an engine payload that itself contains a
-  well-formed record, which needs both disk corruption and a crafted payload. Records after a skipped stretch are
-  safe to apply: a batch after a missing one is a seq gap and marks its stream unsynced.
+- A log whose first segment cannot be opened at start (disk full, EIO) does not raise: the failure
+  is counted like any other, the daemon starts and serves, and each append retries the open (a
+  record that cannot be logged makes the log ``degraded``, as a failed append does).
 - Segments only grow; ``rotate()`` starts the next one; a snapshot that covers segments < n lets
   ``drop_before(n)`` delete them.
 """
@@ -43,156 +23,34 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
 
 import msgspec
 
 from kvindex.logs import BurstLog
+from kvindex.persist.records import (
+    HEAD,
+    MAX_RECORD,
+    Batch,
+    Decision,
+    PodRemoved,
+    Record,
+    RegistrationChange,
+    Resync,
+    Unknown,
+    encode_record,
+    read_from,
+    read_segment,
+    segment_path,
+    segments,
+)
 from kvindex.settings import FSYNC_POLICIES
 
+__all__ = ["MAX_RECORD", "Batch", "Decision", "PodRemoved", "Record", "RegistrationChange", "Resync", "Unknown",
+           "WriteAheadLog", "encode_record", "fsync_and_close", "read_from", "read_segment", "segment_path", "segments"]
+
 log = logging.getLogger("kvindex.persist.wal")
-
-MAX_RECORD = 256 << 20
-_SEGMENT = re.compile(r"^wal-(\d{8})\.log$")
-_HEAD = 8
-# how every record body starts: a msgpack fixarray of 2-5 elements, then the kind as a 1-char str
-_BODY_START = re.compile(rb"[\x92-\x95]\xa1[bdgrx]")
-
-
-def segment_path(directory: Path, n: int) -> Path:
-    return directory / f"wal-{n:08d}.log"
-
-
-def segments(directory: Path) -> list[int]:
-    """Segment numbers present, ascending."""
-    out = []
-    for p in directory.iterdir() if directory.is_dir() else ():
-        m = _SEGMENT.match(p.name)
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
-
-
-class Batch(msgspec.Struct, frozen=True, tag="b", array_like=True):
-    lane_key: str
-    topic: str
-    seq: int
-    payload: bytes
-
-
-class Resync(msgspec.Struct, frozen=True, tag="r", array_like=True):
-    lane_key: str
-    pod: str
-
-
-class Decision(msgspec.Struct, frozen=True, tag="d", array_like=True):
-    pod: str
-    model: str
-    hashes: tuple[int, ...]
-
-
-class PodRemoved(msgspec.Struct, frozen=True, tag="x", array_like=True):
-    pod: str
-
-
-class RegistrationChange(msgspec.Struct, frozen=True, tag="g", array_like=True):
-    change: Literal["add", "remove"]
-    registration: dict[str, Any]  # ``Registration.to_json()``
-
-
-Record = Batch | Resync | Decision | PodRemoved | RegistrationChange
-"""Every kind of record: the closed union a segment holds."""
-
-
-class Unknown(msgspec.Struct, frozen=True):
-    why: str  # what the reader yields for an intact record that is not a ``Record`` (never written)
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)  # type: ignore[arg-type]
-
-
-def encode_record(record: Record) -> bytes:
-    data = _encoder.encode(record)
-    return len(data).to_bytes(4, "big") + zlib.crc32(data).to_bytes(4, "big") + data
-
-
-def _record_at(data: bytes, pos: int) -> tuple[Record | Unknown | None, int, str]:
-    """The record at ``pos``: (record, its size, "") or (None, 0, why it is not one)."""
-    if len(data) - pos < _HEAD:
-        return None, 0, f"torn record header at byte {pos}"
-    n = int.from_bytes(data[pos:pos + 4], "big")
-    crc = int.from_bytes(data[pos + 4:pos + 8], "big")
-    body = data[pos + _HEAD:pos + _HEAD + n]
-    if n > MAX_RECORD or len(body) != n:
-        return None, 0, f"torn record at byte {pos} ({n} bytes announced, {len(body)} present)"
-    if zlib.crc32(body) != crc:
-        return None, 0, f"record at byte {pos} fails its CRC"
-    try:
-        return _decoder.decode(body), _HEAD + n, ""
-    except msgspec.DecodeError as exc:
-        why = str(exc)
-    try:
-        rec = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
-        return None, 0, f"record at byte {pos} is not msgpack"
-    if not isinstance(rec, list) or not rec:
-        return None, 0, f"record at byte {pos} is not a record"
-    return Unknown(f"record at byte {pos}: {why}"), _HEAD + n, ""
-
-
-def _resync(data: bytes, pos: int) -> int | None:
-    """Where the next valid record after the bad one at ``pos`` starts; None: none does."""
-    if len(data) - pos >= _HEAD:  # first trust the bad record's own length
-        n = int.from_bytes(data[pos:pos + 4], "big")
-        nxt = pos + _HEAD + n
-        if n <= MAX_RECORD and nxt < len(data) and _record_at(data, nxt)[0] is not None:
-            return nxt
-    for m in _BODY_START.finditer(data, pos + 1 + _HEAD):
-        candidate = m.start() - _HEAD
-        if isinstance(_record_at(data, candidate)[0], Record):  # scanning, only a known record counts
-            return candidate
-    return None
-
-
-def read_segment(path: Path) -> tuple[list[Record | Unknown], str | None]:
-    """Every intact record of one segment, and what was skipped (None: the segment is clean).
-    A bad record does not end reading: the reader skips to the next valid record (see the module
-    docstring) and the problem names each bad record and how many bytes were skipped."""
-    data = path.read_bytes()
-    out: list[Record | Unknown] = []
-    problems: list[str] = []
-    pos = 0
-    while pos < len(data):
-        rec, size, why = _record_at(data, pos)
-        if rec is not None:
-            out.append(rec)
-            pos += size
-            continue
-        nxt = _resync(data, pos)
-        if nxt is None:
-            problems.append(f"{why}: skipped the last {len(data) - pos} bytes")
-            break
-        problems.append(f"{why}: skipped {nxt - pos} bytes, resynchronised at byte {nxt}")
-        pos = nxt
-    return out, "; ".join(problems) or None
-
-
-def read_from(directory: Path, first: int) -> Iterator[Record | Unknown]:
-    """Every intact record of segments >= ``first``, in order. Damage is skipped with a warning
-    that says how many bytes were skipped; the records after it are still read."""
-    for n in segments(directory):
-        if n < first:
-            continue
-        records, problem = read_segment(segment_path(directory, n))
-        if problem:
-            log.warning("write-ahead log %s: %s (%d records kept)", segment_path(directory, n).name, problem,
-                        len(records))
-        yield from records
 
 
 class WriteAheadLog:
@@ -218,7 +76,11 @@ class WriteAheadLog:
         self._lost_in: int | None = None  # first segment a record was lost from since the last snapshot
         self._on_error = on_error
         self._burst = burst if burst is not None else BurstLog(log)
-        self._open()  # the first open raises: a state dir that cannot be written is a startup error
+        try:
+            self._open()
+        except OSError as exc:  # disk full, EIO at start: serve; every append retries the open
+            self._failed("open", exc)
+            self.segment -= 1  # the next append opens this segment's number again
 
     @property
     def degraded(self) -> bool:
@@ -261,8 +123,8 @@ class WriteAheadLog:
         target = self.segment if self._fd is not None else self.segment + 1  # where this record goes
         try:
             data = encode_record(record)
-            if len(data) - _HEAD > MAX_RECORD:
-                raise ValueError(f"record of {len(data) - _HEAD} bytes exceeds the {MAX_RECORD}-byte limit")
+            if len(data) - HEAD > MAX_RECORD:
+                raise ValueError(f"record of {len(data) - HEAD} bytes exceeds the {MAX_RECORD}-byte limit")
         except (ValueError, TypeError, OverflowError, msgspec.EncodeError) as exc:
             self._lose(target)
             self._failed("append", exc)
