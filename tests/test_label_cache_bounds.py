@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from adapters.llmd_sim import SimTokenizer
 from kvindex.budget import ByteLRU
 from kvindex.config import Config, ModelConfig
+from kvindex.limits import MAX_ID_CHARS, MAX_MODEL_CHARS
 from kvindex.metrics import MAX_LABEL_CHARS, OTHER
 from kvindex.query import SCORE_MEMORY_BYTES
 from kvindex.tokenize import CachingTokenizer
@@ -53,26 +54,26 @@ async def test_request_named_models_and_pods_do_not_become_labels(make_harness: 
     cfg = Config(engines=(engine_config(engine, pod="engine-pod", model="engine-model"),),
                  models={"known-model": ModelConfig()})
     h = await make_harness(cfg)
-    big = 64 << 10
+    big_model, big_pod = MAX_MODEL_CHARS, MAX_ID_CHARS  # the longest names accepted (kvindex.limits)
     for i in range(20):  # unauthenticated scores naming huge unknown models (and pods)
-        status, _ = await h.post("/v1/score", {"model": f"{i}".ljust(big, "m"), "prompt": PROMPT,
-                                               "token_ids": [1, 2, 3], "pods": [f"{i}".ljust(big, "p")]})
+        status, _ = await h.post("/v1/score", {"model": f"{i}".ljust(big_model, "m"), "prompt": PROMPT,
+                                               "token_ids": [1, 2, 3], "pods": [f"{i}".ljust(big_pod, "p")]})
         assert status == 200
     for model in ("known-model", "engine-model"):
         status, _ = await h.post("/v1/score", {"model": model, "prompt": PROMPT})
         assert status == 200
     for i in range(20):  # decisions (no token configured: anyone may write) naming huge pods and models
-        status, d = await h.post("/v1/decisions", {"pod": f"{i}".ljust(big, "d"),
-                                                   "request": {"model": f"{i}".ljust(big, "n"), "prompt": PROMPT},
+        status, d = await h.post("/v1/decisions", {"pod": f"{i}".ljust(big_pod, "d"),
+                                                   "request": {"model": f"{i}".ljust(big_model, "n"), "prompt": PROMPT},
                                                    "cached_tokens": 3, "prompt_tokens": 10})
         assert status == 200, d
-    for i in range(300):  # many distinct short pods: only the first few become labels
+    for i in range(230):  # many distinct short pods (within the 256 decisions may add): only the first few are labels
         status, d = await h.post("/v1/decisions", {"pod": f"router-pod-{i}", "request": {"model": "m", "prompt": PROMPT},
                                                    "cached_tokens": 3, "prompt_tokens": 10})
         assert status == 200, d
     status, text = await h.get("/metrics")
     assert status == 200
-    print(f"/metrics: {len(text)} bytes after 40 huge-named requests and 300 decisions")
+    print(f"/metrics: {len(text)} bytes after 40 long-named requests and 250 decisions")
     assert len(text) < 1 << 20, len(text)  # before: every name on every bucket line (78 MB)
     body = text.decode()
     models, pods = label_values(body, "model"), label_values(body, "pod")
@@ -83,17 +84,17 @@ async def test_request_named_models_and_pods_do_not_become_labels(make_harness: 
              for s in fam.samples}
     assert ratio == {"known-model", "engine-model", OTHER}, ratio
     # what the API answers still names the request's own ids
-    status, s = await h.post("/v1/score", {"model": "x" * 1000, "prompt": PROMPT, "pods": ["y" * 1000]})
-    assert status == 200 and s["model"] == "x" * 1000 and list(s["pods"]) == ["y" * 1000]
+    status, s = await h.post("/v1/score", {"model": "x" * MAX_MODEL_CHARS, "prompt": PROMPT, "pods": ["y" * MAX_ID_CHARS]})
+    assert status == 200 and s["model"] == "x" * MAX_MODEL_CHARS and list(s["pods"]) == ["y" * MAX_ID_CHARS]
 
 
 async def test_the_score_memory_keeps_a_byte_budget(make_harness: Any) -> None:
     h = await make_harness(Config())
-    pods = [f"{i:05d}".ljust(400, "p") for i in range(10_000)]  # 10k long pod names per request (~4 MB)
-    for i in range(12):
+    pods = [f"{i:05d}".ljust(MAX_ID_CHARS, "p") for i in range(10_000)]  # 10k long pod names per request (~2.5 MB)
+    for i in range(20):
         assert await post_big(h, "/v1/score", {"model": "m", "token_ids": [i, 1, 2, 3], "pods": pods}) == 200
     memory = h.daemon.query.scores
-    assert 0 < memory.bytes <= SCORE_MEMORY_BYTES and len(memory) < 12
+    assert 0 < memory.bytes <= SCORE_MEMORY_BYTES and len(memory) < 20
     for i in range(50):  # small answers are still remembered next to the big ones
         await h.post("/v1/score", {"model": "m", "token_ids": [i, 9, 9, 9], "pods": ["a"]})
     assert memory.bytes <= SCORE_MEMORY_BYTES and len(memory) >= 50
@@ -154,15 +155,15 @@ def test_hostile_names_do_not_grow_a_real_daemons_memory() -> None:
                 assert time.monotonic() < deadline and p.poll() is None, "serve did not come up"
                 time.sleep(0.1)
         for i in range(3):  # warm up: the allocator's arenas for bodies this size
-            post(base + "/v1/score", {"model": f"w{i}".ljust(4 << 20, "w"), "token_ids": [1, 2, 3]})
+            post(base + "/v1/score", {"model": f"w{i}".ljust(MAX_MODEL_CHARS, "w"), "token_ids": [1, 2, 3]})
         before = rss_kib(p.pid)
-        for i in range(40):
-            assert post(base + "/v1/score", {"model": f"{i}".ljust(4 << 20, "m"), "token_ids": [1, 2, 3]}) == 200
-        pods = [f"{j:05d}".ljust(400, "p") for j in range(10_000)]
+        for i in range(2000):  # distinct model names of the longest length accepted
+            assert post(base + "/v1/score", {"model": f"{i}".ljust(MAX_MODEL_CHARS, "m"), "token_ids": [1, 2, 3]}) == 200
+        pods = [f"{j:05d}".ljust(MAX_ID_CHARS, "p") for j in range(10_000)]
         for i in range(30):
             assert post(base + "/v1/score", {"model": "m", "token_ids": [i, 1, 2, 3], "pods": pods}) == 200
         grown = (rss_kib(p.pid) - before) / 1024
-        print(f"RSS grew {grown:.1f} MiB after 40 x 4 MiB model names and 30 x 10k long pods")
+        print(f"RSS grew {grown:.1f} MiB after 2000 long model names and 30 x 10k long pods")
         assert grown < 48 + SCORE_MEMORY_BYTES / (1 << 20), grown  # the score memory's budget plus slack
     finally:
         p.send_signal(signal.SIGTERM)
@@ -176,7 +177,7 @@ async def test_queries_for_unknown_models_register_nothing_in_redis(make_harness
 
     h = await make_harness(Config(store=redis_url))
     for i in range(200):
-        status, _ = await h.post("/v1/score", {"model": f"junk-{i}".ljust(2000, "j"), "token_ids": [1, 2, 3]})
+        status, _ = await h.post("/v1/score", {"model": f"junk-{i}".ljust(MAX_MODEL_CHARS, "j"), "token_ids": [1, 2, 3]})
         assert status == 200
         status, _ = await h.post("/query", {"model_name": f"junk-q-{i}", "token_ids": [1, 2, 3]})
         assert status == 200
