@@ -7,6 +7,7 @@ mutation and the bulk exports), READ (everything else)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,20 @@ async def test_an_unauthenticated_score_cannot_change_what_a_decision_reports(ma
             assert d["precise_from"] == "decision", (i, d)
             fresh += 1
     assert remembered and fresh
+
+
+async def test_a_caller_without_the_token_is_refused_before_its_body_is_read(make_harness: Any) -> None:
+    """A guarded route answers 401 as soon as the headers say who is calling: the server never
+    buffers (up to 8 MiB, for up to body_timeout) the body of a caller it is going to refuse."""
+    h = await make_harness(Config(auth="all", body_timeout=20.0), token=TOKEN)
+    port = int(h.url.rsplit(":", 1)[1])
+    for path in ("/register", "/query"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {4 << 20}\r\n\r\n{{".encode())  # 4 MiB announced, 1 byte sent
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 5)  # before: 408 after body_timeout
+            assert status_line.split()[1] == b"401", status_line
+        finally:
+            writer.close()

@@ -105,7 +105,6 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         loading = svc.loading() if svc.loading is not None else None
         if loading is not None and request.path not in OPEN_WHILE_LOADING:
             raise ApiError(loading, status=503, reason="loading")
-        await read_body_within(request, svc.config.body_timeout)
         return await handler(request)
     except QueryError as exc:
         err = ApiError(str(exc), field=exc.field, status=exc.status, reason=exc.reason)
@@ -163,10 +162,20 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
+@web.middleware
+async def body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A route's body, read whole within ``body_timeout`` before its handler runs; only once the
+    caller passed the auth check (an unauthenticated or unrouted request is answered unread)."""
+    if request.match_info.http_exception is None:
+        await read_body_within(request, services(request).config.body_timeout)
+    return await handler(request)
+
+
 def make_app(svc: Services, routes: Iterable[web.RouteDef]) -> web.Application:
-    """The application: ``routes`` (``native.routes()``, ``dynamo.routes()``) behind the error
-    and the auth middlewares, bodies capped at ``max_body_bytes``."""
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=svc.config.max_body_bytes)
+    """The application: ``routes`` (``native.routes()``, ``dynamo.routes()``) behind the error,
+    auth and body middlewares (in that order), bodies capped at ``max_body_bytes``."""
+    app = web.Application(middlewares=[errors_middleware, auth_middleware, body_middleware],
+                          client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
     app[REFUSALS] = BurstLog(logging.getLogger("kvindex.http"), interval=REFUSAL_LOG_SECONDS)
     app.add_routes(list(routes))

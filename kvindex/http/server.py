@@ -96,7 +96,7 @@ class HttpServer:
         """Stop accepting (the runner's cleanup then closes the open connections)."""
         server, self._server = self._server, None
         if server is not None:
-            server.close()
+            server.close()  # the listening sockets close now; wait_closed would wait for every connection
 
 
 LINGER_SECONDS = 2.0  # after an answer sent before its body arrived whole: read on this long, then close
