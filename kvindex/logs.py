@@ -38,11 +38,13 @@ def shown(value: object, limit: int = SHOWN_CHARS) -> str:
 
 
 class OneLine(logging.Filter):
-    """A handler filter: every record's string arguments through ``shown`` (one line, cut)."""
+    """A handler filter: every record's string (and exception) arguments through ``shown`` (one
+    line, cut)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple) and record.args:
-            record.args = tuple(shown(a) if isinstance(a, str) else a for a in record.args)
+            record.args = tuple(shown(a) if isinstance(a, str) else shown(str(a)) if isinstance(a, BaseException) else a
+                                for a in record.args)  # an exception's text may carry what a peer sent
         if isinstance(record.msg, str) and not record.msg.isprintable():
             record.msg = shown(record.msg, limit=len(record.msg))
         return True

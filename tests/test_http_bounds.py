@@ -29,7 +29,7 @@ from kvindex.daemon import Daemon
 from kvindex.decisions import MAX_DECISION_PODS
 from kvindex.http.bodies import MAX_DEPTH
 from kvindex.limits import MAX_ID_CHARS, MAX_MODEL_CHARS, MAX_SALT_CHARS
-from kvindex.logs import BurstLog, shown
+from kvindex.logs import BurstLog, OneLine, shown
 from kvindex.tools.fake_engine import FakeEngine
 from tests.faultkit import (
     KVINDEX,
@@ -209,6 +209,15 @@ def test_names_over_their_limit_are_refused_naming_the_field_and_the_limit(daemo
 
 
 FORGED = "2026-12-02 00:00:00,000 ERROR kvindex.daemon: FORGED"
+
+
+def test_an_exceptions_text_is_escaped_like_any_name() -> None:
+    """A peer's error text reaches the log inside an exception (``%s`` of a StateError, a
+    ZMQError): the filter escapes it as it does a string argument."""
+    record = logging.LogRecord("kvindex", logging.WARNING, __file__, 1, "peer failed: %s (%r)",
+                               (ValueError("bad\n" + FORGED), "x"), None)
+    OneLine().filter(record)
+    assert "\n" not in record.getMessage() and FORGED in record.getMessage()
 
 
 def test_names_with_newlines_cannot_forge_log_lines(tmp_path: Path) -> None:
