@@ -5,6 +5,7 @@ uninterrupted control fed the same batches, or with the simulated engine's own t
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 from pathlib import Path
@@ -274,6 +275,19 @@ async def test_an_old_batch_the_replay_cannot_place_is_rejected_not_a_restart(ma
     (view,) = [p for p in pods["pods"] if p["pod"] == "sim-0"]
     assert view["synced"] is False and view["unsynced_reason"] == "life_unknown", view
     assert engine.replays_served - asked <= 5  # at most once a second (a slow machine: a few), not 20
+    # the engine's replay holds the watermark batch again (these very bytes at 299): the next check
+    # (a second on) places the old batches as duplicates, and the pod is synced again, untouched
+    await engine.publish(frames[299], replay_only=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while not h.stream("sim-0").synced:
+        assert loop.time() < deadline, "synced again once the replay places the watermark"
+        await engine.publish(frames[5], live_only=True)
+        await asyncio.sleep(0.1)
+    st = h.stream("sim-0")
+    assert st.restarts == 0 and st.last_seq == 299 and held(h) == before
+    _, pods = await h.get("/v1/pods")
+    assert [p["synced"] for p in pods["pods"] if p["pod"] == "sim-0"] == [True]
 
 
 async def test_without_a_replay_endpoint_a_seq_far_back_is_a_restart(make_harness: Any, make_engine: Any,
