@@ -5,6 +5,7 @@ uninterrupted control fed the same batches, or with the simulated engine's own t
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 from pathlib import Path
@@ -207,3 +208,103 @@ async def test_a_failed_resync_is_still_unsynced_after_a_crash(make_harness: Any
     (view,) = [p for p in pods["pods"] if p["pod"] == "sim-0"]
     assert view["synced"] is False and view["unsynced_reason"] == "history_lost", view
     assert held(h2) == held(h)
+
+
+# -- a catch-up that cannot rebuild a restored pod says so at once --------------------------------
+async def test_a_restored_pod_whose_catch_up_fails_is_unsynced_without_a_live_batch(make_harness: Any,
+                                                                                   make_engine: Any,
+                                                                                   tmp_path: Path) -> None:
+    """kvindex stops at seq 29 (state saved); the engine goes on to seq 59 with a replay history of
+    8 batches, then goes quiet. kvindex comes back: the catch-up from 30 finds 52..59 only, so the
+    pod is unsynced (history_lost) in /v1/pods and /readyz at once, not only after the next live
+    batch (an idle engine may never send one). Before, the restored "synced" stayed."""
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "rep"),
+                               buffer_steps=8)
+    config = Config(engines=(engine_config(engine),), state_dir=tmp_path / "state")
+    h = await make_harness(config)
+    await h.wait_connected()
+    frames, _ = stream(60, seed=44)
+    for f in frames[:30]:
+        await engine.publish(f)
+    await h.wait_seq("sim-0", 29)
+    await h.daemon.stop()
+    for f in frames[30:]:
+        await engine.publish(f)  # nobody listening; the engine's history keeps 52..59
+    h2 = await make_harness(config)
+    await wait_for(lambda: (s := h2.stream("sim-0")) is not None and s.replays >= 1 and not s.synced, 10,
+                   "the catch-up's verdict")
+    _, pods = await h2.get("/v1/pods")
+    (view,) = [p for p in pods["pods"] if p["pod"] == "sim-0"]
+    assert view["synced"] is False and view["unsynced_reason"] == "history_lost", view
+    status, ready = await h2.get("/readyz")
+    assert status == 503 and "pod sim-0: unsynced (history_lost)" in ready["reasons"], ready
+    assert await metric(h2, 'kvindex_pod_synced{pod="sim-0"}') == 0.0
+
+
+# -- an old duplicate the replay cannot place is not a restart ------------------------------------
+async def test_an_old_batch_the_replay_cannot_place_is_rejected_not_a_restart(make_harness: Any, make_engine: Any,
+                                                                             tmp_path: Path) -> None:
+    """The lane has applied 0..299; the engine went on to 320 but the live socket lost 300..320,
+    and its replay keeps only 313..320. Then 20 old batches (seqs 5..24, past the stream's CRC
+    memory) arrive again. The replay answers, but it no longer reaches the watermark (299): it
+    cannot tell a duplicate from a restart. Nothing is cleared on that guess: the batches are
+    rejected (counted), the pod keeps exactly what it held and is unsynced (``life_unknown``), and
+    the replay is asked about the watermark at most once a second, not once a batch. Before, the
+    first of them cleared the pod as a restart."""
+    frames, truth = stream(321, seed=23)
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "rep"),
+                               buffer_steps=8)
+    h = await make_harness(Config(engines=(engine_config(engine),)))
+    await h.wait_connected()
+    for f in frames[:300]:
+        await engine.publish(f)
+    await h.wait_seq("sim-0", 299)
+    before = held(h)
+    for f in frames[300:]:
+        await engine.publish(f, replay_only=True)  # published, lost on the way
+    asked = engine.replays_served
+    for f in frames[5:25]:
+        await engine.publish(f, live_only=True)
+    rejected = {"pod": "sim-0", "reason": "life_unknown"}
+    await wait_for(lambda: h.daemon.registry.get_sample_value("kvindex_decode_errors_total", rejected) == 20.0
+                   or h.stream("sim-0").restarts, 10, "the 20 old batches handled")
+    st = h.stream("sim-0")
+    assert st.restarts == 0 and st.last_seq == 299, (st.restarts, st.last_seq)
+    assert held(h) == before and held(h) != set(truth.held())  # kept, not cleared (and it lacks 300..320)
+    _, pods = await h.get("/v1/pods")
+    (view,) = [p for p in pods["pods"] if p["pod"] == "sim-0"]
+    assert view["synced"] is False and view["unsynced_reason"] == "life_unknown", view
+    assert engine.replays_served - asked <= 5  # at most once a second (a slow machine: a few), not 20
+    # the engine's replay holds the watermark batch again (these very bytes at 299): the next check
+    # (a second on) places the old batches as duplicates, and the pod is synced again, untouched
+    await engine.publish(frames[299], replay_only=True)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 15
+    while not h.stream("sim-0").synced:
+        assert loop.time() < deadline, "synced again once the replay places the watermark"
+        await engine.publish(frames[5], live_only=True)
+        await asyncio.sleep(0.1)
+    st = h.stream("sim-0")
+    assert st.restarts == 0 and st.last_seq == 299 and held(h) == before
+    _, pods = await h.get("/v1/pods")
+    assert [p["synced"] for p in pods["pods"] if p["pod"] == "sim-0"] == [True]
+
+
+async def test_without_a_replay_endpoint_a_seq_far_back_is_a_restart(make_harness: Any, make_engine: Any,
+                                                                     tmp_path: Path) -> None:
+    """The other side: an engine with no replay endpoint gives no evidence but its seq, so a seq
+    that goes back past the stream's CRC memory with a usable event is a restart, as it always was."""
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"))
+    h = await make_harness(Config(engines=(engine_config(engine),)))
+    await h.wait_connected()
+    first, _ = stream(300, seed=24)
+    for f in first:
+        await engine.publish(f)
+    await h.wait_seq("sim-0", 299)
+    second, truth = stream(30, seed=25)
+    for f in second:
+        await engine.publish(f)
+    await h.wait_seq("sim-0", 29)
+    st = h.stream("sim-0")
+    assert st.restarts == 1 and st.synced, (st.restarts, st.unsynced_reason)
+    assert held(h) == set(truth.held())

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -20,6 +22,7 @@ import zmq.asyncio
 
 from kvindex.config import Config, ConfigError
 from kvindex.ingest.transport import fetch_replay
+from kvindex.sequence import Outcome
 from tests.conftest import ROOT, ipc_endpoint
 from tests.faultkit import (
     free_port,
@@ -181,3 +184,74 @@ def test_the_bounds_are_checked_where_they_enter() -> None:
         done = subprocess.run([sys.executable, "-m", "kvindex", "serve", "--port", "0", flag, value],
                               capture_output=True, text=True, timeout=30, check=False)
         assert done.returncode == 2 and "replay_" in done.stderr, done.stderr
+
+
+# -- a replay that waited for descriptors is synced again only if it recovered ---------------------
+@pytest.mark.parametrize(("kept", "back_after", "want"), [
+    (48, None, "replay_failed"),  # the wait runs out: the replay never ran
+    (8, 0.2, "history_lost"),  # descriptors back, but the engine's history no longer reaches seq 30
+    (48, 0.2, None),  # descriptors back, the range recovered: synced again
+], ids=["wait-ran-out", "history-lost", "recovered"])
+async def test_a_replay_that_waited_for_descriptors_ends_with_its_outcome(kept: int, back_after: float | None,
+                                                                         want: str | None, tmp_path: Path) -> None:
+    """A real ZeroMQ context with one socket slot, held: the replay's DEALER cannot be made (EMFILE),
+    so it waits, the stream shown unsynced (``replay_waiting_for_file_descriptors``). When the wait
+    ends the store holds the recovery's outcome: synced only if the range was recovered (before,
+    any end of the wait wrote synced, also after ``replay_failed`` or ``history_lost``)."""
+    from prometheus_client import CollectorRegistry
+
+    from adapters import DIALECTS
+    from kvindex.config import EngineConfig
+    from kvindex.index.memory import MemoryPreciseStore
+    from kvindex.ingest.replay import NO_DESCRIPTORS, Replay
+    from kvindex.ingest.writer import StreamWriter
+    from kvindex.logs import BurstLog
+    from kvindex.metrics import Metrics
+    from kvindex.sequence import Position
+    from kvindex.tools.fake_engine import FakeEngine
+
+    frames, _ = stream(48, seed=13)
+    engine = FakeEngine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "rep"), buffer_steps=kept)
+    await engine.start()
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1)
+    hold = ctx.socket(zmq.PUB)  # the only slot: no DEALER can be made
+    store, metrics = MemoryPreciseStore(), Metrics(CollectorRegistry())
+    config = EngineConfig(endpoint=engine.endpoint, replay=engine.replay_address)
+    writer = StreamWriter(config, {}, decoder=DIALECTS[config.dialect].decoder(), first_seq=0, store=store,
+                          metrics=metrics, burst=BurstLog(logging.getLogger("test")))
+    shown: list[Position | None] = []
+
+    async def waiting(st: Any, *how: Any) -> None:  # (reason, waiting): the writer's, recorded
+        await writer.waiting(st, *how)
+        shown.append(await store.position(st.ref))
+
+    replay = Replay(ctx, engine.replay_address, 0.5, metrics, on_wait=waiting, descriptor_wait=0.6)
+    try:
+        for f in frames:
+            await engine.publish(f)
+        st = writer.stream(frames[0][0].decode())
+        await store.set_position(st.ref, Position(29, 0))  # synced at seq 29, as restored
+        st.last_seq = 29
+
+        async def offer(st: Any, frame: Any) -> bool:
+            batch = writer.decode(st.pod, frame)
+            return batch is not None and (await writer.apply(st, frame.seq, batch, frame.payload, None)).outcome \
+                is not Outcome.GAP
+
+        async def give_back() -> None:
+            if back_after is not None:
+                await asyncio.sleep(back_after)
+                hold.close(linger=0)
+
+        releaser = asyncio.create_task(give_back())
+        reason = await replay.recover(st, 30, None, offer)
+        await releaser
+        assert reason == want
+        assert shown[0] is not None and shown[0].reason == NO_DESCRIPTORS and not shown[0].synced  # it waited
+        pos = await store.position(st.ref)
+        assert pos is not None and pos.synced is (want is None) and pos.reason == want, pos
+    finally:
+        hold.close(linger=0)
+        ctx.term()
+        await engine.close()

@@ -54,10 +54,27 @@ def test_live(last_seq: int | None, replayed: dict[int, int], seq: int, has_even
     assert S.live(last_seq, replayed, seq, P, has_events, recent) is want
 
 
-@pytest.mark.parametrize(("same", "want"), [(True, Live.DUPLICATE), (False, Live.RESTART), (None, Live.RESTART)])
-def test_went_back_to(same: bool | None, want: Live) -> None:
-    """The replay's answer for the stream's watermark: still the engine's (a duplicate) or not."""
-    assert S.went_back_to(same) is want
+@pytest.mark.parametrize(("same", "replay_endpoint", "want"), [
+    (True, True, Live.DUPLICATE),  # the engine still holds the watermark batch: an old duplicate
+    (False, True, Live.RESTART),  # other bytes there, or its history stops before it: a new life
+    (None, True, Live.LIFE_UNKNOWN),  # cannot tell (timeout, failure, cut, EMFILE, history gone): no guess
+    (None, False, Live.RESTART),  # no replay endpoint: seq going back is all the evidence there is
+])
+def test_went_back_to(same: bool | None, replay_endpoint: bool, want: Live) -> None:
+    """The replay's answer for the stream's watermark: still the engine's (a duplicate), not (a
+    restart), or unknown: a pod is never cleared on a guess while a replay could tell."""
+    assert S.went_back_to(same, replay_endpoint) is want
+
+
+@pytest.mark.parametrize(("checked_at", "now", "want"), [
+    (None, 5.0, True),  # never asked
+    (5.0, 5.0, False),  # just asked: the answer holds
+    (5.0, 5.0 + S.LIFE_CHECK_SECONDS * 0.99, False),
+    (5.0, 5.0 + S.LIFE_CHECK_SECONDS, True),  # a second later: asked again
+    (5.0, 4.0, True),  # a clock that went back never pins an answer
+])
+def test_recheck_life_at_most_once_per_interval(checked_at: float | None, now: float, want: bool) -> None:
+    assert S.recheck_life(checked_at, now) is want
 
 
 @pytest.mark.parametrize(("last_seq", "seq", "want"), [(None, 0, False), (3, 4, False), (3, 3, True), (3, 0, True)])
@@ -157,6 +174,16 @@ def f(seq: int, payload: bytes = P, topic: str = "t") -> Frame:
 def test_life_of(frames: list[Frame], complete: bool, want: bool | None) -> None:
     assert S.life_of(frames, complete, "t", 5, P) is want
     assert S.same_life(frames, complete, "t", 5, CRC) is want  # the same rule, from a saved CRC
+
+
+@pytest.mark.parametrize(("frames", "complete", "want"), [
+    ([f(5)], True, None),  # a batch is there, but without the watermark's CRC it cannot be compared
+    ([], True, False),  # the history stops before the watermark: a new life, CRC or not
+    ([], False, None),
+    ([f(6)], True, None),
+])
+def test_same_life_without_the_watermark_crc(frames: list[Frame], complete: bool, want: bool | None) -> None:
+    assert S.same_life(frames, complete, "t", 5, None) is want
 
 
 @pytest.mark.parametrize(("last_seq", "last_crc", "want"), [(None, None, False), (5, None, False), (None, CRC, False),

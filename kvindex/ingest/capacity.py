@@ -15,7 +15,11 @@ Invariants:
   the pod are lower bounds). ``kvindex_pod_over_capacity{pod}`` is 1; one warning per crossing.
 - Back under ``RESUME`` of the cap (removals, a clear, an engine restart) its stores apply again;
   it stays unsynced until the usual recovery (AllBlocksCleared, an engine restart, a resync)
-  makes it whole.
+  makes it whole. A pod emptied by something that is not one of its batches (an engine restart,
+  a resync, a restart kvindex did not see: ``forget``; ``DELETE /v1/pods/{pod}``, a registration
+  removed, another replica's restart: none of this writer's calls) is seen too: while over, the
+  count is re-read every ``OVER_CHECK_EVERY`` batches whose stores were refused, so an emptied pod
+  never refuses blocks for longer than that.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ log = logging.getLogger("kvindex.ingest.lane")
 CHECK_FRACTION = 64
 CHECK_MIN = 1024
 RESUME = 0.9
+OVER_CHECK_EVERY = 16  # batches refused stores between two reads of an over pod's count
 OVER_CAPACITY = "over_capacity"  # the unsynced reason
 
 
@@ -41,6 +46,7 @@ class _Pod:
     held: int = 0  # the store's count when last read, plus this writer's changes since
     unchecked: int = -1  # copies stored since the last read (-1: never read)
     over: bool = False
+    refused: int = 0  # batches whose stores were refused since the last read
 
 
 class PodCapacity:
@@ -60,7 +66,15 @@ class PodCapacity:
         if len(kept) < len(events):
             refused = sum(len(ev.block_hashes) for ev in events if type(ev) is BlockStored)  # type: ignore[union-attr]
             self._metrics.blocks_refused.labels(pod).inc(refused)
+            p.refused += 1
         return tuple(kept)
+
+    def forget(self, pod: str) -> None:
+        """The pod's streams were cleared or restarted: its count is read again at its next batch
+        (and until then its stores apply)."""
+        p = self._pods.pop(pod, None)
+        if p is not None and p.over:
+            self._metrics.pod_over_capacity.labels(pod).set(0)
 
     async def applied(self, pod: str, done: Applied | None) -> bool:
         """After an applied batch: re-read the count when due; True when the pod is (still) over."""
@@ -68,10 +82,11 @@ class PodCapacity:
         if done is not None:
             p.held += done.stored - done.removed
             p.unchecked += done.stored if p.unchecked >= 0 else 0
-        due = p.unchecked < 0 or p.unchecked >= self._every or (done is not None and done.cleared > 0)
+        due = p.unchecked < 0 or p.unchecked >= self._every or (done is not None and done.cleared > 0) \
+            or p.refused >= OVER_CHECK_EVERY
         if due or (p.held > self.cap) != p.over or (p.over and p.held <= self.cap * RESUME):
             held = await self._store.blocks_held(pod)
-            p.held, p.unchecked = held["gpu"] + held["cpu"] + held["disk"], 0
+            p.held, p.unchecked, p.refused = held["gpu"] + held["cpu"] + held["disk"], 0, 0
         if not p.over and p.held > self.cap:
             p.over = True
             self._metrics.pod_over_capacity.labels(pod).set(1)

@@ -194,9 +194,9 @@ class EngineLane:
         step = seqr.live(st.last_seq, st.replayed, seq, payload, bool(batch.events), st.recent)
         if step is not OFFER:
             if step is Live.CHECK_LIFE:  # went back past what the stream remembers: the replay tells
-                step = await self._lives.went_back(st)
-            if step is Live.REPLAYED:
-                return  # already applied from the replay that ran ahead of the socket
+                step = await self._lives.went_back(st, seq)
+            if step is Live.REPLAYED or step is Live.LIFE_UNKNOWN:
+                return  # applied already by a replay ahead of the socket; or rejected, counted (``ingest.life``)
             if step is Live.DUPLICATE:  # delivered twice: not a restart
                 self.writer.duplicate(st, seq)
                 return
@@ -381,5 +381,6 @@ class EngineLane:
                         reason = await self._lives.restart_restored(st, self._recover)
                     else:
                         reason = await self._recover(st, st.last_seq + 1, None)
-                    if reason is not None:
+                    if reason is not None:  # unsynced now, not only once a live batch comes
+                        await self.writer.mark(st, reason)
                         st.force = reason

@@ -5,9 +5,13 @@ and a restored watermark (a restart kvindex could not see). The rules are the se
 
 Invariants:
 - A seq that went back past what the stream remembers (``Live.CHECK_LIFE``) is a duplicate when
-  the engine's replay still holds the stream's watermark batch (same seq, same payload CRC), else
-  a restart (also when it cannot tell: no replay endpoint, the replay failed, its history no
-  longer reaches the watermark).
+  the engine's replay still holds the stream's watermark batch (same seq, same payload CRC), a
+  restart when it holds other bytes there or its history stops before it (or the engine has no
+  replay endpoint). When the replay cannot tell (it failed, timed out, was cut, no longer reaches
+  the watermark) the batch is rejected (``kvindex_decode_errors_total{reason="life_unknown"}``)
+  and the stream unsynced (``life_unknown``) until an answer says the watermark is still the
+  engine's (synced again) or not (the restart). One watermark is asked about at most once per
+  ``LIFE_CHECK_SECONDS``; in between the last answer holds (``sequencer.recheck_life``).
 - A restored stream's watermark (``last_seq`` and the CRC of the batch there, saved together) is
   checked against the engine's replay before catching up: other bytes at that seq, or a history
   that stops before it, mean the engine restarted while kvindex was down. The stream is then
@@ -19,13 +23,14 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvindex.events import EventBatch
 from kvindex.index.protocol import ApplyResult
 from kvindex.ingest import sequencer as seqr
-from kvindex.ingest.sequencer import RESTARTED_UNSEEN, Live, Seed
+from kvindex.ingest.sequencer import LIFE_UNKNOWN, RESTARTED_UNSEEN, Live, Seed
 from kvindex.ingest.streams import Stream
 from kvindex.sequence import Outcome, Position
 
@@ -36,9 +41,11 @@ RecoverFrom = Callable[[Stream, int, "int | None"], Awaitable["str | None"]]  # 
 # what of ``ingest.replay.Replay`` and ``ingest.writer.StreamWriter`` this module uses (as
 # protocols: importing them here would lengthen the deepest import chain)
 class EngineReplay(Protocol):
+    endpoint: str | None
+
     async def life_of(self, st: Stream, seq: int, payload: bytes) -> bool | None: ...
 
-    async def same_life(self, st: Stream, seq: int, crc: int) -> bool | None: ...
+    async def same_life(self, st: Stream, seq: int, crc: int | None) -> bool | None: ...
 
     async def history_ends_before(self, st: Stream, seq: int) -> bool: ...
 
@@ -52,6 +59,8 @@ class StoreCalls(Protocol):
                     force: str | None) -> ApplyResult: ...
 
     async def mark(self, st: Stream, reason: str | None) -> None: ...
+
+    def reject(self, pod: str, reason: str, what: str) -> None: ...
 
 
 class Lives:
@@ -98,13 +107,28 @@ class Lives:
         st.expect_from = self._first_seq
         return await self._writer.apply(st, seq, batch, payload, None)
 
-    async def went_back(self, st: Stream) -> Live:
+    async def went_back(self, st: Stream, seq: int) -> Live:
         """``Live.CHECK_LIFE``: the seq went back past what the stream remembers; DUPLICATE when
-        the engine still holds the watermark batch, else RESTART."""
-        same = None
-        if st.last_seq is not None and st.last_crc is not None:
+        the engine still holds the watermark batch, RESTART when it does not (or has no replay
+        endpoint), LIFE_UNKNOWN (the batch rejected here, the stream unsynced) when it cannot tell."""
+        if not self._replay.endpoint:
+            return seqr.went_back_to(None, False)
+        now, last = time.monotonic(), st.life_check
+        if last is not None and last[:2] == (st.last_seq, st.last_crc) and not seqr.recheck_life(last[2], now):
+            same = last[3]  # asked about this watermark a moment ago: the answer holds
+        else:
+            assert st.last_seq is not None
             same = await self._replay.same_life(st, st.last_seq, st.last_crc)
-        return seqr.went_back_to(same)
+            st.life_check = (st.last_seq, st.last_crc, now, same)
+        step = seqr.went_back_to(same, True)
+        if step is Live.LIFE_UNKNOWN:
+            self._writer.reject(st.pod, LIFE_UNKNOWN, f"seq {seq} went back past seq {st.last_seq} and the engine's "
+                                "replay cannot tell a duplicate from a restart: rejected, the pod unsynced")
+            if st.synced:
+                await self._writer.mark(st, LIFE_UNKNOWN)
+        elif step is Live.DUPLICATE and not st.synced and st.unsynced_reason == LIFE_UNKNOWN:
+            await self._writer.mark(st, None)  # the watermark is the engine's: what was rejected were duplicates
+        return step
 
     async def restarted_unseen(self, st: Stream) -> bool:
         """Whether a restored stream's watermark is of an earlier life of the engine (its replay

@@ -19,7 +19,9 @@ Invariants:
   out while this process cannot open a socket) is not a failure of the engine: ``recover`` retries
   with backoff for up to ``DESCRIPTOR_WAIT_SECONDS`` while nothing was read, the stream shown
   unsynced meanwhile with reason ``NO_DESCRIPTORS`` (``on_wait``), and carries on once descriptors
-  are back.
+  are back. The wait's mark is lifted with the recovery's outcome: synced again only when the
+  range was recovered; the wait running out, a lost history or a cut answer leave the stream
+  unsynced with that reason.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under 
 Offer = Callable[[Stream, Frame], Awaitable[bool]]  # decode and apply one batch; False: not in order
 
 
-OnWait = Callable[[Stream, str | None], Awaitable[None]]  # the stream waits (a reason) or no longer (None)
+OnWait = Callable[[Stream, "str | None", bool], Awaitable[None]]  # (stream, reason, waiting): it waits with
+# ``reason``, or (waiting False) no longer does, ``reason`` the recovery's outcome (None: complete)
 NO_DESCRIPTORS = "replay_waiting_for_file_descriptors"
 DESCRIPTOR_WAIT_SECONDS = 60.0
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
@@ -74,7 +77,7 @@ def out_of_descriptors(exc: BaseException) -> bool:
     return False
 
 
-async def _no_wait(st: Stream, reason: str | None) -> None:
+async def _no_wait(st: Stream, reason: str | None, waiting: bool) -> None:
     pass
 
 
@@ -91,6 +94,7 @@ class Replay:
         self._metrics = metrics
         self._on_wait = on_wait
         self._descriptor_wait = descriptor_wait
+        self._waited: set[str] = set()  # topics whose recovery waited for descriptors (marked unsynced)
 
     async def peek(self, st: Stream, seq: int, max_frames: int) -> ReplayResult | None:
         """Up to ``max_frames`` of the engine's history from ``seq``; None without a replay endpoint
@@ -112,7 +116,7 @@ class Replay:
             return None
         return sequencer.life_of(result.frames, result.complete, st.topic, seq, payload)
 
-    async def same_life(self, st: Stream, seq: int, crc: int) -> bool | None:
+    async def same_life(self, st: Stream, seq: int, crc: int | None) -> bool | None:
         """Whether the engine still holds, at ``seq``, the batch with payload CRC ``crc``
         (``sequencer.same_life``); None also without a replay endpoint or when the replay failed."""
         result = await self.peek(st, seq, 64)
@@ -129,6 +133,17 @@ class Replay:
     async def recover(self, st: Stream, start: int, stop: int | None, offer: Offer) -> str | None:
         """Apply the engine's batches [start, stop) through ``offer``; None when complete, else why
         not (the reason the stream is unsynced with, or ``NOT_THIS_LIFE``)."""
+        try:
+            reason = await self._recover(st, start, stop, offer)
+        except BaseException:
+            self._waited.discard(st.topic)  # the caller's failure path (resync, shutdown) marks it
+            raise
+        if st.topic in self._waited:
+            self._waited.discard(st.topic)
+            await self._on_wait(st, None if reason == NOT_THIS_LIFE else reason, False)
+        return reason
+
+    async def _recover(self, st: Stream, start: int, stop: int | None, offer: Offer) -> str | None:
         if not self.endpoint:
             return unsynced(st, "gap_no_replay_endpoint", start, stop)
         st.replays += 1
@@ -181,25 +196,20 @@ class Replay:
         """``_stream``, retried with backoff while it fails for want of file descriptors before
         anything was applied (up to ``descriptor_wait`` seconds, the stream shown waiting)."""
         loop = asyncio.get_running_loop()
-        t0, delay, waiting, start = loop.time(), 0.05, False, walk.expected
-        try:
-            while True:
-                try:
-                    return await self._stream(st, walk, offer)
-                except (ReplayError, zmq.ZMQError) as exc:
-                    if walk.expected != start or loop.time() - t0 >= self._descriptor_wait \
-                            or not out_of_descriptors(exc):
-                        raise
-                    if not waiting:
-                        waiting = True
-                        log.warning("pod %s: replay from %s: out of file descriptors (%s); retrying until they are "
-                                    "back (up to %gs)", st.pod, self.endpoint, exc, self._descriptor_wait)
-                        await self._on_wait(st, NO_DESCRIPTORS)
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 1.0)
-        finally:
-            if waiting:
-                await self._on_wait(st, None)
+        t0, delay, start = loop.time(), 0.05, walk.expected
+        while True:
+            try:
+                return await self._stream(st, walk, offer)
+            except (ReplayError, zmq.ZMQError) as exc:
+                if walk.expected != start or loop.time() - t0 >= self._descriptor_wait or not out_of_descriptors(exc):
+                    raise
+                if st.topic not in self._waited:
+                    self._waited.add(st.topic)
+                    log.warning("pod %s: replay from %s: out of file descriptors (%s); retrying until they are "
+                                "back (up to %gs)", st.pod, self.endpoint, exc, self._descriptor_wait)
+                    await self._on_wait(st, NO_DESCRIPTORS, True)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
 
 def unsynced(st: Stream, reason: str, start: int, stop: int | None) -> str:

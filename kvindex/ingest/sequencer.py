@@ -13,7 +13,13 @@ Invariants:
   restart (``Live.RESTART``), but only a batch with a usable event is evidence enough
   (``Live.NO_EVIDENCE``). A seq older than that memory asks the engine's replay whether it still
   holds the stream's watermark batch (``Live.CHECK_LIFE``, ``same_life``): it does, a duplicate;
-  it does not, a restart. A batch a replay already applied ahead of the live socket (same seq,
+  it does not (other bytes there, or its history stops before it), a restart. When the replay
+  cannot tell (it timed out, failed, was cut, no longer reaches the watermark) the batch is
+  rejected and the stream unsynced (``Live.LIFE_UNKNOWN``, reason ``LIFE_UNKNOWN``): a guess never
+  clears a pod. Only an engine without a replay endpoint, where seq going back is all the evidence
+  there is, restarts on it (``went_back_to``). A stream asks at most once per
+  ``LIFE_CHECK_SECONDS`` about one watermark (``recheck_life``); in between the last answer holds.
+  A batch a replay already applied ahead of the live socket (same seq,
   same CRC) is dropped silently (``Live.REPLAYED``).
 - The engine's incarnation does not depend on seq going back: the CRC of the watermark batch is
   saved with the watermark; a restored stream asks the replay for that seq (``same_life``): other
@@ -41,6 +47,8 @@ HISTORY_LOST = "history_lost"
 LIFE_CHECK_EVERY = 64  # STALE batches in a row between two replay checks of the batch's engine life
 RECENT_CRCS = 256  # a stream's remembered (seq -> payload CRC) of its current life, for duplicates
 RESTARTED_UNSEEN = "engine_restarted_unseen"  # unsynced while a life kvindex did not see is replayed
+LIFE_UNKNOWN = "life_unknown"  # unsynced: a seq went back and the engine's replay could not tell why
+LIFE_CHECK_SECONDS = 1.0  # between two replay checks of one watermark (``recheck_life``)
 
 
 class Live(Enum):
@@ -53,6 +61,7 @@ class Live(Enum):
     NO_EVIDENCE = "no_evidence"  # seq went back but the batch carries no usable event: reject it
     DUPLICATE = "duplicate"  # seq went back with the very bytes this life had there: drop it, count it
     CHECK_LIFE = "check_life"  # seq went back past what the stream remembers: ask the replay (``same_life``)
+    LIFE_UNKNOWN = "life_unknown"  # ... and the replay cannot tell: reject it, the stream unsynced
 
 
 # members as module globals for the per-batch functions: on Python 3.11 an enum member's lookup
@@ -80,10 +89,20 @@ def live(last_seq: int | None, replayed: Mapping[int, int], seq: int, payload: b
     return _OFFER
 
 
-def went_back_to(same: bool | None) -> Live:
+def went_back_to(same: bool | None, replay_endpoint: bool) -> Live:
     """``CHECK_LIFE`` answered: the engine still holds the watermark batch (True: the batch is an
-    old duplicate) or not (False, or cannot tell: None, as before, a restart)."""
+    old duplicate), or not (False: a restart), or it cannot tell (None): with a replay endpoint
+    that is no evidence of a restart (``LIFE_UNKNOWN``: reject the batch, unsynced); without one,
+    seq going back is the only evidence the engine gives: a restart."""
+    if same is None:
+        return Live.LIFE_UNKNOWN if replay_endpoint else _RESTART
     return _DUP if same else _RESTART
+
+
+def recheck_life(checked_at: float | None, now: float) -> bool:
+    """Whether a stream whose watermark was last checked at ``checked_at`` (None: never) asks the
+    replay again at ``now``, or keeps the last answer."""
+    return checked_at is None or not 0 <= now - checked_at < LIFE_CHECK_SECONDS
 
 
 def went_back(last_seq: int | None, seq: int) -> bool:
@@ -174,15 +193,15 @@ def life_of(frames: Sequence[Frame], complete: bool, topic: str, seq: int, paylo
     return same_life(frames, complete, topic, seq, zlib.crc32(payload))
 
 
-def same_life(frames: Sequence[Frame], complete: bool, topic: str, seq: int, crc: int) -> bool | None:
+def same_life(frames: Sequence[Frame], complete: bool, topic: str, seq: int, crc: int | None) -> bool | None:
     """Whether the engine's replay from ``seq`` holds, at ``seq``, the batch whose payload CRC is
     ``crc`` (the same life of the engine): True, False (other bytes there, or its history stops
     before ``seq``: a new life), None (its history no longer reaches ``seq``, or the answer was
-    cut short: cannot tell)."""
+    cut short, or a batch is there and ``crc`` is unknown: cannot tell)."""
     mine = _of(frames, topic)
     at = next((f for f in mine if f.seq == seq), None)
     if at is not None:
-        return zlib.crc32(at.payload) == crc
+        return None if crc is None else zlib.crc32(at.payload) == crc
     return False if not mine and complete else None
 
 
@@ -214,7 +233,7 @@ class ReplayWalk:
     """Walks a replay's frames in order over the range ``[start, stop)`` (``stop`` None: all of
     the engine's history from ``start``): which frame applies next, and the verdict."""
 
-    __slots__ = ("topic", "stop", "expected", "newest", "broken")
+    __slots__ = ("broken", "expected", "newest", "stop", "topic")
 
     def __init__(self, topic: str, start: int, stop: int | None) -> None:
         self.topic, self.stop = topic, stop

@@ -18,8 +18,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvindex.ingest.sequencer import RECENT_CRCS
 from kvindex.config import MAX_BLOCKS_PER_POD
+from kvindex.ingest.sequencer import RECENT_CRCS
 from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
@@ -99,6 +99,8 @@ class Stream:
     last_crc: int | None = None  # payload CRC of the batch at last_seq (saved with it: the engine's life)
     recent: dict[int, int] = field(default_factory=dict)  # seq -> payload CRC, the last RECENT_CRCS
                                                            # batches of this life (duplicates)
+    life_check: tuple[int | None, int | None, float, bool | None] | None = None  # (last_seq, last_crc,
+    # when, the replay's answer) of the last check of the watermark's engine life (``recheck_life``)
 
     @property
     def baseline_unknown(self) -> bool:
@@ -134,6 +136,7 @@ class Stream:
         self.replayed.clear()
         self.recent.clear()
         self.last_crc = None
+        self.life_check = None
         self.force = None
         self.observe(pos)
 

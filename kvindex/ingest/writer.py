@@ -139,6 +139,7 @@ class StreamWriter:
         """Seq went back to ``seq``: the engine restarted; the store clears the stream's ranks once
         (whichever replica comes first) and this replica adopts the epoch it answers."""
         pos = await self._store.restart(st.ref, st.epoch, st.sorted_ranks())
+        self._capacity.forget(st.pod)  # emptied: its count is read again
         st.restarts += 1
         self._metrics.restarts.labels(st.pod).inc()
         if seqr.first_to_clear(pos, st.epoch):
@@ -159,29 +160,33 @@ class StreamWriter:
         self._metrics.restarts.labels(st.pod).inc()
         ranks = None if self._engine.dp_rank is None else [self._engine.dp_rank]  # a rank's own publisher: its rank
         after = await self._store.restart(st.ref, pos.epoch, ranks)
+        self._capacity.forget(st.pod)
         st.expect_from = self._first_seq
         return after
 
-    async def waiting(self, st: Stream, reason: str | None) -> None:
-        """The stream's replay waits (``reason``: shown unsynced with it, if it was synced) or no
-        longer does (None: synced again, if still unsynced for that reason alone)."""
+    async def waiting(self, st: Stream, reason: str | None, waiting: bool = True) -> None:
+        """The stream's replay waits (``waiting``: shown unsynced with ``reason``, if it was synced)
+        or no longer does, with its outcome (``reason`` None: it recovered, synced again; else
+        unsynced with that reason), if the stream is still unsynced for the wait alone."""
         pos = await self._store.position(st.ref) or Position()
-        if reason is not None:
+        if waiting:
             if not pos.synced:
                 return
+            assert reason is not None
             self._waiting[st.topic] = reason
             pos = msgspec.structs.replace(pos, synced=False, reason=reason)
         else:
             marked = self._waiting.pop(st.topic, None)
             if marked is None or pos.synced or pos.reason != marked:
                 return
-            pos = msgspec.structs.replace(pos, synced=True, reason=None)
+            pos = msgspec.structs.replace(pos, synced=reason is None, reason=reason)
         await self._store.set_position(st.ref, pos)
         st.observe(pos)
 
     async def clear(self, st: Stream, seen_epoch: int, expect_from: int | None) -> Position:
         """Clear the stream in the store (once, whichever replica comes first); it starts over."""
         pos = await self._store.restart(st.ref, seen_epoch, st.sorted_ranks())
+        self._capacity.forget(st.pod)
         st.reset(pos, expect_from)
         return pos
 
