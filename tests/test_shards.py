@@ -306,3 +306,59 @@ async def test_the_channel_drops_garbage_and_answers_a_failure_in_one_line() -> 
     finally:
         await shards.stop()
         ctx.term()
+
+
+async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_s_keys_for_all() -> None:
+    """Each worker's index follows its own engines' block size. Workers that disagree were merged
+    last-wins: a query chunked by one size, the other worker's pods silently 0. Now a size every
+    worker takes is agreed (a worker holding none of the model's blocks follows), workers whose
+    engines hold different sizes answer 503 saying so, and a worker whose size moved on since
+    ``block_size`` answered makes ``match`` raise ``BlockSizeChanged`` (the query asks again)."""
+    from array import array
+
+    from kvindex import keys as K
+    from kvindex.events import BlockStored
+    from kvindex.index.protocol import BlockSizeChanged
+    from kvindex.sequence import StreamRef
+    from kvindex.shard.channel import ShardChannel
+    from kvindex.shard.store import ShardedPreciseStore
+
+    ctx = zmq.asyncio.Context()
+    shards = Shards(2, WorkerSettings(), ctx)
+    await shards.start()
+    channels = [ShardChannel(ctx, c.index, c.endpoint) for c in shards.channels]
+    for c in channels:
+        c.start()
+    store = ShardedPreciseStore(channels)
+    try:
+        p = next(f"p{i}" for i in range(100) if owner_of(f"p{i}", 2) == 0)
+        q = next(f"q{i}" for i in range(100) if owner_of(f"q{i}", 2) == 1)
+        tokens = list(range(1, 17))
+        seqs = {p: 0, q: 0}
+
+        async def store_blocks(pod: str, bs: int, epoch: int = 0) -> None:
+            ev = BlockStored((seqs[pod] + 1,), None, array("I", tokens[:bs]), bs)
+            done = await store.apply(StreamRef.of(pod, f"kv@{pod}@m", "m"), seqs[pod], epoch, 0, (ev,))
+            assert done.applied is not None and done.applied.orphans == 0
+            seqs[pod] += 1
+
+        await store_blocks(p, 4)
+        await store_blocks(q, 8)
+        with pytest.raises(StoreUnavailable, match=r"^model 'm': .*different block sizes \(4 on worker 0, 8 on "
+                                                   r"worker 1\); its queries answer 503 until they agree$"):
+            await store.block_size("m")
+        with pytest.raises(StoreUnavailable):
+            await store.block_sizes()
+        await store.restart(StreamRef.of(q, f"kv@{q}@m", "m"), 0, None)  # q's engine restarted: cleared
+        assert await store.block_size("m") == 4 and await store.block_sizes() == {"m": 4}  # worker 1 follows
+        assert (await store.match(K.prompt_keys(K.root_key("m"), tokens, 4), model="m"))[p].gpu == 1
+        seqs[q] = 0
+        await store_blocks(q, 8, epoch=1)  # worker 1 (nobody holds its 4) follows its engine's new life
+        with pytest.raises(BlockSizeChanged):
+            await store.match(K.prompt_keys(K.root_key("m"), tokens, 4), model="m")
+        with pytest.raises(StoreUnavailable, match="4 on worker 0, 8 on worker 1"):
+            await store.block_size("m")
+    finally:
+        await store.close()
+        await shards.stop()
+        ctx.term()

@@ -68,13 +68,9 @@ class PreciseIndex:
 
     def _held(self, model: str) -> bool:
         """Whether a worker holds blocks of ``model`` keyed with its size in force."""
-        return any(not w.empty() and self._holds(wid, model) for wid, w in self._workers.items())
-
-    def _holds(self, wid: tuple[str, int], model: str) -> bool:
-        if wid in self._model_of:
-            return self._model_of[wid] == model
-        bs = self._block_size.get(model)
-        return bs is not None and self._loaded_with.get(wid, {}).get(model) == bs
+        bs, of, loaded = self._block_size.get(model), self._model_of, self._loaded_with
+        return any(not w.empty() and (of[wid] == model if wid in of else bs is not None and loaded.get(wid, {}).get(model) == bs)
+                   for wid, w in self._workers.items())
 
     def block_size(self, model: str) -> int | None:
         return self._block_size.get(model)
@@ -129,14 +125,10 @@ class PreciseIndex:
         if self._block_size.get(model) != bs and not self._held(model):
             self._block_size[model] = bs  # nobody holds the old size (or none): follow the engine
         self._model_of[w.ident] = model  # after the check: the store does not make its worker a holder
-        if self._loaded_with:
-            self._loaded_with.pop(w.ident, None)
+        self._loaded_with.pop(w.ident, None)
         if self._block_size[model] != bs:
             return [], True
-        if ev.parent_hash is None:
-            parent: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
-        else:
-            parent = w.key_of(ev.parent_hash)
+        parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
         if parent is None:
             return [], False
         return K.prompt_keys(parent, ev.token_ids, bs, limit=len(ev.block_hashes)), False
@@ -307,8 +299,7 @@ class PreciseIndex:
 
     def load_entries(self, entries: Iterable[EntryRow], sizes: dict[str, int] | None = None) -> int:
         """Add exported entries (to an index that does not hold them yet); returns how many.
-        ``sizes``: the block sizes their keys were made with (default: the sizes in force); a loaded
-        worker holds those models' sizes until its next store says its model (reference.py).
+        ``sizes``: the block sizes their keys were made with (default: those in force; reference.py).
         Linear in their number: each table is sized for all of its entries before the first goes
         in (an exported table comes in its slot order; re-inserted into a table that grows as they
         come, those entries pile up at the front in one long probe run: quadratic), and its keyed
