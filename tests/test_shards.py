@@ -362,3 +362,40 @@ async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_
         await store.close()
         await shards.stop()
         ctx.term()
+
+
+async def test_a_sharded_daemon_whose_workers_engines_disagree_answers_503(make_engine: Any, tmp_path: Path) -> None:
+    """``kvindex serve --workers 2``: an engine on worker 0 publishes model m at block size 16, one on
+    worker 1 at 32. A query of m answered with one worker's size (the other's pods silently 0); now
+    503 naming both sizes, until the engine of the other size is gone (cleared) — then exact again."""
+    from tests.test_block_sizes import cached, life
+
+    engines = await start_engines(make_engine, tmp_path)
+    first, second = engines[0], engines[PER_WORKER]  # one of worker 0, one of worker 1
+    async with aiohttp.ClientSession() as session:
+        served = await serve_sharded(engines, session)
+        try:
+            for e in engines:
+                await e.wait_subscribers(1, 10)
+            frames16, _, prompt = life(4, 16, seed=5, pod="e0")
+            frames32, _, _ = life(4, 32, seed=6, pod=f"e{PER_WORKER}")
+            for f in frames16:
+                await first.publish(f)
+            for f in frames32:
+                await second.publish(f)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while (seqs := await pod_seqs(served)).get("e0") != 3 or seqs.get(f"e{PER_WORKER}") != 3:
+                assert loop.time() < deadline, seqs
+                await asyncio.sleep(0.02)
+            status, body = await served.request("POST", "/query", {"model_name": "m", "token_ids": prompt})
+            assert status == 503 and "different block sizes (16 on worker 0, 32 on worker 1)" in body["error"], body
+            status, body = await served.request("DELETE", f"/v1/pods/e{PER_WORKER}")  # its blocks gone
+            assert status == 200, body
+            status, body = await served.request("POST", "/query", {"model_name": "m", "token_ids": prompt})
+            assert status == 200, body
+            assert sum(body["scores"].get("e0", {}).values()) == cached(prompt, 16)
+        finally:
+            if served.proc.returncode is None:
+                served.proc.kill()
+            await served.proc.wait()
