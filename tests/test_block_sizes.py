@@ -4,6 +4,7 @@ replicas of one Redis that configure different ones refuse to start."""
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -14,8 +15,11 @@ from typing import Any
 import pytest
 import redis
 
-from kvindex.config import Config
+from kvindex import keys as K
+from kvindex.config import Config, ModelConfig
+from kvindex.persist import snapshot as snapshots
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
+from kvindex.types import Entry
 from tests.conftest import engine_config, ipc_endpoint, wait_for
 from tests.faultkit import free_port, http, wait_http
 
@@ -40,8 +44,8 @@ def cached(prompt: list[int], bs: int) -> int:
     return (len(prompt) - 1) // bs * bs
 
 
-async def score(h: Any, prompt: list[int], pod: str = "sim-0") -> int:
-    status, body = await h.post("/query", {"model_name": "m", "token_ids": prompt})
+async def score(h: Any, prompt: list[int], pod: str = "sim-0", model: str = "m") -> int:
+    status, body = await h.post("/query", {"model_name": model, "token_ids": prompt})
     assert status == 200, body
     return sum(body["scores"].get(pod, {}).values())
 
@@ -94,6 +98,49 @@ async def test_register_never_pins_and_refuses_a_contradiction(make_harness: Any
     status, body = await h.post("/register", {**reg, "instance_id": "y", "block_size": 32, "routing_group": "g2"})
     assert status == 409 and body["field"] == "block_size" and "16" in body["error"] and "\n" not in body["error"]
     assert await score(h, prompt) == cached(prompt, 16)
+
+
+async def test_a_restored_daemon_learns_new_models_and_its_configured_sizes_win(make_harness: Any, make_engine: Any,
+                                                                                 tmp_path: Path, caplog: Any) -> None:
+    """Restored from a snapshot of model m at 16 while configured 32: the configured size is in force
+    (the snapshot's overrode it). A model the snapshot had no size for is registered (it answered
+    500: KeyError) and learns its engine's size (every store was an orphan, 0 hits); an engine of m
+    storing 16 again is followed, and the restored blocks (keyed with 16) match again."""
+    state = tmp_path / "state"
+    state.mkdir()
+    tokens = [random.Random(9).randrange(1, 5000) for _ in range(33)]
+    key = K.prompt_keys(K.root_key("m"), tokens, 16)[0]
+    snapshots.write_atomic(state / snapshots.SNAPSHOT_NAME, snapshots.encode(snapshots.State(
+        block_sizes={"m": 16}, entries=[Entry("old", 0, "GPU", 1, key, 1)])))
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "rep"))
+    other = await make_engine(ipc_endpoint(tmp_path, "pub2"), replay_endpoint=ipc_endpoint(tmp_path, "rep2"))
+    with caplog.at_level(logging.WARNING, logger="kvindex.persist.restore"):
+        h = await make_harness(Config(state_dir=state, models={"m": ModelConfig(block_size=32)}, replay_timeout=0.5))
+    assert h.daemon.restored_from == "state-dir"
+    assert await h.daemon.store.block_size("m") == 32
+    assert any("saved with block_size 16, configured 32" in r.getMessage() for r in caplog.records)
+    sim = {"instance_id": "sim-0", "model_name": "Y", "endpoint": engine.endpoint, "block_size": 16,
+           "replay_endpoint": engine.replay_address}
+    status, body = await h.post("/register", sim)
+    assert status == 201, body
+    await h.wait_connected()
+    frames, _, prompt = life(6, 16, seed=3, model="Y")
+    for f in frames:
+        await engine.publish(f)
+    await h.wait_seq("sim-0", 5)
+    assert await score(h, prompt, model="Y") == cached(prompt, 16)
+    assert (await h.daemon.store.blocks_held("sim-0"))["orphans"] == 0
+    assert await score(h, tokens, "old") == 0  # keyed with 16, asked by 32
+    reg = {"instance_id": "sim-1", "model_name": "m", "endpoint": other.endpoint, "block_size": 16,
+           "replay_endpoint": other.replay_address}
+    assert (await h.post("/register", reg))[0] == 201  # nobody holds 32
+    await h.wait_connected()
+    frames, _, prompt = life(3, 16, seed=4, pod="sim-1")
+    for f in frames:
+        await other.publish(f)
+    await h.wait_seq("sim-1", 2)
+    assert await h.daemon.store.block_size("m") == 16
+    assert await score(h, tokens, "old") == 16  # the restored block holds its size again
 
 
 def test_redis_replicas_configured_with_different_block_sizes_refuse(redis_url: str, tmp_path: Path) -> None:

@@ -424,3 +424,91 @@ def test_the_python_loops_leave_the_reference_s_state(seed: int, pods: int) -> N
     everyone = [f"pod-{i}" for i in range(pods)]
     assert public(fast, everyone) == public(truth, everyone)
     assert sorted(fast.export_entries()) == sorted(truth.export_entries())
+
+
+# -- block sizes follow the engines' streams (issue 13 class 4) --------------------------------------
+
+
+def sized(hashes: list[int], tokens: list[int], bs: int, parent: int | None = None) -> BlockStored:
+    return BlockStored(block_hashes=tuple(hashes), parent_hash=parent, token_ids=array("I", tokens), block_size=bs)
+
+
+def test_a_restored_worker_holds_no_model_the_snapshot_had_no_size_for(idx: Index) -> None:
+    """Restored workers (model not known until their next store) once held every model's size: a
+    model new since the snapshot never learned one (every store an orphan, 0 hits) and a
+    registration of it raised KeyError (HTTP 500)."""
+    idx.load_entries([Entry("A", 0, "GPU", 111, 12345, 1)])
+    done = idx.apply("B", "Y", 0, sized([1, 2], TOKENS[:8], 16 // 4))
+    assert done.orphans == 0 and done.block_size_mismatch == 0 and idx.block_size("Y") == 4
+    assert idx.match(K.prompt_keys(K.root_key("Y"), TOKENS[:8], 4))["B"].gpu == 2
+    fresh = type(idx)()
+    fresh.load_entries([Entry("A", 0, "GPU", 111, 12345, 1)])
+    assert fresh.set_block_size("Y", 16) == 16  # no KeyError: nobody holds Y's size
+    assert fresh.block_size("Y") == 16
+
+
+def test_a_restored_worker_holds_the_sizes_its_keys_were_made_with(idx: Index) -> None:
+    """…and it still holds those (``sizes``: the snapshot's), until its own next store names its model."""
+    idx.load_entries([Entry("A", 0, "GPU", 111, keys_of(TOKENS)[0], 1)])
+    assert idx.apply("B", "m", 0, sized([9], TOKENS[:8], 8)).block_size_mismatch == 1
+    assert idx.set_block_size("m", 8) == BS
+    other = type(idx)()
+    other.set_block_size("m", 8)  # configured: the snapshot said BS
+    other.load_entries([Entry("A", 0, "GPU", 111, keys_of(TOKENS)[0], 1)], sizes={"m": BS})
+    assert other.set_block_size("m", 16) == 16  # its keys were not made with 8: it holds nothing
+    done = other.apply("B", "m", 0, stored([5], None, TOKENS[:4]))
+    assert done.block_size_mismatch == 0 and other.block_size("m") == BS  # an engine's BS is followed
+    assert other.match(keys_of(TOKENS)[:1]) == {"A": (1, 1, 1, {0: 1}), "B": (1, 1, 1, {0: 1})}
+    assert other.apply("C", "m", 0, sized([6], TOKENS[:8], 8)).block_size_mismatch == 1  # now held
+
+
+def test_a_worker_switching_models_does_not_hold_the_new_ones_size(idx: Index) -> None:
+    """The fast index counted a worker as a holder of the model it was about to store (it set the
+    worker's model before asking): the new model's first store was an orphan, its size never learned."""
+    assert idx.apply("P", "B", 0, sized([1], TOKENS[:16], 16)).orphans == 0
+    done = idx.apply("P", "A", 0, sized([2], TOKENS[:16], 16))
+    assert (done.block_size_mismatch, done.orphans, idx.block_size("A")) == (0, 0, 16)
+    assert idx.set_block_size("A", 16) == 16
+    assert idx.match(K.prompt_keys(K.root_key("A"), TOKENS, 16))["P"].gpu == 1
+    done = idx.apply("P", "C", 0, sized([3], TOKENS[:8], 8))  # another size: nobody holds C's either
+    assert (done.block_size_mismatch, idx.block_size("C")) == (0, 8)
+    assert idx.apply("P", "C", 0, sized([4], TOKENS[:16], 16)).block_size_mismatch == 1  # P holds C's now
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_workers_switching_models_and_sizes_leave_the_reference_s_state(seed: int) -> None:
+    """A seeded workload whose workers switch models and block sizes, some restored from entries
+    (with and without the sizes they were keyed with): the fast index (C and Python) and the
+    reference agree on every count, block size and answer after every batch."""
+    import random
+    rng = random.Random(seed)
+    ixs: list[Index] = [PreciseIndex(native=APPLY), PreciseIndex(native=None), ReferenceIndex()]
+    restored = [Entry(f"r{i}", 0, "GPU", 1000 + i, 77 + i, 1) for i in range(3)]
+    for ix in ixs:
+        ix.set_block_size("m0", 4)
+        ix.load_entries(restored[:2])
+        ix.load_entries(restored[2:], sizes={"m0": 8, "m1": 4})
+    models, sizes, pods = ["m0", "m1", "m2"], [4, 8], ["r0", "r1", "r2", "p", "q"]
+    nxt = 1
+    for step in range(600):
+        pod, model, roll = rng.choice(pods), rng.choice(models), rng.random()
+        if roll < 0.65:
+            n = rng.randint(1, 3)
+            bs = rng.choice(sizes)
+            evs: list = [sized(list(range(nxt, nxt + n)), [rng.randrange(3) for _ in range(n * bs)], bs)]
+            nxt += n
+        elif roll < 0.8:
+            evs = [AllBlocksCleared()]
+        elif roll < 0.9:
+            evs = [BlockRemoved((rng.randrange(1, nxt + 1), rng.randrange(1000, 1003)))]
+        else:
+            bs = rng.choice(sizes)
+            got = [ix.set_block_size(model, bs) for ix in ixs]
+            assert len(set(got)) == 1, (step, got)
+            continue
+        done = [ix.apply_batch(pod, model, 0, evs) for ix in ixs]
+        assert done[0] == done[1] == done[2], (step, pod, model, evs)
+        assert ixs[0].block_sizes() == ixs[1].block_sizes() == ixs[2].block_sizes(), step
+        assert ixs[0].pods() == ixs[1].pods() == ixs[2].pods()
+    for ix in ixs[1:]:
+        assert sorted(ix.export_entries()) == sorted(ixs[0].export_entries())

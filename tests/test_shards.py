@@ -306,3 +306,96 @@ async def test_the_channel_drops_garbage_and_answers_a_failure_in_one_line() -> 
     finally:
         await shards.stop()
         ctx.term()
+
+
+async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_s_keys_for_all() -> None:
+    """Each worker's index follows its own engines' block size. Workers that disagree were merged
+    last-wins: a query chunked by one size, the other worker's pods silently 0. Now a size every
+    worker takes is agreed (a worker holding none of the model's blocks follows), workers whose
+    engines hold different sizes answer 503 saying so, and a worker whose size moved on since
+    ``block_size`` answered makes ``match`` raise ``BlockSizeChanged`` (the query asks again)."""
+    from array import array
+
+    from kvindex import keys as K
+    from kvindex.events import BlockStored
+    from kvindex.index.protocol import BlockSizeChanged
+    from kvindex.sequence import StreamRef
+    from kvindex.shard.channel import ShardChannel
+    from kvindex.shard.store import ShardedPreciseStore
+
+    ctx = zmq.asyncio.Context()
+    shards = Shards(2, WorkerSettings(), ctx)
+    await shards.start()
+    channels = [ShardChannel(ctx, c.index, c.endpoint) for c in shards.channels]
+    for c in channels:
+        c.start()
+    store = ShardedPreciseStore(channels)
+    try:
+        p = next(f"p{i}" for i in range(100) if owner_of(f"p{i}", 2) == 0)
+        q = next(f"q{i}" for i in range(100) if owner_of(f"q{i}", 2) == 1)
+        tokens = list(range(1, 17))
+        seqs = {p: 0, q: 0}
+
+        async def store_blocks(pod: str, bs: int, epoch: int = 0) -> None:
+            ev = BlockStored((seqs[pod] + 1,), None, array("I", tokens[:bs]), bs)
+            done = await store.apply(StreamRef.of(pod, f"kv@{pod}@m", "m"), seqs[pod], epoch, 0, (ev,))
+            assert done.applied is not None and done.applied.orphans == 0
+            seqs[pod] += 1
+
+        await store_blocks(p, 4)
+        await store_blocks(q, 8)
+        with pytest.raises(StoreUnavailable, match=r"^model 'm': .*different block sizes \(4 on worker 0, 8 on "
+                                                   r"worker 1\); its queries answer 503 until they agree$"):
+            await store.block_size("m")
+        with pytest.raises(StoreUnavailable):
+            await store.block_sizes()
+        await store.restart(StreamRef.of(q, f"kv@{q}@m", "m"), 0, None)  # q's engine restarted: cleared
+        assert await store.block_size("m") == 4 and await store.block_sizes() == {"m": 4}  # worker 1 follows
+        assert (await store.match(K.prompt_keys(K.root_key("m"), tokens, 4), model="m"))[p].gpu == 1
+        seqs[q] = 0
+        await store_blocks(q, 8, epoch=1)  # worker 1 (nobody holds its 4) follows its engine's new life
+        with pytest.raises(BlockSizeChanged):
+            await store.match(K.prompt_keys(K.root_key("m"), tokens, 4), model="m")
+        with pytest.raises(StoreUnavailable, match="4 on worker 0, 8 on worker 1"):
+            await store.block_size("m")
+    finally:
+        await store.close()
+        await shards.stop()
+        ctx.term()
+
+
+async def test_a_sharded_daemon_whose_workers_engines_disagree_answers_503(make_engine: Any, tmp_path: Path) -> None:
+    """``kvindex serve --workers 2``: an engine on worker 0 publishes model m at block size 16, one on
+    worker 1 at 32. A query of m answered with one worker's size (the other's pods silently 0); now
+    503 naming both sizes, until the engine of the other size is gone (cleared) — then exact again."""
+    from tests.test_block_sizes import cached, life
+
+    engines = await start_engines(make_engine, tmp_path)
+    first, second = engines[0], engines[PER_WORKER]  # one of worker 0, one of worker 1
+    async with aiohttp.ClientSession() as session:
+        served = await serve_sharded(engines, session)
+        try:
+            for e in engines:
+                await e.wait_subscribers(1, 10)
+            frames16, _, prompt = life(4, 16, seed=5, pod="e0")
+            frames32, _, _ = life(4, 32, seed=6, pod=f"e{PER_WORKER}")
+            for f in frames16:
+                await first.publish(f)
+            for f in frames32:
+                await second.publish(f)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while (seqs := await pod_seqs(served)).get("e0") != 3 or seqs.get(f"e{PER_WORKER}") != 3:
+                assert loop.time() < deadline, seqs
+                await asyncio.sleep(0.02)
+            status, body = await served.request("POST", "/query", {"model_name": "m", "token_ids": prompt})
+            assert status == 503 and "different block sizes (16 on worker 0, 32 on worker 1)" in body["error"], body
+            status, body = await served.request("DELETE", f"/v1/pods/e{PER_WORKER}")  # its blocks gone
+            assert status == 200, body
+            status, body = await served.request("POST", "/query", {"model_name": "m", "token_ids": prompt})
+            assert status == 200, body
+            assert sum(body["scores"].get("e0", {}).values()) == cached(prompt, 16)
+        finally:
+            if served.proc.returncode is None:
+                served.proc.kill()
+            await served.proc.wait()

@@ -286,6 +286,33 @@ async def test_restored_blocks_hold_their_block_size(store: PreciseStore) -> Non
     assert await block_size_now(store) == BS
 
 
+async def test_restored_blocks_hold_no_model_they_were_not_keyed_for(store: PreciseStore) -> None:
+    """A model new since the snapshot learns its size from its first store (it never did: every
+    store an orphan, 0 hits), and a registration of it never fails (it raised KeyError: HTTP 500)."""
+    await store.set_position(A, Position(3, 0, True, None))
+    await store.load_entries([Entry("a", 0, "GPU", 1, keys_of(TOKENS)[0], 1)])
+    y = StreamRef.of("b", "kv@b@Y", "Y")
+    done = (await store.apply(y, 0, 0, 0, (sized([9], TOKENS[:8], 8),))).applied
+    assert (done.orphans, done.block_size_mismatch) == (0, 0)
+    assert await block_size_now(store, "Y") == 8
+    assert (await store.match(K.prompt_keys(K.root_key("Y"), TOKENS[:8], 8), model="Y"))["b"].gpu == 1
+    assert await store.set_block_size("Y", 16) == 8  # b's blocks hold 8
+    assert await store.set_block_size("Z", 16) == 16
+    assert await block_size_now(store) == BS  # a's blocks still hold m's
+
+
+async def test_a_worker_switching_models_does_not_hold_the_new_ones_size(store: PreciseStore) -> None:
+    """A worker that holds blocks of model B and then stores model A's: A's first size is learned
+    (the fast index counted the worker as a holder of A before its first store of A)."""
+    for model, bs, h in [("B", 8, 1), ("A", 8, 2), ("C", 16, 3)]:
+        stream = StreamRef.of("p", f"kv@p@{model}", model)
+        done = (await store.apply(stream, 0, 0, 0, (sized([h], TOKENS[:16], bs),))).applied
+        assert (done.orphans, done.block_size_mismatch) == (0, 0), model
+        assert await block_size_now(store, model) == bs
+    assert await store.set_block_size("A", 8) == 8
+    assert (await store.match(K.prompt_keys(K.root_key("A"), TOKENS, 8), model="A"))["p"].gpu == 1
+
+
 async def test_configured_block_sizes_must_agree(store: PreciseStore, peers: Factory) -> None:
     """Two replicas (or [models] and [[engines]]) configuring one model differently: refused loudly."""
     if isinstance(store, ShardedPreciseStore):

@@ -57,6 +57,7 @@ class PreciseIndex:
         self._inv = H.Holders(TIERS)  # the inverted view: tier -> key -> mask of the slots holding it
         self._block_size: dict[str, int] = {}
         self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
+        self._loaded_with: dict[tuple[str, int], dict[str, int]] = {}  # loaded worker, model not known yet -> sizes
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
 
     # -- configuration (block sizes follow the engines' lives: reference.py) --------------------
@@ -66,8 +67,10 @@ class PreciseIndex:
         return self._block_size[model]
 
     def _held(self, model: str) -> bool:
-        """Whether a worker holds blocks of ``model`` (or of a model not known: restored ones)."""
-        return any(not w.empty() and self._model_of.get(wid, model) == model for wid, w in self._workers.items())
+        """Whether a worker holds blocks of ``model`` keyed with its size in force."""
+        bs, of, loaded = self._block_size.get(model), self._model_of, self._loaded_with
+        return any(not w.empty() and (of[wid] == model if wid in of else bs is not None and loaded.get(wid, {}).get(model) == bs)
+                   for wid, w in self._workers.items())
 
     def block_size(self, model: str) -> int | None:
         return self._block_size.get(model)
@@ -119,15 +122,13 @@ class PreciseIndex:
     def _event_keys(self, w: Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
         """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
         bs = ev.block_size
-        self._model_of[w.ident] = model
-        if self._block_size.get(model) != bs:
-            if self._held(model):
-                return [], True
-            self._block_size[model] = bs  # nobody holds the old size: follow the engine
-        if ev.parent_hash is None:
-            parent: int | None = K.root_key(model, ev.lora_name, ev.cache_salt)
-        else:
-            parent = w.key_of(ev.parent_hash)
+        if self._block_size.get(model) != bs and not self._held(model):
+            self._block_size[model] = bs  # nobody holds the old size (or none): follow the engine
+        self._model_of[w.ident] = model  # after the check: the store does not make its worker a holder
+        self._loaded_with.pop(w.ident, None)
+        if self._block_size[model] != bs:
+            return [], True
+        parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
         if parent is None:
             return [], False
         return K.prompt_keys(parent, ev.token_ids, bs, limit=len(ev.block_hashes)), False
@@ -253,6 +254,7 @@ class PreciseIndex:
         for wid in [wid for wid in self._workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             w = self._workers.pop(wid)
             self._model_of.pop(wid, None)
+            self._loaded_with.pop(wid, None)
             self._inv.forget(w.bit, w.slot, [(tier_of(m), blocks.keys_()) for m, blocks in w.media.items()])
             self._slots[w.slot] = None
             self._members.clear()
@@ -295,14 +297,18 @@ class PreciseIndex:
         return [(w.pod, w.rank, medium, blocks.copy(), w.extra.copy())
                 for w in self._workers.values() for medium, blocks in w.media.items()]
 
-    def load_entries(self, entries: Iterable[EntryRow]) -> int:
+    def load_entries(self, entries: Iterable[EntryRow], sizes: dict[str, int] | None = None) -> int:
         """Add exported entries (to an index that does not hold them yet); returns how many.
+        ``sizes``: the block sizes their keys were made with (default: those in force; reference.py).
         Linear in their number: each table is sized for all of its entries before the first goes
         in (an exported table comes in its slot order; re-inserted into a table that grows as they
         come, those entries pile up at the front in one long probe run: quadratic), and its keyed
         single-copy entries go through the C store loop when built."""
         rows = entries if isinstance(entries, list) else list(entries)
+        made_with = dict(self._block_size if sizes is None else sizes)
         for where, parts in runs_by_table(rows).items():
+            if where[:2] not in self._model_of:
+                self._loaded_with.setdefault(where[:2], made_with)
             w, blocks = self._table(*where)
             blocks.reserve(sum(map(len, parts)))
             for part in parts:

@@ -17,13 +17,16 @@ The rules, once:
   other than the model's) is an *orphan*: kept keyless, so a later removal finds it, but it never
   matches.
 - Block sizes belong to engine streams' lives, not to models forever. A model's block size is
-  *held* while a worker that stored blocks of the model holds any (a worker loaded from a
-  snapshot, whose model is not known until its next batch, holds every model's). A BlockStored
-  whose block size differs from the model's, while the size is held by anyone, is an orphan
-  (``block_size_mismatch``); when nobody holds it, the model follows the engine: its block size
-  becomes the event's (an engine restarted with another block size, after its restart cleared it).
-  ``set_block_size`` (configuration, a registration) sets the size only while nobody holds
-  another one, and answers the size in force.
+  *held* while a worker that stored blocks of the model holds any. A worker loaded by
+  ``load_entries`` (a snapshot, a peer), whose model is not known until its next store, holds
+  each model whose size in force is the one its entries were keyed with (``sizes``: by default
+  the sizes in force when it was loaded) and no other. The holders are counted before the store
+  that makes a worker one: a worker switching models does not hold the new one's size yet. A
+  BlockStored whose block size differs from the model's, while the size is held by anyone, is an
+  orphan (``block_size_mismatch``); when nobody holds it, or the model has no size yet, the model
+  follows the engine: its block size becomes the event's (an engine restarted with another block
+  size, after its restart cleared it). ``set_block_size`` (configuration, a registration) sets
+  the size while nobody holds another one, and answers the size in force.
 - A held hash keeps the key it was first stored with; a keyless one learns the key of a later
   store of it (in that medium). A new hash stored with a key gives that key to the keyless
   entries of the same hash in the worker's other media (offload events carry no tokens).
@@ -78,6 +81,7 @@ class ReferenceIndex:
         self.workers: dict[tuple[str, int], Worker] = {}
         self._block_size: dict[str, int] = {}
         self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
+        self._loaded_with: dict[tuple[str, int], dict[str, int]] = {}  # loaded worker, model not known yet -> sizes
 
     # -- configuration -------------------------------------------------------------------------
     def set_block_size(self, model: str, block_size: int) -> int:
@@ -86,8 +90,14 @@ class ReferenceIndex:
         return self._block_size[model]
 
     def _held(self, model: str) -> bool:
-        """Whether a worker holds blocks of ``model`` (or of a model not known: restored ones)."""
-        return any(w.copies and self._model_of.get(wid, model) == model for wid, w in self.workers.items())
+        """Whether a worker holds blocks of ``model`` keyed with its size in force."""
+        return any(w.copies and self._holds(wid, model) for wid, w in self.workers.items())
+
+    def _holds(self, wid: tuple[str, int], model: str) -> bool:
+        if wid in self._model_of:
+            return self._model_of[wid] == model
+        bs = self._block_size.get(model)
+        return bs is not None and self._loaded_with.get(wid, {}).get(model) == bs
 
     def block_size(self, model: str) -> int | None:
         return self._block_size.get(model)
@@ -116,6 +126,7 @@ class ReferenceIndex:
         if w is not None and not w.copies:
             del self.workers[(pod, dp_rank)]  # holds nothing: forgotten
             self._model_of.pop((pod, dp_rank), None)
+            self._loaded_with.pop((pod, dp_rank), None)
         return done
 
     def _keys(self, w: Worker, model: str, ev: BlockStored) -> list[int]:
@@ -127,8 +138,9 @@ class ReferenceIndex:
 
     def _store(self, wid: tuple[str, int], w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
         if self._block_size.get(model) != ev.block_size and not self._held(model):
-            self._block_size[model] = ev.block_size  # nobody holds the old size: follow the engine
-        self._model_of[wid] = model
+            self._block_size[model] = ev.block_size  # nobody holds the old size (or none): follow the engine
+        self._model_of[wid] = model  # after the check: the store does not make its worker a holder
+        self._loaded_with.pop(wid, None)
         done.block_size_mismatch += self._block_size[model] != ev.block_size
         keys = self._keys(w, model, ev)
         held = w.media.setdefault(ev.medium, {})
@@ -172,6 +184,7 @@ class ReferenceIndex:
         for wid in [wid for wid in self.workers if wid[0] == pod and dp_rank in (None, wid[1])]:
             del self.workers[wid]
             self._model_of.pop(wid, None)
+            self._loaded_with.pop(wid, None)
 
     def pods(self) -> list[str]:
         return sorted({pod for pod, _ in self.workers})
@@ -204,11 +217,16 @@ class ReferenceIndex:
                    for (pod, rank), w in self.workers.items() for medium, held in w.media.items() for h, key in held.items()]
         return iter(entries)
 
-    def load_entries(self, entries: Iterable[Entry]) -> int:
-        """Add exported entries (to an index that does not hold them yet); returns how many."""
+    def load_entries(self, entries: Iterable[Entry], sizes: dict[str, int] | None = None) -> int:
+        """Add exported entries (to an index that does not hold them yet); returns how many.
+        ``sizes``: the block sizes their keys were made with (default: the sizes in force)."""
         n = 0
+        made_with = dict(self._block_size if sizes is None else sizes)
         for e in entries:
-            w = self.workers.setdefault((e.pod, e.dp_rank), Worker())
+            wid = (e.pod, e.dp_rank)
+            if wid not in self._model_of:
+                self._loaded_with.setdefault(wid, made_with)
+            w = self.workers.setdefault(wid, Worker())
             w.media.setdefault(e.medium, {})[e.hash] = e.key
             w.copies[(e.medium, e.hash)] = e.copies
             n += 1

@@ -32,6 +32,9 @@ Invariants:
   of its entries, and the entries go in ``LOAD_CHUNK`` at a time. The daemon's HTTP meanwhile
   answers 503 "loading" and a SIGTERM cancels the restore (nothing is written: the log and the
   final snapshot start only once the state is whole). A peer's state loads the same way.
+- A block size configured before the restore wins over the snapshot's (a contradiction is logged);
+  restored workers hold the sizes their keys were made with (the snapshot's: ``load_entries(sizes=)``)
+  while those are in force, and no other model's.
 - Only with the memory store (``--store memory://``): ``index`` and ``approx`` are its own
   ``PreciseIndex`` and ``ApproxIndex``; logged batches are re-applied through the lanes, i.e.
   through the store, so its stream positions are rebuilt with them. With Redis the state lives
@@ -221,12 +224,18 @@ class Recovery:
             return None
 
     async def _install(self, st: State) -> None:
-        for model, n in st.block_sizes.items():
-            self.index.set_block_size(model, n)
+        for model, n in st.block_sizes.items():  # a configured size (set before the restore) wins
+            now = self.index.block_size(model)
+            if now is None:
+                self.index.set_block_size(model, n)
+            elif now != n:
+                log.warning("state: model %r was saved with block_size %d, configured %d: the configured size is "
+                            "in force; the restored blocks (keyed with %d) hold nothing until an engine stores %d "
+                            "again", model, n, now, n, n)
         sizes = await asyncio.to_thread(table_sizes, st.entries)  # counted off the loop
         self.index.reserve_tables(sizes)  # every table sized once for all of its entries: the load is linear
         for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
-            self.index.load_entries(st.entries[i:i + LOAD_CHUNK])
+            self.index.load_entries(st.entries[i:i + LOAD_CHUNK], sizes=st.block_sizes)  # what their keys were made with
             await asyncio.sleep(0)
         try:
             self.approx.load_state(st.approx)

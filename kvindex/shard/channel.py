@@ -249,11 +249,13 @@ class EngineHashes(Request[dict[int, dict[int, int | None]]], frozen=True, tag="
     pod: str
 
 
-class Match(Request[dict[str, PodMatch]], frozen=True, tag="match"):
-    """The keys travel as the extra frame (``pack_keys``)."""
+class Match(Request[dict[str, PodMatch] | None], frozen=True, tag="match"):
+    """The keys travel as the extra frame (``pack_keys``). ``block_size``: the size they were
+    chunked by; a worker whose size for ``model`` is another answers None (not a match)."""
 
     pods: tuple[str, ...] | None
     model: str | None
+    block_size: int | None = None
 
 
 class ExportEntries(Request[list[Entry]], frozen=True, tag="export"):

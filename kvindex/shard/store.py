@@ -15,7 +15,13 @@ Invariants:
   that holds the stream. ``match`` sends the keys once per worker as one packed frame.
 - A model's block size is asked of the workers by every query (it follows the engines' lives:
   an engine restarted with another block size changes it), so a query is two round trips per
-  worker; configured block sizes must agree (``StoreMisconfigured``).
+  worker; configured block sizes must agree (``StoreMisconfigured``). Each worker's size follows
+  its own engines: when workers answer different sizes, ``block_size`` offers each to all of them
+  (a worker whose engines hold no blocks of the model takes it); if none is taken by all, the
+  engines of the model really run different sizes and ``block_size`` raises ``StoreUnavailable``
+  saying so (503), never one worker's size for all. ``match(model=)`` sends the size the keys were
+  chunked by; a worker whose size is another answers none, and ``match`` raises
+  ``BlockSizeChanged`` (the query asks again).
 - Writes that come from HTTP (``clear_pod``, ``set_block_size``) go to every worker (pods are few
   per worker and the ops are idempotent).
 - The daemon's ingest writes happen in the workers, by their own lanes. Writes made through this
@@ -34,7 +40,12 @@ from collections.abc import Iterable, Sequence
 from typing import TypeVar
 
 from kvindex.events import KVEvent
-from kvindex.index.protocol import ApplyResult, StoreMisconfigured
+from kvindex.index.protocol import (
+    ApplyResult,
+    BlockSizeChanged,
+    StoreMisconfigured,
+    StoreUnavailable,
+)
 from kvindex.sequence import Position, StreamRef
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import ShardChannel, owner_of, pack_keys
@@ -61,6 +72,7 @@ class ShardedPreciseStore:
     def __init__(self, channels: Sequence[ShardChannel]) -> None:
         self.channels = list(channels)
         self._configured: dict[str, int] = {}  # model -> the block size configuration gave it
+        self._answered: dict[str, int] = {}  # model -> the block size block_size last answered (keys chunked by it)
 
     async def _all(self, req: ch.Request[R], *, extra: bytes | None = None) -> list[R]:
         return list(await asyncio.gather(*(c.request(req, extra=extra) for c in self.channels)))
@@ -73,7 +85,12 @@ class ShardedPreciseStore:
         wanted = None if pods is None else tuple(pods)
         if wanted is not None and not wanted:
             return {}
-        return merge_matches(await self._all(ch.Match(wanted, model), extra=pack_keys(keys)))
+        bs = None if model is None else self._answered.get(model)
+        parts = await self._all(ch.Match(wanted, model, bs), extra=pack_keys(keys))
+        if any(part is None for part in parts):  # a worker's size moved on (an engine's new life)
+            self._answered.pop(model or "", None)
+            raise BlockSizeChanged(model)
+        return merge_matches(part for part in parts if part is not None)
 
     async def pods(self) -> list[str]:
         return sorted({p for part in await self._all(ch.Pods()) for p in part})
@@ -99,12 +116,36 @@ class ShardedPreciseStore:
         return None
 
     async def block_size(self, model: str) -> int | None:
-        return (await self.block_sizes()).get(model)
+        known = sorted({bs for bs in await self._all(ch.BlockSize(model)) if bs is not None})
+        if len(known) > 1:  # offered to all: workers whose engines hold none of the model's blocks take it
+            for bs in known:
+                if set(await self._all(ch.SetBlockSize(model, bs))) == {bs}:
+                    known = [bs]
+                    break
+            else:
+                raise StoreUnavailable(self._disagree(model, await self._all(ch.BlockSize(model))))
+        if not known:
+            self._answered.pop(model, None)
+            return None
+        self._answered[model] = known[0]
+        return known[0]
+
+    def _disagree(self, model: str, sizes: list[int | None]) -> str:
+        each = ", ".join(f"{bs} on worker {c.index}" for c, bs in zip(self.channels, sizes, strict=True)
+                         if bs is not None)
+        return (f"model {model!r}: its engines on different workers hold blocks of different block sizes "
+                f"({each}); its queries answer 503 until they agree")
 
     async def block_sizes(self) -> dict[str, int]:
-        sizes: dict[str, int] = {}
+        seen: dict[str, set[int]] = {}
         for part in await self._all(ch.BlockSizes()):
-            sizes.update(part)
+            for model, bs in part.items():
+                seen.setdefault(model, set()).add(bs)
+        sizes: dict[str, int] = {}
+        for model, found in seen.items():
+            agreed = found.pop() if len(found) == 1 else await self.block_size(model)
+            if agreed is not None:
+                sizes[model] = agreed
         return sizes
 
     async def set_block_size(self, model: str, block_size: int, *, configured: bool = False) -> int:

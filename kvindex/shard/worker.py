@@ -51,6 +51,7 @@ from kvindex.sequence import Position
 from kvindex.settings import ApproxConfig, ApproxSettings, DriftSettings
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import WorkerSettings, unpack_keys
+from kvindex.types import PodMatch
 
 log = logging.getLogger("kvindex.shard.worker")
 PARENT_CHECK_SECONDS = 1.0
@@ -132,12 +133,20 @@ class Worker:
         return {"batches": sum(st.batches for st in sts), "gaps": sum(st.gaps for st in sts),
                 "last_applied": max((st.last_applied or 0.0 for st in sts), default=0.0)}
 
+    async def _match(self, req: ch.Match, keys: bytes) -> dict[str, PodMatch] | None:
+        """None when this worker's block size of the model is not the one the keys were chunked by."""
+        if req.model is not None and req.block_size is not None:
+            own = await self.store.block_size(req.model)
+            if own is not None and own != req.block_size:
+                return None
+        return await self.store.match(unpack_keys(keys), req.pods, model=req.model)
+
     # -- the channel ---------------------------------------------------------------------------
     async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes], req: ch.Request[Any]) -> None:
         ident, rid = frames[0], frames[1]
         try:
             if isinstance(req, ch.Match):
-                value = await self.store.match(unpack_keys(frames[3]), req.pods, model=req.model)
+                value = await self._match(req, frames[3])
             else:
                 value = await self._ops[type(req)](req)
             reply: ch.Ok[Any] | ch.Failed = ch.Ok(value)
