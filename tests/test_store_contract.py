@@ -315,8 +315,6 @@ async def test_a_worker_switching_models_does_not_hold_the_new_ones_size(store: 
 
 async def test_configured_block_sizes_must_agree(store: PreciseStore, peers: Factory) -> None:
     """Two replicas (or [models] and [[engines]]) configuring one model differently: refused loudly."""
-    if isinstance(store, ShardedPreciseStore):
-        pytest.skip("one parent per sharded daemon: its configuration is its own")
     other = await peers()
     assert await store.set_block_size("cfg", 16, configured=True) == 16
     assert await other.set_block_size("cfg", 16, configured=True) == 16
