@@ -117,13 +117,20 @@ class EngineRegistry:
         self._fleet.add(reg.lane_key, engine)
         return reg
 
-    async def unregister(self, iid: str, model: str, group: str | None, dp_rank: int | None) -> list[Registration]:
-        """Every matching registration removed (lane, then blocks; the pod once no rank is left)."""
+    def registered(self, iid: str, dp_rank: int) -> Registration | None:
+        """The registration of ``(iid, dp_rank)``, if any."""
+        return self.registrations.by_key.get((iid, dp_rank))
+
+    async def unregister(self, iid: str, model: str | None, group: str | None, dp_rank: int | None) -> list[Registration]:
+        """Every matching registration removed (lane, then blocks; the pod once no rank is left).
+        ``None``: any model, group or rank."""
         regs = self.registrations
         found = regs.matching(iid, model, group, dp_rank)
         if not found:
-            raise QueryError(f"instance {iid} is not registered for {model}", field="instance_id", status=404,
-                             reason="unknown_instance")
+            where = " ".join(f"{k} {v}" for k, v in (("model", model), ("group", group), ("dp_rank", dp_rank))
+                             if v is not None)
+            raise QueryError(f"instance {iid} is not registered" + (f" ({where})" if where else ""),
+                             field="instance_id", status=404, reason="unknown_instance")
         for reg in found:
             await self._fleet.remove(reg.lane_key)
             regs.remove(reg)

@@ -44,7 +44,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     5: ("kvindex.answers", "kvindex.query", "kvindex.drift", "kvindex.decisions", "kvindex.pods",
         "kvindex.registrations"),
     6: ("kvindex.persist",),
-    7: ("kvindex.http",),
+    7: ("kvindex.http", "kvindex.http.fields", "kvindex.http.mooncake"),  # (mooncake: the RFC's other dialect)
     8: ("kvindex.shard",),
     9: ("kvindex.daemon", "kvindex.cli", "kvindex.__main__"),  # the composition root, the CLI
     10: ("kvindex.tools",),  # demo, simulator, workload, recorder: may use anything, used by no core module

@@ -36,28 +36,24 @@ from kvindex.approx.gojson import NestingTooDeep, RenderError, go_json_loads
 from kvindex.decisions import MAX_BATCH, DecisionIn
 from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.http.errors import ApiError
-from kvindex.limits import (
-    FIELD_LIMITS,
-    MAX_ENDPOINT_CHARS,
-    MAX_ID_CHARS,
-    MAX_MODEL_CHARS,
-    MAX_SALT_CHARS,
+from kvindex.http.fields import (
+    BlockSize,
+    Body,
+    Count,
+    DpRank,
+    Endpoint,
+    Id,
+    Model,
+    Pods,
+    Salt,
 )
+from kvindex.limits import FIELD_LIMITS, MAX_MODEL_CHARS
 
 MSGPACK = "application/msgpack"
 MAX_PODS = 10_000
 MAX_DEPTH = 64  # arrays and objects in a body nest at most this deep (OpenAI bodies: under 10)
 
 T = TypeVar("T", bound="Body")
-Text = Annotated[str, msgspec.Meta(min_length=1)]  # a non-empty string
-Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]  # a pod, instance, group, LoRA
-Model = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
-Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SALT_CHARS)]
-Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENDPOINT_CHARS)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # (Dynamo's instance ids are i64 lease ids)
-BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]  # ranges of the engines' own (kvindex.events)
-DpRank = Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
-Pods = list[Id]
 _CONTAINERS = frozenset((dict, list))
 _SIGNED_ZERO = re.compile(rb"-0(?![.0-9eE])")
 
@@ -148,15 +144,6 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
 
 
 # -- the Structs -------------------------------------------------------------------------------
-class Body(msgspec.Struct, frozen=True):
-    """A request body's checked fields. ``bad``: the refusal per field, when not the default
-    ``"<field> must be a non-empty string"``; ``missing``: when not ``"<field> is required"``."""
-
-    bad: ClassVar[dict[str, str]] = {}
-    missing: ClassVar[dict[str, str]] = {}
-    reasons: ClassVar[tuple[str, str]] = ("missing_field", "bad_field")  # the metric's labels
-
-
 _PODS_BAD = "pods must be an array of pod ids (strings)"
 _INSTANCE = "instance_id must be a non-negative integer or a non-empty string"
 _RANK = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"
@@ -165,7 +152,7 @@ _RANK = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"
 class ScoreBody(Body, frozen=True):
     """``POST /v1/score`` (the rest of the body is the OpenAI request, ``token_ids`` optional)."""
 
-    bad = {"pods": _PODS_BAD}
+    bad: ClassVar[dict[str, str]] = {"pods": _PODS_BAD}
     model: Model
     pods: Pods | None = None
     lora_name: Any = None  # read (``optional_text``) only when the precise side is asked
@@ -179,16 +166,16 @@ class ModelBody(Body, frozen=True):
 
 
 class PodsBody(Body, frozen=True):
-    bad = {"pods": _PODS_BAD}
+    bad: ClassVar[dict[str, str]] = {"pods": _PODS_BAD}
     pods: Pods | None = None
 
 
 class RegisterBody(Body, frozen=True):
     """``POST /register`` (Dynamo's field names)."""
 
-    bad = {"instance_id": _INSTANCE, "block_size": f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}",
+    bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "block_size": f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}",
            "dp_rank": _RANK}
-    missing = {"instance_id": _INSTANCE}
+    missing: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE}
     instance_id: Count | Id
     model_name: Model
     endpoint: Endpoint
@@ -199,8 +186,8 @@ class RegisterBody(Body, frozen=True):
 
 
 class UnregisterBody(Body, frozen=True):
-    bad = {"instance_id": _INSTANCE, "dp_rank": _RANK}
-    missing = {"instance_id": _INSTANCE}
+    bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "dp_rank": _RANK}
+    missing: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE}
     instance_id: Count | Id
     model_name: Model
     routing_group: Id | None = None
@@ -230,10 +217,10 @@ _REQUEST = "request is required: the OpenAI body the router sent"
 class DecisionBody(Body, frozen=True):
     """One routing decision (``POST /v1/decisions``); ``request`` is the OpenAI body, rendered whole."""
 
-    bad = {"pod": _POD, "request": _REQUEST, "cached_tokens": "cached_tokens must be a non-negative integer",
+    bad: ClassVar[dict[str, str]] = {"pod": _POD, "request": _REQUEST, "cached_tokens": "cached_tokens must be a non-negative integer",
            "prompt_tokens": "prompt_tokens must be a non-negative integer"}
-    missing = {"pod": _POD, "request": _REQUEST}
-    reasons = ("bad_request", "bad_request")
+    missing: ClassVar[dict[str, str]] = {"pod": _POD, "request": _REQUEST}
+    reasons: ClassVar[tuple[str, str]] = ("bad_request", "bad_request")
     pod: Id
     request: dict[str, Any]
     cached_tokens: Count | None = None

@@ -2,7 +2,9 @@
 
 ``/register``, ``/unregister``, ``/workers``, ``/query``, ``/query_by_hash``, ``/dump``, ``/health``
 with the peer's field names and response shapes, JSON or msgpack (``application/msgpack``; the
-answer uses the request's encoding).
+answer uses the request's encoding). The same routes serve Mooncake's dialect of the RFC, told
+apart per request by ``kvindex.http.mooncake.speaks_mooncake`` (its shapes live there); both
+dialects' queries go through the same path, so their numbers agree.
 
 The registration rules live in ``kvindex.registrations`` (``EngineRegistry``); bodies are checked in
 ``kvindex.http.bodies``; the handlers here shape the peer's answers.
@@ -26,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from kvindex.answers import PreciseAnswer
+from kvindex.http import mooncake
 from kvindex.http.app import OPEN, WRITE, scope, services
 from kvindex.http.bodies import (
     QueryBody,
@@ -44,7 +47,10 @@ from kvindex.registrations import DEFAULT_GROUP
 
 @scope(WRITE)
 async def register(request: web.Request) -> web.Response:
-    args = parse(await read_body(request), RegisterBody)
+    body = await read_body(request, allow_msgpack=True)
+    if mooncake.speaks_mooncake(body):
+        return await mooncake_register(request, body)
+    args = parse(body, RegisterBody)
     iid = instance_id(args.instance_id)
     reg = await services(request).engines.register(
         iid, args.model_name, args.routing_group or DEFAULT_GROUP, args.block_size, args.dp_rank, args.endpoint,
@@ -53,9 +59,26 @@ async def register(request: web.Request) -> web.Response:
     return json_response({"status": "registered", "instance_id": iid, "dp_rank": reg.dp_rank}, status=201)
 
 
+async def mooncake_register(request: web.Request, body: dict[str, Any]) -> web.Response:
+    """Mooncake's ``/register``: 200 ``registered successfully``, also for a repeat of the same one."""
+    args = parse(body, mooncake.MooncakeRegister)
+    group, replay = mooncake.register_args(args)
+    iid, engines = instance_id(args.instance_id), services(request).engines
+    if not mooncake.same_registration(engines.registered(iid, args.dp_rank), args, group, replay):
+        await engines.register(iid, args.modelname, group, args.block_size, args.dp_rank, args.endpoint, replay)
+        services(request).metrics.known(iid, args.modelname)
+    return reply(request, mooncake.registered(iid))
+
+
 @scope(WRITE)
 async def unregister(request: web.Request) -> web.Response:
-    args = parse(await read_body(request), UnregisterBody)
+    body = await read_body(request, allow_msgpack=True)
+    if mooncake.speaks_mooncake(body):
+        moon = parse(body, mooncake.MooncakeUnregister)
+        iid, group = instance_id(moon.instance_id), mooncake.tenant(moon.tenant_id)
+        found = await services(request).engines.unregister(iid, moon.modelname, group, moon.dp_rank)
+        return reply(request, mooncake.unregistered(found, group))
+    args = parse(body, UnregisterBody)
     iid = instance_id(args.instance_id)
     found = await services(request).engines.unregister(iid, args.model_name, args.routing_group, args.dp_rank)
     return json_response({"status": "unregistered", "instance_id": iid, "listeners": len(found)})
@@ -110,19 +133,30 @@ async def query(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
     body = await read_body(request, allow_msgpack=True, go=False, u32_field="token_ids")
-    args = parse(body, QueryBody)
+    moon = parse(body, mooncake.MooncakeQuery) if mooncake.speaks_mooncake(body) else None
+    if moon is not None:  # Mooncake's fields, then the same path as Dynamo's
+        m = mooncake.query_args(moon, body)
+        args = QueryBody(model_name=m.model, routing_group=m.group, lora_name=m.lora_name, cache_salt=m.cache_salt)
+        body["token_ids"] = m.token_ids
+    else:
+        args = parse(body, QueryBody)
     model = args.model_name
     token_ids = svc.query.check_token_ids(body.get("token_ids"))
     pods = await svc.engines.candidates(model, args.routing_group)
+    if moon is not None:
+        pods = mooncake.only_instance(pods, moon)
     answer = await svc.query.precise(model, token_ids, pods, args.lora_name, args.cache_salt)
     svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
-    return reply(request, query_answer(answer))
+    return reply(request, mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer))
 
 
 async def query_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
-    args = parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody)
+    body = await read_body(request, allow_msgpack=True, go=False)
+    if mooncake.speaks_mooncake(body):
+        raise mooncake.refuse_by_hash(body)
+    args = parse(body, QueryByHashBody)
     hashes = block_hashes(args, svc.config.max_token_ids)
     model = args.model_name
     answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.engines.candidates(model, args.routing_group))
