@@ -1,6 +1,8 @@
 """Command line: ``kvindex serve | record | replay | demo``.
 
-Invariants: arguments become frozen config objects here, before the event loop starts, and bad
+Invariants: ``--log-level`` and ``--event-loop`` are accepted before or after the subcommand (the
+one after wins) and listed in every subcommand's help. Arguments become frozen config objects here,
+before the event loop starts, and bad
 ones (an unknown TOML key or table, an engine address ZeroMQ cannot use, a set but empty
 ``$KVINDEX_TOKEN``, ``--auth all`` without a token) end the program with exit code 2 and a
 one-line message (so does a store that cannot be reached at start); the token, from the file or
@@ -29,6 +31,7 @@ from kvindex.logs import one_line_logs
 from kvindex.storeurl import describe
 
 log = logging.getLogger("kvindex.cli")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
@@ -64,13 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvindex", description="KV-cache index for LLM inference fleets: what each "
                                 "engine replica really holds (from its KV events), what the router believes, and "
                                 "the drift between them.", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--log-level", default=os.environ.get("KVINDEX_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING (default INFO)")
-    p.add_argument("--event-loop", choices=loops.CHOICES, default=os.environ.get(loops.ENV, "auto"),
-                   help="event loop: uvloop (faster HTTP and ZeroMQ; the default when installed, as auto) or "
-                   "asyncio's own (also $KVINDEX_LOOP)")
+    add_common(p, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    add_common(common, defaults=False)  # the same options after the subcommand (kvindex serve --log-level debug)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("serve", help="run the daemon: subscribe to engines, serve the HTTP API",
+    s = sub.add_parser("serve", parents=[common], help="run the daemon: subscribe to engines, serve the HTTP API",
                        description="Run kvindex: subscribe to each engine's KV events over ZeroMQ, keep the precise "
                        "and approximate indexes, serve them over HTTP (native /v1 API and the Dynamo-indexer-compatible "
                        "/query, /register, ...).")
@@ -120,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 4194304); past it its new blocks are refused and counted "
                    "(kvindex_blocks_refused_total), it is unsynced (over_capacity) and one warning is logged")
 
-    r = sub.add_parser("record", help="record an engine's raw KV-event frames to a fixture file",
+    r = sub.add_parser("record", parents=[common], help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
                        "(one JSON line per message: {\"t\": seconds, \"frames\": [base64, ...]}).")
     r.add_argument("endpoint", help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--duration", type=float, help="stop after this many seconds")
     r.add_argument("--max-messages", type=int, help="stop after this many messages")
 
-    y = sub.add_parser("replay", help="act as a fake engine: publish a fixture's frames and answer replay requests",
+    y = sub.add_parser("replay", parents=[common], help="act as a fake engine: publish a fixture's frames and answer replay requests",
                        description="Publish the messages of FILE as an engine would (PUB socket) and answer "
                        "replay requests on --replay-endpoint the way vLLM does.")
     y.add_argument("file", type=Path, help="fixture file (events.jsonl format)")
@@ -137,10 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--connect", action="store_true", help="connect the PUB socket instead of binding it")
     y.add_argument("--replay-endpoint", help="ROUTER endpoint to bind for replay requests")
     y.add_argument("--speed", type=float, help="replay at this multiple of the recorded pace (default: as fast as possible)")
-    y.add_argument("--loop", action="store_true", help="start over at the end (seq keeps counting up)")
-    y.add_argument("--linger", type=float, default=1.0, help="seconds to wait for subscribers before and after (default 1)")
-    add_demo_parser(sub)
+    y.add_argument("--loop", action="store_true", help="start over at the end, forever: each round publishes the "
+                   "capture again with its seqs shifted past the previous round's, so seq keeps counting up (one "
+                   "continuing stream, no engine restart; the events repeat as recorded)")
+    y.add_argument("--linger", type=float, default=1.0, metavar="S", help="at most S seconds to wait for "
+                   "--subscribers before publishing (publishing starts as soon as they are subscribed; after S it "
+                   "starts anyway, with a warning), and after the last message at most S seconds of answering "
+                   "replay requests, ending early once every subscriber has disconnected (default 1)")
+    y.add_argument("--subscribers", type=int, default=1, metavar="N", help="subscribers to wait for before "
+                   "publishing (default 1; a PUB socket drops what is published before a subscriber joins)")
+    add_demo_parser(sub, common)
     return p
+
+
+def add_common(p: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--log-level and --event-loop, before or after the subcommand. After it (``defaults`` False)
+    an option left out does not override the one given before it (argparse.SUPPRESS)."""
+    level = os.environ.get("KVINDEX_LOG_LEVEL", "INFO") if defaults else argparse.SUPPRESS
+    event_loop = os.environ.get(loops.ENV, "auto") if defaults else argparse.SUPPRESS
+    p.add_argument("--log-level", default=level, type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                   help="log level: DEBUG, INFO, WARNING, ERROR (default INFO; also $KVINDEX_LOG_LEVEL)")
+    p.add_argument("--event-loop", choices=loops.CHOICES, default=event_loop,
+                   help="event loop: uvloop (faster HTTP and ZeroMQ; the default when installed, as auto) or "
+                   "asyncio's own (also $KVINDEX_LOOP)")
 
 
 DEMO_DESCRIPTION = """Run a whole fleet in one process, nothing else to install: N simulated vLLM engine
@@ -169,9 +190,9 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
-def add_demo_parser(sub: Any) -> None:
+def add_demo_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     """Register ``kvindex demo`` on the CLI's subparsers."""
-    d = sub.add_parser("demo", help="everything simulated in one process: engines, traffic, router, kvindex, dashboard",
+    d = sub.add_parser("demo", parents=[common], help="everything simulated in one process: engines, traffic, router, kvindex, dashboard",
                        description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--replicas", type=_positive(int), default=3, help="simulated engine replicas (default 3)")
     d.add_argument("--tenants", type=_positive(int), default=8, help="tenants, each with its own long system prompt (default 8)")
@@ -298,7 +319,7 @@ async def dispatch(args: argparse.Namespace) -> int:
 
         return await replay_main(args.file, args.publish, bind=not args.connect,
                                  replay_endpoint=args.replay_endpoint, speed=args.speed, loop=args.loop,
-                                 linger_seconds=args.linger)
+                                 linger_seconds=args.linger, subscribers=args.subscribers)
     if args.command == "demo":
         from kvindex.daemon import Daemon
         from kvindex.tools.demo import demo_main

@@ -156,6 +156,7 @@ class Config:
     idle_timeout: float = 30.0  # seconds an HTTP connection may go without a complete request header
     body_timeout: float = 30.0  # seconds a request body may take to arrive
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD  # past it a pod's stores are refused (kvindex.ingest.capacity)
+    engine_silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about ([server])
 
     def __post_init__(self) -> None:
         try:
@@ -183,6 +184,8 @@ class Config:
         if isinstance(self.replay_timeout, bool) or not isinstance(self.replay_timeout, (int, float)) \
                 or not 0 < self.replay_timeout <= 3600:
             raise ConfigError("replay_timeout must be a number of seconds, > 0 and at most 3600")
+        if type(self.engine_silent_seconds) not in (int, float) or not 0 < self.engine_silent_seconds < 1e6:
+            raise ConfigError("engine_silent_seconds must be a positive number of seconds")
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
         self._check_http()
@@ -230,6 +233,7 @@ class ServerTable(_Table, frozen=True):
     idle_timeout: float | UnsetType = UNSET
     body_timeout: float | UnsetType = UNSET
     max_blocks_per_pod: int | UnsetType = UNSET
+    engine_silent_seconds: float | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):

@@ -174,7 +174,8 @@ class Daemon:
         settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm,
                                   store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes,
                                   replay_max_bytes=config.replay_max_bytes,
-                                  max_blocks_per_pod=config.max_blocks_per_pod)
+                                  max_blocks_per_pod=config.max_blocks_per_pod,
+                                  silent_seconds=config.engine_silent_seconds)
         shards = Shards(config.workers, settings, self.ctx, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None
@@ -202,7 +203,8 @@ class Daemon:
         dialect = DIALECTS[engine.dialect]
         settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm,
                                 store_buffer=self.config.store_buffer, replay_max_bytes=self.config.replay_max_bytes,
-                                max_blocks_per_pod=self.config.max_blocks_per_pod)
+                                max_blocks_per_pod=self.config.max_blocks_per_pod,
+                                silent_seconds=self.config.engine_silent_seconds)
         return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)

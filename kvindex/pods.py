@@ -6,12 +6,16 @@ synced comes from the store's position (so every replica sharing a store reports
 joined with this replica's own state: its connection, and a resync it still owes (after the store
 was unreachable past the buffer bound, or lost). The store reads of a view are gathered, not
 awaited one by one. Removing a pod removes it from both stores and the drift sample (the engine
-lane, if any, keeps running and may add blocks again).
+lane, if any, keeps running and may add blocks again). A configured (or registered) engine that has
+not published yet is listed too, under its pod (else its endpoint), with ``connected`` and
+``last_event_age_seconds: null`` (never); once it publishes, its streams' rows replace it.
+``last_event_age_seconds`` is the seconds since this process last received a batch of the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,17 +44,18 @@ class PodDirectory:
     async def views(self) -> list[dict[str, Any]]:
         views: dict[str, dict[str, Any]] = {}
         streams = self._streams()
+        now = time.monotonic()
         for (key, lane, st), (synced, reason) in zip(streams, await self._positions(streams)):
-            failure = self._fleet.lane_task_failed(key)
             views[st.pod] = {
-                "pod": st.pod, "model": st.model, "endpoint": lane.engine.endpoint,
-                "replay_endpoint": lane.engine.replay, "topic": st.topic,
-                "connected": lane.state.connected_peers > 0 and failure is None,
-                "listener_error": failure,
+                **self._engine_view(key, lane), "model": st.model, "topic": st.topic, "pod": st.pod,
                 "last_seq": st.last_seq, "batches": st.batches, "gaps": st.gaps, "replays": st.replays,
                 "restarts": st.restarts, "synced": synced, "unsynced_reason": reason,
-                "last_event_age_seconds": None,
+                "last_event_age_seconds": None if st.last_event is None else round(max(0.0, now - st.last_event), 3),
             }
+        for key, lane in self._fleet.lanes().items():
+            if not lane.state.streams:  # configured, never published: listed, its age null (never)
+                view = self._engine_view(key, lane)
+                views.setdefault(view["pod"], view)
         for pod in set(await self._store.pods()) | set(await self._approx.pods()):
             views.setdefault(pod, {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True})
         pods = sorted(views)
@@ -60,6 +65,15 @@ class PodDirectory:
             views[pod]["blocks"] = held
             views[pod]["approx_entries"] = n
         return [views[p] for p in pods]
+
+    def _engine_view(self, key: str, lane: LaneView) -> dict[str, Any]:
+        """What a lane says of its engine before any stream: connected, and never an event."""
+        failure = self._fleet.lane_task_failed(key)
+        return {"pod": lane.engine.pod or lane.engine.endpoint, "model": lane.engine.model,
+                "endpoint": lane.engine.endpoint, "replay_endpoint": lane.engine.replay, "topic": None,
+                "connected": lane.state.connected_peers > 0 and failure is None, "listener_error": failure,
+                "last_seq": None, "batches": 0, "gaps": 0, "replays": 0, "restarts": 0, "synced": True,
+                "unsynced_reason": None, "last_event_age_seconds": None}
 
     async def readiness_problems(self) -> list[str]:
         problems = []

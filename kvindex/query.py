@@ -166,6 +166,12 @@ class QueryService:
             raise QueryError(f"tokenizer for {model!r} answered badly: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
 
+    @staticmethod
+    def no_precise_reason(model: str) -> str:
+        """Why a body without ``token_ids`` gets no precise answer (``token_ids_for`` gave None)."""
+        return (f"no tokenizer configured for model {model}: give token_ids, or set [models.\"{model}\"] "
+                "tokenizer (\"engine\" with tokenize_url, or \"llmd-sim\")")
+
     def check_token_ids(self, value: Any) -> array:
         """Token ids as a packed ``array("I")``; validated in C (no bools, floats, negatives).
         An ``array("I")`` (the body decoder's fast path) is already valid: only its length counts."""

@@ -50,6 +50,8 @@ class StreamView(Protocol):
     def needs_resync(self) -> str | None: ...  # why this replica owes the stream a resync
     @property
     def last_applied(self) -> float | None: ...
+    @property
+    def last_event(self) -> float | None: ...  # time.monotonic() of the last batch received; None: never
 
 
 class LaneStateView(Protocol):

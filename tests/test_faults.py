@@ -100,7 +100,7 @@ def test_sigkill_mid_stream_restart_equals_uninterrupted_run(tmp_path: Path) -> 
     ref = serve(ref_port, "--engine", spec)
     victim = serve(port, "--engine", spec, "--state-dir", str(state_dir), "--snapshot-seconds", "0.7",
                    log=tmp_path / "victim.log")
-    engine = replay(capture, pub, rep, "--speed", "1", "--linger", "1.5")
+    engine = replay(capture, pub, rep, "--speed", "1", "--linger", "1.5", "--subscribers", "2")
     try:
         for i in range(6):
             decide(ref_port, i), decide(port, i)

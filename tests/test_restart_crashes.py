@@ -55,7 +55,7 @@ def test_sigkill_at_random_moments_including_right_after_a_restart(tmp_path: Pat
     state_dir, log = tmp_path / "state", tmp_path / "victim.log"
     ref = serve(ref_port, "--engine", spec)
     victim = serve(port, "--engine", spec, "--state-dir", str(state_dir), "--snapshot-seconds", "0.3", log=log)
-    engine = replay(capture, pub, rep, "--speed", "1", "--linger", "3")
+    engine = replay(capture, pub, rep, "--speed", "1", "--linger", "3", "--subscribers", "2")
     moments: list[str] = []
     try:
         wait_until(lambda: (pods(port).get("sim-0") or {}).get("last_seq", 0) > 30, 15, "the stream to start")

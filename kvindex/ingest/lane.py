@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from time import monotonic
 from typing import Any
 
 import zmq
@@ -72,6 +73,7 @@ from kvindex.ingest.replay import Replay
 from kvindex.ingest.sequencer import NOT_THIS_LIFE, After, Live
 from kvindex.ingest.streams import MAX_TOPICS, LaneSettings, LaneState, Stream
 from kvindex.ingest.transport import Malformed, Subscriber
+from kvindex.ingest.watch import ConnectionWatch
 from kvindex.ingest.writer import StreamWriter
 from kvindex.logs import BurstLog
 from kvindex.metrics import Metrics
@@ -147,18 +149,19 @@ class EngineLane:
         await self.install_restored()
         await self._catch_up()
         sub = Subscriber(self._ctx, e.endpoint, bind=e.bind, rcvhwm=self._settings.rcvhwm)
-        monitor = asyncio.create_task(sub.watch_peers(lambda n: setattr(self.state, "connected_peers", n)),
-                                      name=f"monitor {e.endpoint}")
-        log.info("engine %s: %s %s (dialect %s, replay %s)", e.name, "bound" if e.bind else "connected to",
-                 e.endpoint, e.dialect, e.replay or "none")
+        watch = ConnectionWatch(e, self.state, self._settings.silent_seconds)  # logs: subscribing, connected
+        watch.starting()
+        tasks = (asyncio.create_task(sub.watch_peers(watch.peers), name=f"monitor {e.endpoint}"),
+                 asyncio.create_task(watch.warn_if_silent(), name=f"silence {e.endpoint}"))
         try:
             async for msg in sub.messages():
                 async with self._lock:
                     await self.handle(msg)
         finally:
-            monitor.cancel()
+            for task in tasks:
+                task.cancel()
             drainer = self._buffer.stop()
-            await asyncio.gather(monitor, *([drainer] if drainer else []), return_exceptions=True)
+            await asyncio.gather(*tasks, *([drainer] if drainer else []), return_exceptions=True)
             sub.close()
 
     async def handle(self, msg: Frame | Malformed) -> None:
@@ -176,6 +179,7 @@ class EngineLane:
                                    f"more than {MAX_TOPICS} topics on one publisher")
                 return
             stream = self.writer.stream(msg.topic)
+        stream.last_event = monotonic()
         if self._buffer.held or stream.needs_resync is not None:
             self._buffer.hold(stream, msg.seq, batch, msg.payload, self.key)
             return

@@ -87,6 +87,7 @@ class Stream:
     batches: int = 0  # batches this replica applied
     skipped: int = 0  # batches the store judged duplicate or stale
     last_applied: float | None = None  # wall clock
+    last_event: float | None = None  # time.monotonic() of the last batch received (/v1/pods' age)
     ranks: set[int] = field(default_factory=set)  # dp ranks this stream's batches carried
     replayed: dict[int, int] = field(default_factory=dict)  # seq -> CRC of batches a replay applied
                                                              # ahead of the live socket
@@ -167,6 +168,7 @@ class LaneSettings:
     rcvhwm: int = 1_000_000
     store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
+    silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about (ingest.watch)
 
 
 @dataclass(slots=True)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Sequence
 
 import msgspec
 
 from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
-from kvindex.events import DecodeError, Decoder, EventBatch, Frame
+from kvindex.events import BlockStored, DecodeError, Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.capacity import OVER_CAPACITY, PodCapacity
@@ -83,6 +84,8 @@ class StreamWriter:
         if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
+            if result.applied is not None and result.applied.block_size_mismatch:
+                await self._mismatch(st, events, result.applied.block_size_mismatch)
             st.handled(seq, zlib.crc32(payload))
             if await self._capacity.applied(st.pod, result.applied) and result.position.synced:
                 pos = result.position
@@ -119,8 +122,6 @@ class StreamWriter:
             self.reject(st.pod, reason, "skipped an event or field")
         if done is not None:
             st.counters.add(done)
-            if done.block_size_mismatch:
-                self.reject(st.pod, "block_size_mismatch", "block size differs from the model's")
         st.last_seq = seq
         st.batches += 1
         now = time.time()
@@ -128,6 +129,17 @@ class StreamWriter:
         st.counters.lag_seconds = max(0.0, now - batch.ts)
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
+
+    async def _mismatch(self, st: Stream, events: Sequence[object], n: int) -> None:
+        """BlockStored events whose block size is not the model's: counted, and a warning naming both."""
+        model_size = await self._store.block_size(st.model)
+        sizes = sorted({ev.block_size for ev in events if isinstance(ev, BlockStored) and ev.block_size != model_size})
+        self._metrics.decode_errors.labels(st.pod, "block_size_mismatch").inc()
+        self._burst.warning((st.pod, "block_size_mismatch"), "pod %s: %d BlockStored event(s) with block size %s, "
+                            "but model %s's block size is %s: their blocks are held as orphans (no prompt matches them) "
+                            "(set the engine's block_size or [models.\"%s\"] block_size to what the engine runs "
+                            "with): block_size_mismatch", st.pod, n, "/".join(map(str, sizes)) or "?", st.model,
+                            model_size, st.model)
 
     async def seed(self, st: Stream) -> Position | None:
         """The stream's stored position (and the model's block size into the store first)."""

@@ -72,6 +72,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
     max_message_bytes: int = 64 << 20
     replay_max_bytes: int = 128 << 20
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
+    silent_seconds: float = 10.0
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

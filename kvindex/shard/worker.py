@@ -97,7 +97,8 @@ class Worker:
                           store=self.store, metrics=self.metrics,
                           settings=LaneSettings(replay_timeout=s.replay_timeout, rcvhwm=s.rcvhwm,
                                                 store_buffer=s.store_buffer, replay_max_bytes=s.replay_max_bytes,
-                                                max_blocks_per_pod=s.max_blocks_per_pod),
+                                                max_blocks_per_pod=s.max_blocks_per_pod,
+                                                silent_seconds=s.silent_seconds),
                           burst=self._burst)
 
     # -- operations ----------------------------------------------------------------------------

@@ -14,8 +14,12 @@ Invariants:
   publisher is an XPUB socket (it sends exactly as a PUB does) so that it can tell:
   ``wait_subscribers(n)`` returns once ``n`` subscribers are subscribed (every subscription and
   every departed subscriber is counted, ``XPUB_VERBOSE``/``XPUB_VERBOSER``); what is published
-  after it returns reaches them. ``replay_main`` still waits ``linger_seconds`` (it cannot know how
-  many subscribers to expect).
+  after it returns reaches them. ``replay_main`` (``kvindex replay``) publishes once ``subscribers``
+  subscribers are subscribed, or after ``linger_seconds`` without them (warned: a PUB drops what
+  nobody receives); after the last message it keeps answering replay requests for up to
+  ``linger_seconds``, ending early once every subscriber has left. With ``loop`` each round after
+  the first is the capture again with every seq shifted to follow the previous round's last one
+  (one continuing stream: a subscriber sees no engine restart); the replay buffer keeps them all.
 - Every socket this module opens is closed with linger 0; a context is terminated by whoever
   created it. ``close()`` is idempotent and cancels and awaits the replay task it owns.
 """
@@ -113,10 +117,10 @@ class FakeEngine:
             self._task = asyncio.create_task(self._serve_replay(), name="fake-engine-replay")
         log.debug("fake engine up: pub=%s replay=%s", self.endpoint, self.replay_address)
 
-    async def wait_subscribers(self, n: int = 1, timeout: float = 10.0) -> None:
-        """Until exactly ``n`` subscribers are subscribed (an earlier one that left is waited out),
-        so that whatever is published next reaches all of them; ``TimeoutError`` naming the count
-        otherwise. Only one caller at a time."""
+    async def wait_subscribers(self, n: int = 1, timeout: float = 10.0, *, at_least: bool = False) -> None:
+        """Until exactly ``n`` subscribers are subscribed (an earlier one that left is waited out;
+        ``at_least``: ``n`` or more), so that whatever is published next reaches all of them;
+        ``TimeoutError`` naming the count otherwise. Only one caller at a time."""
         if self._pub is None:
             raise RuntimeError("FakeEngine.wait_subscribers() before start()")
         loop = asyncio.get_running_loop()
@@ -125,7 +129,7 @@ class FakeEngine:
             while await self._pub.poll(0):  # every note already there, then decide
                 note = await self._pub.recv()
                 self.subscribers += {b"\x01": 1, b"\x00": -1}.get(note[:1], 0)
-            if self.subscribers == n:
+            if self.subscribers == n or (at_least and self.subscribers > n):
                 return
             left = deadline - loop.time()
             if left <= 0 or not await self._pub.poll(left * 1000):
@@ -242,19 +246,52 @@ class FakeEngine:
 async def _replay_rounds(
     engine: FakeEngine, captured: list[Captured], speed: float | None, loop: bool
 ) -> None:
-    """Publish the capture once, or forever if ``loop`` (each round is a fresh engine 'restart')."""
+    """Publish the capture once, or forever if ``loop``: round ``r`` shifts every seq by ``r`` times
+    the capture's seq span, so seq keeps counting up across rounds."""
     if not captured:
         log.warning("capture is empty: nothing to publish")
         return
+    seqs = [s for s in (_seq_of(c.frames) for c in captured) if s is not None]
+    span = max(seqs) - min(seqs) + 1 if seqs else 0
     rounds = 0
     while True:
-        sent = await engine.run_capture(captured, speed)
+        sent = await engine.run_capture(shifted(captured, rounds * span) if rounds else captured, speed)
         rounds += 1
         log.info("round %d: published %d messages", rounds, sent)
         if not loop:
             return
-        engine.clear_buffer()
         await asyncio.sleep(0)  # with speed=None, let replay requests and signals through
+
+
+def shifted(captured: list[Captured], by: int) -> list[Captured]:
+    """``captured`` with every well-formed message's seq moved up by ``by`` (others as they are)."""
+    out = []
+    for c in captured:
+        seq = _seq_of(c.frames)
+        frames = c.frames if seq is None else (c.frames[0], ((seq + by) % (1 << 64)).to_bytes(8, "big"), c.frames[2])
+        out.append(Captured(c.t, tuple(frames)))
+    return out
+
+
+async def _await_subscribers(engine: FakeEngine, n: int, seconds: float) -> None:
+    try:
+        await engine.wait_subscribers(n, timeout=seconds, at_least=True)
+    except TimeoutError:
+        log.warning("%d of %d subscriber(s) after %g s: publishing anyway (a PUB drops what nobody receives)",
+                    engine.subscribers, n, seconds)
+
+
+async def _linger(engine: FakeEngine, seconds: float) -> None:
+    """Answer replay requests for up to ``seconds``, ending early once every subscriber has left
+    (with none ever subscribed: the whole ``seconds``, for a late one's replay request)."""
+    if engine.subscribers == 0:
+        await asyncio.sleep(seconds)
+        return
+    try:
+        await engine.wait_subscribers(0, timeout=seconds)
+        log.info("every subscriber left: done")
+    except TimeoutError:
+        pass
 
 
 async def replay_main(
@@ -266,12 +303,14 @@ async def replay_main(
     speed: float | None,
     loop: bool,
     linger_seconds: float = 1.0,
+    subscribers: int = 1,
 ) -> int:
     """Body of ``kvindex replay FILE --publish EP``: act as an engine publishing a capture.
 
-    Waits ``linger_seconds`` after opening sockets (slow joiners), publishes, then keeps answering
-    replay requests for ``linger_seconds``. Returns 0, 2 for an unreadable/malformed capture, 1 if
-    a socket cannot be opened.
+    Publishes once ``subscribers`` are subscribed (at most ``linger_seconds`` of waiting for them),
+    then keeps answering replay requests for up to ``linger_seconds``, ending early when every
+    subscriber has left. Returns 0, 2 for an unreadable/malformed capture, 1 if a socket cannot be
+    opened.
     """
     try:
         captured = load_capture(path)
@@ -286,9 +325,9 @@ async def replay_main(
             len(captured), path, engine.endpoint, "bind" if bind else "connect",
             engine.replay_address, speed,
         )
-        await asyncio.sleep(linger_seconds)
+        await _await_subscribers(engine, subscribers, linger_seconds)
         await _replay_rounds(engine, captured, speed, loop)
-        await asyncio.sleep(linger_seconds)
+        await _linger(engine, linger_seconds)
     except zmq.ZMQError as exc:
         log.error("cannot open %s: %s", publish, exc)
         return 1
