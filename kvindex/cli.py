@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "decides what a power loss can take: always (per record, slowest), interval (every second, the "
                    "default), never (the OS decides)")
     s.add_argument("--peer", metavar="URL", help="before serving, load the state of the running kvindex at URL "
-                   "(its GET /v1/state) so this replica starts warm; if it cannot be reached kvindex logs why and "
+                   "(its GET /v1/state), or the blocks of the Dynamo KV indexer at URL (its GET /dump), so this "
+                   "replica starts warm; if it cannot be reached kvindex logs why and "
                    "starts empty (or from --state-dir)")
 
     s.add_argument("--store", metavar="URL", help=STORE_HELP)

@@ -147,7 +147,7 @@ class Config:
     state_dir: Path | None = None  # snapshots + write-ahead log; None: state lives in memory only
     snapshot_seconds: float = 60.0
     fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
-    peer: str | None = None  # base URL of a running kvindex whose state is loaded before serving
+    peer: str | None = None  # base URL of a running kvindex (or Dynamo indexer) whose state is loaded before serving
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
     workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
@@ -190,7 +190,7 @@ class Config:
             raise ConfigError("snapshot_seconds must be > 0")
         self._check_http()
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
-            raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex")
+            raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex or Dynamo indexer")
 
     def _check_http(self) -> None:
         if type(self.max_connections) is not int or self.max_connections < 0:

@@ -115,14 +115,17 @@ class QueryService:
                              field=None, status=503, reason="store_resynchronising")
 
     async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
-                      lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer:
+                      lora_name: str | None = None, cache_salt: str | None = None,
+                      whole: bool = False) -> PreciseAnswer:
+        """``whole``: count the block holding the last token too (Dynamo's rule, its compatible API);
+        by default not (the engine never serves it from cache: its ``cached_tokens``)."""
         root = K.root_key(model, lora_name, cache_salt)
         for attempt in (0, 1):  # the model's block size moved on under the first (an engine restarted)
             bs = await self.store.block_size(model)  # the store unreachable says so first
             self.check_current(model)
             if bs is None:  # no engine has published a block of this model: nobody holds any
                 return PreciseAnswer(0, len(token_ids), (), {}, root)
-            keys = K.prompt_keys(root, token_ids[:cacheable_tokens(token_ids)], bs)
+            keys = K.prompt_keys(root, token_ids if whole else token_ids[:cacheable_tokens(token_ids)], bs)
             try:
                 return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model),
                                      root)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvindex import dynamo_dump
+from kvindex import keys as K
 from kvindex.answers import QueryError
 from kvindex.config import ConfigError, EngineConfig
 from kvindex.index.protocol import PreciseStore
@@ -174,18 +176,26 @@ class EngineRegistry:
         return sorted((set(await self._store.pods()) - elsewhere) | inside)
 
     async def dump(self) -> dict[str, Any]:
-        """Every held keyed block as a Dynamo-style stored event; ``tokens_hash`` carries kvindex's key."""
+        """Every held keyed block as Dynamo ``RouterEvent``s (``kvindex.dynamo_dump``)."""
         out: dict[str, Any] = {}
         store = self._store
-        for view in await self._pods.views():
-            pod, model = view["pod"], view.get("model") or "unknown"
-            group = f"{model}:{DEFAULT_GROUP}"
-            if group not in out:
-                out[group] = {"block_size": await store.block_size(model), "events": []}
-            entry = out[group]
+        lineage = getattr(store, "lineage", None)  # the in-memory store records it; others place nothing
+        rec = lineage() if lineage is not None else None
+        of = rec.lookup() if rec is not None else (lambda key: None)
+        models = {v["pod"]: v.get("model") for v in await self._pods.views()}
+        known = list(await store.block_sizes()) or ["unknown"]
+        for pod in sorted(set(models) | set(await store.pods())):
+            # a pod restored from a peer has no model yet: its blocks go where their roots say
+            candidates: list[str] = [str(models[pod])] if models.get(pod) else known
             for rank, blocks in (await store.engine_hashes(pod)).items():
-                stored = [{"block_hash": h, "tokens_hash": k} for h, k in blocks.items() if k is not None]
-                if stored:
-                    entry["events"].append({"worker_id": pod, "dp_rank": rank, "event": {
-                        "event_id": len(entry["events"]), "data": {"stored": {"parent_hash": None, "blocks": stored}}}})
+                for i, model in enumerate(candidates):
+                    group = f"{model}:{DEFAULT_GROUP}"
+                    if group not in out:
+                        out.update(dynamo_dump.dump_groups([(group, await store.block_size(model) or 0)]))
+                    entry = out[group]
+                    events, blocks = dynamo_dump.worker_events(pod, rank, blocks, K.root_key(model), of,
+                                                               len(entry["events"]))
+                    entry["events"] += events
+                    if i == len(candidates) - 1:
+                        entry["kvindex_unplaced"] += [[pod, rank, h, k] for h, k in blocks.items()]
         return out

@@ -119,8 +119,9 @@ def dump(port: int) -> dict[str, set[tuple[str, int, int, int]]]:
     """``/dump`` as sets of (pod, rank, engine hash, key) per model (event ids are positional)."""
     out: dict[str, set[tuple[str, int, int, int]]] = {}
     for name, entry in http(f"http://127.0.0.1:{port}/dump")[1].items():
-        out[name] = {(e["worker_id"], e["dp_rank"], b["block_hash"], b["tokens_hash"])
+        out[name] = {(e["pod"], e["event"]["dp_rank"], b["block_hash"], b["kvindex_key"])
                      for e in entry["events"] for b in e["event"]["data"]["stored"]["blocks"]}
+        out[name] |= {tuple(u) for u in entry.get("kvindex_unplaced", ())}
     return out
 
 

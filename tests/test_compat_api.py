@@ -117,7 +117,8 @@ async def test_compat_api_end_to_end(make_harness: Any, make_engine: Any, tmp_pa
         pos += 1
     await h.wait_seq(POD, 17)
 
-    # a block-aligned prompt: /query_by_hash of all its blocks counts the last one, /query does not
+    # a block-aligned prompt: the compatible endpoints count the block holding its last token (as
+    # Dynamo does); the native API does not (the engine never serves that block from cache)
     r = max(requests_in_order(), key=lambda r: r["cached_tokens"])
     status, q = await h.post("/query", {"token_ids": r["prompt_token_ids"], "model_name": MODEL})
     depth = q["instances"][POD]["longest_matched"] // BS
@@ -125,7 +126,14 @@ async def test_compat_api_end_to_end(make_harness: Any, make_engine: Any, tmp_pa
     aligned = r["prompt_token_ids"][: depth * BS]
     status, qa = await h.post("/query", {"token_ids": aligned, "model_name": MODEL})
     status, qh = await h.post("/query_by_hash", {"block_hashes": local_hashes(aligned, BS), "model_name": MODEL})
-    assert qa["scores"] == {POD: {"0": (depth - 1) * BS}} and qh["scores"] == {POD: {"0": depth * BS}}
+    assert qa["scores"] == qh["scores"] == {POD: {"0": depth * BS}}
+    assert qa["frequencies"] == [1] * depth
+    status, qt = await h.post("/query_tiered_by_hash", {"block_hashes": local_hashes(aligned, BS), "model_name": MODEL,
+                                                        "routing_group": "default"})
+    assert status == 200 and qt == {"block_size": BS, "tiered": {
+        "device": {"scores": [[{"worker_id": IID, "dp_rank": 0}, depth]], "frequencies": [1] * depth}, "lower_tier": []}}
+    status, s = await h.post("/v1/score", {"model": MODEL, "token_ids": aligned})
+    assert status == 200 and s["pods"][POD]["precise"]["tokens"] == (depth - 1) * BS
 
     # refusals
     status, err = await h.post("/query_by_hash", {"block_hashes": [1], "model_name": MODEL, "cache_salt": "s"})
@@ -158,11 +166,12 @@ async def test_compat_api_end_to_end(make_harness: Any, make_engine: Any, tmp_pa
     assert group["block_size"] == BS
     dumped: set[int] = set()
     for ev in group["events"]:
-        assert str(ev["worker_id"]) == POD and ev["dp_rank"] == 0
+        assert ev["worker_id"] == IID and ev["pod"] == POD and ev["event"]["dp_rank"] == 0
+        assert ev["storage_tier"] == "device" and ev["residency_domain"] == "worker"
         stored = ev["event"]["data"]["stored"]
-        assert set(stored) >= {"parent_hash", "blocks"}
+        assert set(stored) == {"parent_hash", "start_position", "blocks"}
         for b in stored["blocks"]:
-            assert set(b) == {"block_hash", "tokens_hash"} and isinstance(b["tokens_hash"], int)
+            assert set(b) == {"block_hash", "tokens_hash", "mm_extra_info", "kvindex_key"} and isinstance(b["tokens_hash"], int)
             dumped.add(b["block_hash"])
     assert dumped == held_hashes_at_end()
 

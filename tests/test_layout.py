@@ -42,7 +42,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     3: ("kvindex.index",),  # the index contracts and backends
     4: ("kvindex.ingest",),  # transport, lanes, fleet
     5: ("kvindex.answers", "kvindex.query", "kvindex.drift", "kvindex.decisions", "kvindex.pods",
-        "kvindex.registrations"),
+        "kvindex.registrations", "kvindex.dynamo_dump"),
     6: ("kvindex.persist",),
     7: ("kvindex.http", "kvindex.http.fields", "kvindex.http.mooncake"),  # (mooncake: the RFC's other dialect)
     8: ("kvindex.shard",),

@@ -109,7 +109,7 @@ def test_a_misbehaving_replay_holds_neither_the_loop_nor_memory(kind: str, tmp_p
 
 def _blocks(url: str, pod: str) -> list[dict[str, int]]:
     return [b for entry in http(url + "/dump")[1].values() for e in entry["events"]
-            if e["worker_id"] == pod for b in e["event"]["data"]["stored"]["blocks"]]
+            if e["pod"] == pod for b in e["event"]["data"]["stored"]["blocks"]]
 
 
 # -- the bounds, at the transport ------------------------------------------------------------------

@@ -14,9 +14,15 @@ Invariants:
   ``(instance_id, dp_rank)`` is unique; the first registration of a (model, routing_group) fixes
   its block size and a different one later is refused.
 - Counts in answers are matched tokens (blocks × block size); ``cpu`` and ``disk`` are cumulative
-  through the device tier. Like kvindex's native API, ``/query`` never counts the block holding
-  the prompt's last token (the engine never serves it from cache): the answer equals the engine's
-  ``cached_tokens``. ``frequencies[i]`` is how many workers hold the prefix's first i+1 blocks.
+  through the device tier. As Dynamo does, ``/query`` counts every full block of the prompt,
+  the one holding its last token included (kvindex's native API does not: it answers the
+  engine's ``cached_tokens``). ``frequencies[i]`` is how many workers hold the prefix's first
+  i+1 blocks.
+- ``/query_tiered_by_hash`` (Dynamo's selection service, ai-dynamo/dynamo#14570) answers in
+  blocks: ``{"block_size", "tiered": {"device": {"scores": [[{"worker_id", "dp_rank"}, blocks]],
+  "frequencies"}, "lower_tier": [["host_pinned"|"disk", {"hits": [[worker, blocks]]}]]}}``; a
+  lower tier's hits are the blocks it holds beyond the device match (cpu − gpu, disk − cpu).
+- ``/dump`` is Dynamo's (``kvindex.dynamo_dump``): numeric worker ids, one stored event per block.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from aiohttp import web
 
 from kvindex.answers import PreciseAnswer
 from kvindex.http import mooncake
+from kvindex.dynamo_dump import worker_number
 from kvindex.http.app import OPEN, WRITE, scope, services
 from kvindex.http.bodies import (
     QueryBody,
@@ -145,7 +152,7 @@ async def query(request: web.Request) -> web.Response:
     pods = await svc.engines.candidates(model, args.routing_group)
     if moon is not None:
         pods = mooncake.only_instance(pods, moon)
-    answer = await svc.query.precise(model, token_ids, pods, args.lora_name, args.cache_salt)
+    answer = await svc.query.precise(model, token_ids, pods, args.lora_name, args.cache_salt, whole=True)
     svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
     return reply(request, mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer))
 
@@ -162,6 +169,39 @@ async def query_by_hash(request: web.Request) -> web.Response:
     answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.engines.candidates(model, args.routing_group))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
     return reply(request, query_answer(answer))
+
+
+def tiered_answer(answer: PreciseAnswer) -> dict[str, Any]:
+    """Dynamo's ``TieredQueryResponse``: device scores and lower-tier extensions, in blocks."""
+    device: list[list[Any]] = []
+    host: list[list[Any]] = []
+    disk: list[list[Any]] = []
+    depths: list[int] = []
+    for pod, m in answer.matches.items():
+        wid = worker_number(pod)
+        for rank, n in m.dp.items():
+            depths.append(n)
+            if n:
+                device.append([{"worker_id": wid, "dp_rank": rank}, n])
+        worker = {"worker_id": wid, "dp_rank": min(m.dp) if m.dp else 0}
+        if m.cpu > m.gpu:
+            host.append([worker, m.cpu - m.gpu])
+        if m.disk > m.cpu:
+            disk.append([worker, m.disk - m.cpu])
+    lower = [[tier, {"hits": hits}] for tier, hits in (("host_pinned", host), ("disk", disk)) if hits]
+    return {"block_size": answer.block_size,
+            "tiered": {"device": {"scores": device, "frequencies": _frequencies(depths)}, "lower_tier": lower}}
+
+
+async def query_tiered_by_hash(request: web.Request) -> web.Response:
+    t0 = time.perf_counter()
+    svc = services(request)
+    args = parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody)
+    hashes = block_hashes(args, svc.config.max_token_ids)
+    model = args.model_name
+    answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.engines.candidates(model, args.routing_group))
+    svc.metrics.query_seconds.labels("/query_tiered_by_hash").observe(time.perf_counter() - t0)
+    return reply(request, tiered_answer(answer))
 
 
 @scope(WRITE)
@@ -184,5 +224,6 @@ def routes() -> list[web.RouteDef]:
         web.get("/workers", workers),
         web.post("/query", query),
         web.post("/query_by_hash", query_by_hash),
+        web.post("/query_tiered_by_hash", query_tiered_by_hash),
         web.get("/dump", dump),
     ]

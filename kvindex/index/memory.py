@@ -99,6 +99,10 @@ class MemoryPreciseStore:
     async def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]:
         return self.index.engine_hashes(pod)
 
+    def lineage(self) -> Any:
+        """Where each held key came from (``kvindex.index.lineage``), for ``/dump``; None if not kept."""
+        return getattr(self.index, "lineage", None)
+
     async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
                     model: str | None = None) -> dict[str, PodMatch]:
         return self.index.match(keys, pods)  # keys are global here: ``model`` is only a slot hint

@@ -3,8 +3,7 @@
 Job: ``PreciseIndex`` applies engine batches and answers prefix matches, fast and compact. Its
 rules (how a store or a removal changes the index, copies, orphans, tiers, AllBlocksCleared) are
 those of ``kvindex.index.reference.ReferenceIndex``, the readable oracle; tests hold the two equal
-(tests/test_native_apply.py, tests/test_precise_index.py, tests/test_store_contract.py). The index
-never sees bytes, and knows nothing about transport, seq numbers or HTTP.
+(tests/test_native_apply.py, tests/test_precise_index.py, tests/test_store_contract.py); never sees bytes.
 
 Invariants of the layout:
 - A *worker* is one (pod, dp_rank) and owns one bit (its slot). Per worker and medium a
@@ -36,6 +35,7 @@ from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import holders as H
 from kvindex.index import walk
 from kvindex.index.entries import Where, runs_by_table, table_sizes
+from kvindex.index.lineage import Lineage
 from kvindex.index.protocol import tier_of
 from kvindex.index.table import APPLY, ORPHAN, Table, Worker
 from kvindex.types import TIERS, Applied, Entry, EntryRow, PodMatch
@@ -59,6 +59,7 @@ class PreciseIndex:
         self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
         self._loaded_with: dict[tuple[str, int], dict[str, int]] = {}  # loaded worker, model not known yet -> sizes
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
+        self.lineage = Lineage(lambda: self._inv.tiers.values())  # each held key is in a tier's holder map
 
     # -- configuration (block sizes follow the engines' lives: reference.py) --------------------
     def set_block_size(self, model: str, block_size: int) -> int:
@@ -131,7 +132,8 @@ class PreciseIndex:
         parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
         if parent is None:
             return [], False
-        return K.prompt_keys(parent, ev.token_ids, bs, limit=len(ev.block_hashes)), False
+        locals_ = K.local_hashes(ev.token_ids, bs, limit=len(ev.block_hashes))  # kept for /dump: lineage.py
+        return self.lineage.add(parent, locals_, K.chain_keys(parent, locals_)), False
 
     def _store(self, w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(w, model, ev)

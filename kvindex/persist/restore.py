@@ -59,6 +59,7 @@ from kvindex.index.entries import table_sizes
 from kvindex.index.precise import PreciseIndex, entries_of
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
+from kvindex.persist.dynamo_peer import load_dynamo_dump
 from kvindex.persist.journal import LaneJournal, finished, journal_on
 from kvindex.persist.lock import StateDirLock
 from kvindex.persist.snapshot import State, StateError
@@ -211,10 +212,15 @@ class Recovery:
         return st
 
     async def _load_peer(self, url: str) -> State | None:
+        """A kvindex peer's ``/v1/state``; when it has none (404, or 405: a Dynamo indexer), its
+        ``/dump`` in Dynamo's shape (``kvindex.dynamo_dump``): the blocks only."""
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        base = url.rstrip("/")
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-                async with session.get(url.rstrip("/") + "/v1/state", headers=headers) as r:
+                async with session.get(base + "/v1/state", headers=headers) as r:
+                    if r.status in (404, 405):
+                        return await load_dynamo_dump(session, base, headers)
                     if r.status != 200:
                         raise StateError(f"answered HTTP {r.status}: {(await r.text())[:200]}")
                     data = await r.read()
@@ -237,6 +243,8 @@ class Recovery:
         for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
             self.index.load_entries(st.entries[i:i + LOAD_CHUNK], sizes=st.block_sizes)  # what their keys were made with
             await asyncio.sleep(0)
+        for parent, locals_, keys in st.lineage:  # a Dynamo peer's local hashes: our /dump places its blocks
+            self.index.lineage.add(parent, locals_, keys)
         try:
             self.approx.load_state(st.approx)
         except ValueError as exc:

@@ -57,6 +57,7 @@ class State:
     registrations: list[dict[str, Any]] = field(default_factory=list)
     wal_from: int = 0
     created: float = 0.0
+    lineage: list[Any] = field(default_factory=list)  # a Dynamo peer's (never saved): kvindex.dynamo_dump
 
 
 def stream_state(st: Any) -> dict[str, Any]:
