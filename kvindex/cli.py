@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-blocks-per-pod", type=int, metavar="N", help="blocks one pod may hold in the index "
                    "(default 4194304); past it its new blocks are refused and counted "
                    "(kvindex_blocks_refused_total), it is unsynced (over_capacity) and one warning is logged")
+    s.add_argument("--dynamo-dump", action="store_true", default=None,
+                   help="keep each stored block's Dynamo per-block hash (also [server] dynamo_dump), so that GET /dump "
+                   "is a tree Dynamo's indexer (--peers) and selection service (--indexer-peers) recover from. "
+                   "Memory store only; it costs ingest time and ~11 B per entry, so it is off by default")
 
     r = sub.add_parser("record", parents=[common], help="record an engine's raw KV-event frames to a fixture file",
                        description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
@@ -216,7 +220,8 @@ def load_config(args: argparse.Namespace) -> Config:
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
-                          max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod)
+                          max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod,
+                          dynamo_dump=args.dynamo_dump)
 
 
 def read_token(path: Path | None) -> str | None:

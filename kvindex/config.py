@@ -157,6 +157,7 @@ class Config:
     body_timeout: float = 30.0  # seconds a request body may take to arrive
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD  # past it a pod's stores are refused (kvindex.ingest.capacity)
     engine_silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about ([server])
+    dynamo_dump: bool = False  # keep what Dynamo's /dump needs, so its indexer can recover from kvindex
 
     def __post_init__(self) -> None:
         try:
@@ -169,6 +170,8 @@ class Config:
                     raise ConfigError(f"{what} cannot be used with --store {describe(self.store)}: the state lives "
                                       "in Redis, shared by every replica")
         self._check_workers()
+        if type(self.dynamo_dump) is not bool:
+            raise ConfigError("dynamo_dump must be true or false")
         if type(self.max_blocks_per_pod) is not int or not 1 <= self.max_blocks_per_pod < 1 << 40:
             raise ConfigError("max_blocks_per_pod must be a positive integer (blocks held per pod)")
         if type(self.store_buffer) is not int or self.store_buffer < 1:
@@ -234,6 +237,7 @@ class ServerTable(_Table, frozen=True):
     body_timeout: float | UnsetType = UNSET
     max_blocks_per_pod: int | UnsetType = UNSET
     engine_silent_seconds: float | UnsetType = UNSET
+    dynamo_dump: bool | UnsetType = UNSET
 
 
 class StateTable(_Table, frozen=True):
@@ -344,7 +348,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
                    workers: int | None = None, replay_timeout: float | None = None,
                    replay_max_bytes: int | None = None, auth: str | None = None,
                    max_connections: int | None = None,
-                   max_blocks_per_pod: int | None = None) -> Config:
+                   max_blocks_per_pod: int | None = None, dynamo_dump: bool | None = None) -> Config:
     extra = tuple(parse_engine_spec(s) for s in engines)
     return replace(
         cfg,
@@ -363,6 +367,7 @@ def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: 
         replay_max_bytes=replay_max_bytes if replay_max_bytes is not None else cfg.replay_max_bytes,
         max_connections=max_connections if max_connections is not None else cfg.max_connections,
         max_blocks_per_pod=max_blocks_per_pod if max_blocks_per_pod is not None else cfg.max_blocks_per_pod,
+        dynamo_dump=dynamo_dump if dynamo_dump is not None else cfg.dynamo_dump,
     )
 
 

@@ -156,7 +156,7 @@ class Daemon:
         """The stores of ``config.store`` (not opened yet), guarded unless in memory; True for memory."""
         self.stores = build_stores(config.store, config.approx,
                                    on_evict=lambda model: self.metrics.approx_evictions.labels(
-                                       self.metrics.models.label(model)).inc())
+                                       self.metrics.models.label(model)).inc(), lineage=config.dynamo_dump)
         self.guard = StoreGuard(self.stores, self.metrics, BurstLog(logging.getLogger("kvindex.store")))
         self.guard.on_lost = self._store_lost
         memory = is_memory(config.store)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import xxhash
@@ -115,3 +115,13 @@ else:
 
     def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
         return _c_prompt(root, _u32(token_ids), block_size, -1 if limit is None else limit)
+
+
+def recorded_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int,
+                  record: Callable[[int, list[int], list[int]], list[int]] | None) -> list[int]:
+    """``prompt_keys``; with ``record`` (a lineage's ``add``: ``--dynamo-dump``) through the blocks'
+    local hashes, handed to it with the keys (parent, locals, keys) -> the keys."""
+    if record is None:
+        return prompt_keys(root, token_ids, block_size, limit=limit)
+    locals_ = local_hashes(token_ids, block_size, limit=limit)
+    return record(root, locals_, chain_keys(root, locals_))

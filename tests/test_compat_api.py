@@ -59,7 +59,7 @@ async def register(h: Any, tmp_path: Path, make_engine: Any) -> Any:
 
 
 async def test_compat_api_end_to_end(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
-    h = await make_harness(Config())
+    h = await make_harness(Config(dynamo_dump=True))  # /dump as Dynamo reads it
     status, text = await h.get("/health")
     assert status == 200 and text == b"OK"
     assert await workers(h) == []

@@ -53,10 +53,10 @@ def refusal(text: str) -> str:
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, store, "
                              "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
-                             "engine_silent_seconds)"),
+                             "engine_silent_seconds, dynamo_dump)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, store, "
                                  "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
-                                 "engine_silent_seconds)"),
+                                 "engine_silent_seconds, dynamo_dump)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
      "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\nreplay_endpoint = "tcp://h:2"',
@@ -208,7 +208,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig))} == {
         "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers", "auth",
                    "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod",
-                   "engine_silent_seconds"},
+                   "engine_silent_seconds", "dynamo_dump"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
         "state": {"dir", "snapshot_seconds", "fsync", "peer"},

@@ -32,10 +32,10 @@ def requests() -> list[dict[str, Any]]:
     return json.loads((FIXTURES / "small" / "meta.json").read_text())["requests"]
 
 
-async def fed(make_harness: Any, make_engine: Any, tmp_path: Path, pod: str) -> Any:
+async def fed(make_harness: Any, make_engine: Any, tmp_path: Path, pod: str, dynamo_dump: bool = True) -> Any:
     """A daemon that ingested the whole ``small`` capture as pod ``pod``."""
     engine = await make_engine(ipc_endpoint(tmp_path, "e"))
-    h = await make_harness(Config(engines=(engine_config(engine, pod=pod),)))
+    h = await make_harness(Config(engines=(engine_config(engine, pod=pod),), dynamo_dump=dynamo_dump))
     await h.wait_connected()
     captured = load_capture(FIXTURES / "small" / "events.jsonl")
     for m in captured:
@@ -74,6 +74,18 @@ async def test_kvindex_dump_reads_back_to_its_keys(make_harness: Any, make_engin
     assert set(want) <= {b["tokens_hash"] for ev in group["events"] for b in ev["event"]["data"]["stored"]["blocks"]}
 
 
+async def test_without_dynamo_dump_the_dump_places_nothing_and_says_so(make_harness: Any, make_engine: Any,
+                                                                      tmp_path: Path) -> None:
+    """The default keeps no per-block hashes (ingest stays as fast as before): /dump is still
+    Dynamo's shape, every block listed in ``kvindex_unplaced`` with its key, none in the tree."""
+    h = await fed(make_harness, make_engine, tmp_path, "vllm-0", dynamo_dump=False)
+    assert h.daemon.index is not None and h.daemon.index.lineage is None
+    status, dump = await h.get("/dump")
+    assert status == 200 and is_dynamo_dump(dump)
+    group = dump[f"{MODEL}:default"]
+    assert group["events"] == [] and len(group["kvindex_unplaced"]) == 46
+
+
 async def dynamo_peer(dump: bytes) -> tuple[web.AppRunner, str]:
     """A peer that speaks as Dynamo's indexer: no /v1/state, its recorded /dump."""
     app = web.Application()
@@ -90,7 +102,7 @@ async def test_peer_recovers_from_a_dynamo_dump(make_harness: Any, make_engine: 
     live = await fed(make_harness, make_engine, tmp_path, "1")  # Dynamo's worker 1 ingested the same capture
     runner, url = await dynamo_peer(DYNAMO_DUMP.read_bytes())
     try:
-        h = await make_harness(Config(peer=url))
+        h = await make_harness(Config(peer=url, dynamo_dump=True))
         assert h.daemon.restored_from == "peer"  # start() returns once the restore is over
         agree = 0
         for r in requests():

@@ -418,8 +418,10 @@ async def run_flood(tmp_path: Path, *serve_args: str, expect_wait: bool) -> None
         view = await asyncio.to_thread(
             wait_until, lambda: (v := pod_view(client, "sim-0")) and v["synced"] and v["last_seq"] == 19 and v, 30,
             "the pod synced again at seq 19")
-        held = {b["block_hash"] for group in client.json("GET", "/dump")[1].values() for e in group["events"]
+        dumped = client.json("GET", "/dump")[1].values()  # placed in Dynamo's tree (--dynamo-dump) or not
+        held = {b["block_hash"] for group in dumped for e in group["events"]
                 if e["pod"] == "sim-0" for b in e["event"]["data"]["stored"]["blocks"]}
+        held |= {u[2] for group in dumped for u in group.get("kvindex_unplaced", ()) if u[0] == "sim-0"}
         assert held == set(truth.held())  # exactly the engine's blocks: the gap was filled, nothing lost
         assert view["replays"] >= 1 and view["gaps"] >= 1
     finally:

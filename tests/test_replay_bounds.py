@@ -99,7 +99,7 @@ def test_a_misbehaving_replay_holds_neither_the_loop_nor_memory(kind: str, tmp_p
         assert not bad["synced"] and bad["unsynced_reason"] in ("replay_too_large", "replay_timeout"), bad
         cut = {r: n for r, n in replays(url, "hostile").items() if r.startswith("replay_")}
         assert cut and sum(cut.values()) >= 2, cut
-        got = {e["block_hash"] for e in _blocks(url, "sim-0")}
+        got = _held(url, "sim-0")
         assert got == set(truth.held())
     finally:
         for p in (hostile, good, daemon):
@@ -107,9 +107,12 @@ def test_a_misbehaving_replay_holds_neither_the_loop_nor_memory(kind: str, tmp_p
                 stop(p)
 
 
-def _blocks(url: str, pod: str) -> list[dict[str, int]]:
-    return [b for entry in http(url + "/dump")[1].values() for e in entry["events"]
-            if e["pod"] == pod for b in e["event"]["data"]["stored"]["blocks"]]
+def _held(url: str, pod: str) -> set[int]:
+    """The engine hashes ``/dump`` lists for ``pod``: in Dynamo's tree (--dynamo-dump) or unplaced."""
+    groups = list(http(url + "/dump")[1].values())
+    return ({b["block_hash"] for g in groups for e in g["events"] if e["pod"] == pod
+             for b in e["event"]["data"]["stored"]["blocks"]}
+            | {u[2] for g in groups for u in g.get("kvindex_unplaced", ()) if u[0] == pod})
 
 
 # -- the bounds, at the transport ------------------------------------------------------------------

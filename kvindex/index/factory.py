@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
+from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import Stores
 from kvindex.settings import ApproxConfig
 from kvindex.storeurl import check_store_url, is_memory
@@ -23,11 +24,14 @@ SOCKET_TIMEOUT = 2.0  # seconds a Redis call may take before the store counts as
 CONNECT_TIMEOUT = 1.0
 
 
-def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str], None] | None) -> Stores:
-    """The stores for ``url``, not opened yet (no I/O)."""
+def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str], None] | None, *,
+                 lineage: bool = False) -> Stores:
+    """The stores for ``url``, not opened yet (no I/O); ``lineage``: the memory index keeps what
+    Dynamo's ``/dump`` needs (``--dynamo-dump``)."""
     check_store_url(url)
     if is_memory(url):
-        return Stores(url, MemoryPreciseStore(), MemoryApproxStore(ApproxIndex(approx_config, on_evict=on_evict)))
+        return Stores(url, MemoryPreciseStore(PreciseIndex(lineage=lineage)),
+                      MemoryApproxStore(ApproxIndex(approx_config, on_evict=on_evict)))
     from redis.asyncio import Redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry

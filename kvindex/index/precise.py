@@ -50,7 +50,7 @@ class PreciseIndex:
     ``native``: the C loops (``kvindex._apply``, the default when built) or None for the Python
     ones; either gives the same state (tests/test_native_apply.py)."""
 
-    def __init__(self, native: ModuleType | None = APPLY) -> None:
+    def __init__(self, native: ModuleType | None = APPLY, *, lineage: bool = False) -> None:
         self._native = native
         self._workers: dict[tuple[str, int], Worker] = {}
         self._slots: list[Worker | None] = []
@@ -59,7 +59,8 @@ class PreciseIndex:
         self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
         self._loaded_with: dict[tuple[str, int], dict[str, int]] = {}  # loaded worker, model not known yet -> sizes
         self._members: dict[int, list[tuple[str, int]]] = {}  # mask -> (pod, rank) per set bit
-        self.lineage = Lineage(lambda: self._inv.tiers.values())  # each held key is in a tier's holder map
+        self.lineage = Lineage(lambda: self._inv.tiers.values()) if lineage else None  # Dynamo's /dump: costs time
+        self._record = self.lineage.add if self.lineage is not None else None
 
     # -- configuration (block sizes follow the engines' lives: reference.py) --------------------
     def set_block_size(self, model: str, block_size: int) -> int:
@@ -132,8 +133,7 @@ class PreciseIndex:
         parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
         if parent is None:
             return [], False
-        locals_ = K.local_hashes(ev.token_ids, bs, limit=len(ev.block_hashes))  # kept for /dump: lineage.py
-        return self.lineage.add(parent, locals_, K.chain_keys(parent, locals_)), False
+        return K.recorded_keys(parent, ev.token_ids, bs, len(ev.block_hashes), self._record), False
 
     def _store(self, w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(w, model, ev)

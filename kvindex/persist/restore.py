@@ -243,8 +243,10 @@ class Recovery:
         for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
             self.index.load_entries(st.entries[i:i + LOAD_CHUNK], sizes=st.block_sizes)  # what their keys were made with
             await asyncio.sleep(0)
-        for parent, locals_, keys in st.lineage:  # a Dynamo peer's local hashes: our /dump places its blocks
-            self.index.lineage.add(parent, locals_, keys)
+        lineage = getattr(self.index, "lineage", None)  # kept with --dynamo-dump only
+        if lineage is not None:
+            for parent, locals_, keys in st.lineage:  # a Dynamo peer's local hashes: our /dump places its blocks
+                lineage.add(parent, locals_, keys)
         try:
             self.approx.load_state(st.approx)
         except ValueError as exc:

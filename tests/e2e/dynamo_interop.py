@@ -134,7 +134,7 @@ def start_dynamo(python: str, port: int, log: Path, *args: str) -> subprocess.Po
 
 
 def start_kvindex(port: int, log: Path, *args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvindex", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "kvindex", "serve", "--port", str(port), "--dynamo-dump", *args]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("ab"), env=os.environ.copy())
     wait(lambda: http(f"http://127.0.0.1:{port}/readyz", timeout=1)[0] in (200, 503), 30, "kvindex")
     wait(lambda: "loading" not in json.dumps(http(f"http://127.0.0.1:{port}/readyz")[1]), 60, "kvindex to load")
