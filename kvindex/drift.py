@@ -125,8 +125,9 @@ class DriftAudit:
             self._counts.popleft()
 
     def recorded(self, window: float) -> int:
-        """Decisions added in the last ``window`` seconds (at most ``window_seconds`` back), sampled
-        or not: the sample keeps ``sample_size`` of them, this count is not capped."""
+        """Decisions added in the last ``window`` seconds (at most ``window_seconds`` back; whole
+        seconds: the second the window starts in counts), sampled or not: the sample keeps
+        ``sample_size`` of them, this count is not capped."""
         since = self._clock() - min(window, self.settings.window_seconds)
         return sum(n for second, n in self._counts if second + 1 > since)
 
