@@ -209,6 +209,9 @@ def add_demo_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     d.add_argument("--host", default="127.0.0.1", help="kvindex HTTP bind address (default 127.0.0.1)")
     d.add_argument("--port", type=int, default=8080, help="kvindex HTTP port (default 8080; 0 picks a free one)")
     d.add_argument("--seed", type=int, default=0, help="traffic seed (default 0): the same seed sends the same requests")
+    d.add_argument("--bypass", type=float, default=0.1, help="share of requests (0..1) a second router sends to a "
+                   "random engine without telling kvindex, so engines hold prefixes the router never recorded there "
+                   "(the dashboard's \"unseen\"; default 0.1)")
     d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
     d.add_argument("--store", default="memory://", metavar="URL", help="where kvindex keeps its indexes: memory:// "
                    "(default) or a Redis URL (redis://host:port/db), as for kvindex serve")

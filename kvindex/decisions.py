@@ -55,6 +55,7 @@ class _Ready:
     prompt_tokens: int | None
     lora_name: str | None = None
     cache_salt: str | None = None
+    label: str = ""  # drift.Decision.label
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,8 @@ class Decisions:
             raise QueryError("nothing to record: the request has no prompt, messages or input", field="request")
         lora, salt = request.get("lora_name"), request.get("cache_salt")
         return _Ready(d.pod, model, token_ids, hashes, d.cached_tokens, d.prompt_tokens,
-                      lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None)
+                      lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None,
+                      prompt_label(request, salt if isinstance(salt, str) else None))
 
     async def _commit(self, r: _Ready) -> dict[str, Any]:
         q, pod = self._query, r.pod
@@ -145,7 +147,7 @@ class Decisions:
             block_size=precise.block_size if precise else 0, prompt_tokens=prompt_tokens,
             truth_tokens=precise.prompt_tokens if precise else 0,
             approx=approx.ratio(pod) if approx else 0.0, precise=precise.ratio(pod) if precise else None,
-            actual=actual)
+            actual=actual, label=r.label)
         if precise is not None and precise.block_size == 0 and r.token_ids is not None:
             decision.pending = (precise.root, array("I", r.token_ids[:cacheable_tokens(r.token_ids)]))
         if r.hashes:
@@ -163,6 +165,22 @@ class Decisions:
                       errors={"approx": _r(decision.approx_error), "precise": _r(decision.precise_error)}
                       if actual is not None else None)
         return answer
+
+
+LABEL_CHARS = 48  # of a prompt's text kept to name it (the dashboard's per-pod view)
+
+
+def prompt_label(request: dict[str, Any], cache_salt: str | None) -> str:
+    """A person's name for a prompt: its cache_salt (a tenant), else its first characters."""
+    if cache_salt:
+        return "cache_salt " + cache_salt[:LABEL_CHARS]
+    text = request.get("prompt")
+    if not isinstance(text, str):
+        messages = request.get("messages")
+        first = messages[0] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else {}
+        content = first.get("content")
+        text = content if isinstance(content, str) else ""
+    return text[:LABEL_CHARS]
 
 
 def _r(x: float | None) -> float | None:

@@ -13,6 +13,11 @@ Definitions (the README repeats them):
   the prefix is there but the engine evicted it. A pod Q is *unseen* for a sampled request R when
   ``h(R, Q) - b(R, Q) >= threshold``: Q's engine holds R's prefix but the router never recorded it
   for Q. ``threshold`` defaults to 0.5.
+- ``summary()["overall"]["decisions"]`` counts the sampled decisions of the window (at most
+  ``sample_size``); ``["recorded"]`` counts every decision added in it, sampled or not (per-second
+  counts, ``window_seconds`` back). ``prefixes(pod)`` groups the sampled prompts by their first
+  block and says how much of each the pod holds and is believed to hold now (the dashboard's
+  per-pod view).
 - The *belief half-life* of a pod is the Kaplan–Meier median of the time from a decision until
   it is first seen stale (decisions not yet stale are censored at their current age); ``None``
   until half of the decisions are expected to go stale.
@@ -57,6 +62,7 @@ class Decision:
     stale_now: bool = False
     pending: tuple[int, array] | None = None  # (key root, cacheable token ids) until keys exist
     truth_tokens: int = 0  # the prompt's token count, the denominator of the truth h (0: prompt_tokens)
+    label: str = ""  # what names the prompt to a person: its cache_salt, else its first characters
 
     @property
     def approx_error(self) -> float | None:
@@ -88,7 +94,8 @@ def decision_bytes(d: Decision) -> int:
     """What a sampled decision retains, an upper bound over its life (pending token ids become at
     most one u64 key each)."""
     pending = 8 * len(d.pending[1]) if d.pending is not None else 0
-    return 300 + str_bytes(d.pod) + str_bytes(d.model) + 8 * (len(d.hashes) + len(d.keys)) + pending
+    return (300 + str_bytes(d.pod) + str_bytes(d.model) + str_bytes(d.label) + 8 * (len(d.hashes) + len(d.keys))
+            + pending)
 
 
 class DriftAudit:
@@ -106,9 +113,27 @@ class DriftAudit:
         self.history: deque[Snapshot] = deque(maxlen=settings.history)
         self.rechecks = 0
         self._watchers: list[set[str]] = []  # pods forgotten during each running recheck_async
+        self._counts: deque[list[int]] = deque()  # [second, decisions added in it], window_seconds back
+
+    def _count(self, now: float) -> None:
+        second = int(now)
+        if self._counts and self._counts[-1][0] == second:
+            self._counts[-1][1] += 1
+        else:
+            self._counts.append([second, 1])
+        while self._counts and self._counts[0][0] < second - self.settings.window_seconds:
+            self._counts.popleft()
+
+    def recorded(self, window: float) -> int:
+        """Decisions added in the last ``window`` seconds (at most ``window_seconds`` back; whole
+        seconds: the second the window starts in counts), sampled or not: the sample keeps
+        ``sample_size`` of them, this count is not capped."""
+        since = self._clock() - min(window, self.settings.window_seconds)
+        return sum(n for second, n in self._counts if second + 1 > since)
 
     # -- decisions -----------------------------------------------------------------------------
     def add(self, decision: Decision) -> None:
+        self._count(self._clock())
         size = decision_bytes(decision)
         if size > self.max_bytes:
             return
@@ -272,9 +297,32 @@ class DriftAudit:
         for pod, s in self.pods.items():  # pods that are only unseen holders
             pods.setdefault(pod, self._pod_summary(pod, [], now))
         return {"window_seconds": window, "threshold": self.settings.threshold, "rechecks": self.rechecks,
+                "sample_size": self.settings.sample_size,
                 "overall": _aggregate(recent, now) | {"stale": sum(s.stale for s in self.pods.values()),
-                                                      "unseen": sum(s.unseen for s in self.pods.values())},
+                                                      "unseen": sum(s.unseen for s in self.pods.values()),
+                                                      "recorded": self.recorded(window)},
                 "pods": pods}
+
+    async def prefixes(self, pod: str, top: int = 10) -> list[dict[str, Any]]:
+        """What ``pod`` holds (precise) and is believed to hold (approximate) of the sampled
+        decisions' prompts now, grouped by the prompt's first block (a shared prefix: a tenant's
+        system prompt, a cache_salt); the ``top`` groups by tokens held. Reads both stores only."""
+        groups: dict[int, dict[str, Any]] = {}
+        for i, d in enumerate(list(self._sample)):
+            if i and i % RECHECK_SLICE == 0:
+                await asyncio.sleep(0)  # a large sample does not hold the event loop
+            held = (await self.truth(d, [pod])).get(pod, 0.0)
+            believed = (await self.belief(d, [pod])).get(pod, 0.0)
+            if not d.keys or (held <= 0 and believed <= 0):
+                continue
+            g = groups.setdefault(d.keys[0], {"prefix": f"{d.keys[0]:016x}", "label": d.label, "requests": 0,
+                                              "routed_here": 0, "tokens_held": 0, "held": 0.0, "believed": 0.0})
+            g["requests"] += 1
+            g["routed_here"] += d.pod == pod
+            g["tokens_held"] = max(g["tokens_held"], round(held * (d.truth_tokens or d.prompt_tokens or 0)))
+            g["held"] = max(g["held"], round(held, 6))
+            g["believed"] = max(g["believed"], round(believed, 6))
+        return sorted(groups.values(), key=lambda g: (-g["tokens_held"], -g["requests"], g["prefix"]))[:top]
 
     def _pod_summary(self, pod: str, ds: list[Decision], now: float) -> dict[str, Any]:
         s = self.pods.get(pod, PodDrift())

@@ -21,7 +21,11 @@ async def test_demo_in_process_records_decisions_and_engines_evict() -> None:
     report = await run_demo(DemoOptions(replicas=2, duration=6, port=0, rate=20, quiet=True, cache_blocks=128), Daemon,
                             out=lines.append)
     assert report.exit_code == 0
-    assert report.requests >= 60 and report.decisions == report.requests
+    assert report.requests >= 60 and report.decisions == report.requests - report.bypassed
+    assert 0 < report.bypassed < report.requests / 3, report  # the default 10 % go past the router
+    # what they leave in the engines, the router never recorded there: the dashboard's "unseen"
+    assert report.drift["overall"]["unseen"] > 0, report.drift["overall"]
+    assert report.drift["overall"]["recorded"] == report.decisions
     # kvindex's precise score (taken before routing) equals the engine's cached_tokens
     assert report.exact == report.decisions, (report.exact, report.decisions)
     assert sum(r["evicted"] for r in report.replicas.values()) > 0, report.replicas
@@ -60,10 +64,11 @@ def _env() -> dict[str, str]:
 
 
 def _check_final_summary(out: str) -> None:
-    m = re.search(r"kvindex demo finished: (\d+) requests in [\d.]+ s, (\d+) decisions recorded, (\d+) blocks evicted", out)
+    m = re.search(r"kvindex demo finished: (\d+) requests in [\d.]+ s \((\d+) past the router\), (\d+) decisions recorded, "
+                  r"(\d+) blocks evicted", out)
     assert m, out
-    requests, decisions, evicted = map(int, m.groups())
-    assert requests > 0 and decisions == requests, out
+    requests, bypassed, decisions, _evicted = map(int, m.groups())
+    assert requests > 0 and decisions == requests - bypassed, out
     rows = {r.group(1): int(r.group(2)) for r in re.finditer(r"^(sim-\d)\s+up\s+(\d+)", out, re.M)}
     assert set(rows) == {"sim-0", "sim-1"} and all(b > 0 for b in rows.values()), out
 

@@ -188,6 +188,13 @@ async def drift_history(request: web.Request) -> web.Response:
     return json_response({"points": [{"t": s.t, "pods": s.pods} for s in svc.drift.history]})
 
 
+async def drift_pod(request: web.Request) -> web.Response:
+    """Which prefixes (and cache_salt tenants) of the sampled prompts a pod holds and is believed to hold."""
+    svc = services(request)
+    pod = pod_from_path(request)
+    return json_response({"pod": pod, "prefixes": await svc.drift.prefixes(pod)})
+
+
 @scope(WRITE)
 async def state(request: web.Request) -> web.Response:
     """Everything kvindex holds, in the snapshot format (``kvindex/persist/snapshot.py``): what
@@ -214,5 +221,6 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/approx/explain", explain),
         web.get("/v1/drift", drift),
         web.get("/v1/drift/history", drift_history),
+        web.get("/v1/drift/pods/{pod:.+}", drift_pod),
         web.get("/v1/state", state),
     ]

@@ -1,12 +1,12 @@
 """``kvindex demo``: a whole fleet in one process — simulated engines, traffic, a router, kvindex.
 
 Parts, all in one event loop, all started and stopped by ``Demo``:
-- N ``Replica``s: a ``SimulatedCache`` (vLLM's prefix-cache semantics, block size 16) whose
-  admissions' events are encoded in vLLM's map dialect and published by a ``FakeEngine`` (PUB plus
-  a ROUTER replay endpoint) bound on ``tcp://127.0.0.1:<free port>``, topic ``kv@sim-<i>@<model>``,
-  seq counting from 0, one batch per admission that produced events.
+- N ``Replica``s (``kvindex.tools.demo_replica``): simulated vLLM engines publishing KV events;
 - a ``Workload`` (tenants with long shared system prompts, multi-turn chats, one-off prompts);
-- a ``Router`` that talks to kvindex over real HTTP, as a router sidecar would;
+- a ``Router`` that talks to kvindex over real HTTP, as a router sidecar would; a share
+  ``bypass`` of the requests goes past it to a random replica, as a second router that does not
+  report to kvindex would send them: what an engine holds then but the router never recorded
+  there is what the drift audit counts as *unseen*;
 - the kvindex ``Daemon``, subscribed to every replica (drift re-checked every 2 s).
 
 Routing rule (an approximate, Kthena-style router; the precise index is only observed):
@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import random
 import signal
 import sys
 import time
@@ -50,9 +51,8 @@ import zmq.asyncio
 
 from kvindex.config import Config, EngineConfig
 from kvindex.settings import DriftSettings
+from kvindex.tools.demo_replica import BLOCK_SIZE, Replica
 from kvindex.tools.demo_table import summary_table
-from kvindex.tools.engine_sim import Admission, SimulatedCache, encode_batch
-from kvindex.tools.fake_engine import FakeEngine
 from kvindex.tools.workload import Request, Workload
 
 
@@ -69,7 +69,6 @@ class Served(Protocol):
 
 log = logging.getLogger("kvindex.tools.demo")
 
-BLOCK_SIZE = 16
 LOAD_WEIGHT = 0.5
 LOAD_WINDOW = 10.0
 SUMMARY_EVERY = 2.0
@@ -89,6 +88,7 @@ class DemoOptions:
     quiet: bool = False
     model: str = "demo-model"
     store: str = "memory://"  # where kvindex keeps its indexes (--store)
+    bypass: float = 0.1  # share of requests a second router sends to a random pod without telling kvindex
 
 
 @dataclass(slots=True)
@@ -99,44 +99,12 @@ class DemoReport:
     url: str = ""
     requests: int = 0
     decisions: int = 0
+    bypassed: int = 0  # requests sent past the router (no decision): what makes "unseen" prefixes
     exact: int = 0  # requests whose score-time precise tokens equalled the engine's cached_tokens
     elapsed: float = 0.0
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> engine-side counters
     pods: list[dict[str, Any]] = field(default_factory=list)  # kvindex /v1/pods at the end
     drift: dict[str, Any] = field(default_factory=dict)  # kvindex /v1/drift at the end
-
-
-class Replica:
-    """One simulated engine: its block cache and its KV-event publisher."""
-
-    def __init__(self, i: int, model: str, cache_blocks: int, ctx: zmq.asyncio.Context) -> None:
-        self.pod = f"sim-{i}"
-        self.topic = f"kv@{self.pod}@{model}".encode()
-        self.cache = SimulatedCache(cache_blocks, BLOCK_SIZE)
-        self.engine = FakeEngine("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", context=ctx)
-        self.seq = 0
-        self.stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "stored": 0, "evicted": 0, "batches": 0,
-                      "held": 0}
-
-    def admit(self, token_ids: tuple[int, ...]) -> Admission:
-        """Prefill the prompt (the engine's answer carries ``cached_tokens``); events are held until ``publish``."""
-        adm = self.cache.admit(token_ids)
-        s = self.stats
-        s["requests"] += 1
-        s["prompt_tokens"] += adm.prompt_tokens
-        s["cached_tokens"] += adm.cached_tokens
-        for ev in adm.events:
-            s["evicted" if ev["type"] == "BlockRemoved" else "stored"] += len(ev.get("block_hashes", ()))
-        s["held"] = self.cache.physical_blocks()
-        return adm
-
-    async def publish(self, adm: Admission) -> None:
-        """Publish one admission's events as one vLLM batch (nothing when it produced none)."""
-        if adm.events:
-            payload = encode_batch(adm.events, time.time())
-            await self.engine.publish((self.topic, self.seq.to_bytes(8, "big"), payload))
-            self.seq += 1
-            self.stats["batches"] += 1
 
 
 class Router:
@@ -267,9 +235,16 @@ class Demo:
         o, loop = self.opts, asyncio.get_running_loop()
         workload = Workload(o.seed, tenants=o.tenants, system_tokens=1024, turn_tokens=(16, 128),
                             answer_tokens=(32, 192), max_turns=6, conversations_per_tenant=3)
-        next_t = loop.time()
+        next_t, second = loop.time(), random.Random(o.seed)
         while not self._stopping:
-            await self.router.handle(workload.next_request())
+            req = workload.next_request()
+            if second.random() < o.bypass:  # a second router (or a client sent straight to an engine)
+                await self._settled()
+                rep = self.replicas[second.choice(sorted(self.replicas))]
+                await rep.publish(rep.admit(req.token_ids))
+                self.report.bypassed += 1
+            else:
+                await self.router.handle(req)
             self.report.requests += 1
             next_t = max(next_t + 1.0 / o.rate, loop.time() - 1.0)  # catch up at most 1 s of backlog
             delay = next_t - loop.time()
@@ -334,8 +309,8 @@ class Demo:
             await r.read()
         await self._snapshot()
         rep = self.report
-        self.out(f"\nkvindex demo finished: {rep.requests} requests in {rep.elapsed:.1f} s, {rep.decisions} decisions "
-                 f"recorded, {sum(r['evicted'] for r in rep.replicas.values())} blocks evicted by the engines; kvindex's "
+        self.out(f"\nkvindex demo finished: {rep.requests} requests in {rep.elapsed:.1f} s ({rep.bypassed} past the "
+                 f"router), {rep.decisions} decisions recorded, {sum(r['evicted'] for r in rep.replicas.values())} blocks evicted by the engines; kvindex's "
                  f"precise score equalled the engine's cached_tokens for {rep.exact}/{rep.decisions}\n"
                  + summary_table(rep.pods, rep.drift, rep.replicas))
 
@@ -377,7 +352,7 @@ async def demo_main(args: argparse.Namespace, make_daemon: Callable[[Config], Se
     """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
     opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks or DEFAULT_CACHE_BLOCKS,
                        rate=args.rate, duration=args.duration, host=args.host, port=args.port, seed=args.seed,
-                       quiet=args.quiet, store=args.store)
+                       quiet=args.quiet, store=args.store, bypass=args.bypass)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kvindex").setLevel(logging.WARNING)  # keep the terminal for the table
     stop = asyncio.Event()

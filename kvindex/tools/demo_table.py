@@ -27,7 +27,7 @@ def summary_table(pods: list[dict[str, Any]], drift: dict[str, Any], replicas: d
                      f"{_fmt_rate(d.get('approx_hit_rate')):>6} {_fmt_rate(d.get('precise_hit_rate')):>7} "
                      f"{_fmt_rate(d.get('actual_hit_rate')):>6}")
     o = drift.get("overall", {})
-    lines.append(f"all: {o.get('decisions', 0)} decisions in the last {drift.get('window_seconds', 0):.0f} s; "
+    lines.append(f"all: {o.get('recorded', o.get('decisions', 0))} decisions in the last {drift.get('window_seconds', 0):.0f} s; "
                  f"hit rate approx {_fmt_rate(o.get('approx_hit_rate')).strip()} precise "
                  f"{_fmt_rate(o.get('precise_hit_rate')).strip()} actual {_fmt_rate(o.get('actual_hit_rate')).strip()}"
                  f"  (blocks = engine blocks kvindex holds; believed = router's entries; '!' = unsynced)")
