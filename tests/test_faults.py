@@ -323,7 +323,10 @@ def test_64_engines_connecting_and_disconnecting(tmp_path: Path) -> None:
             pass
         end = (0, open_fds(daemon.pid), rss_kib(daemon.pid))
         assert end[1] <= warm[1] + 8, f"fds grew: {samples} {fd_kinds(daemon.pid)} {errors(tmp_path / 'daemon.log')}"
-        assert end[2] - warm[2] < 8 * 1024, f"RSS grew: {samples}"
+        # a leak grows with every cycle; the allocator's warm-up levels off. So: the second half of
+        # the run grows little, and the whole run stays within a fixed bound.
+        mid = next(s for s in samples if s[0] >= samples[-1][0] / 2)
+        assert end[2] - mid[2] < 2 * 1024 and end[2] - warm[2] < 16 * 1024, f"RSS grew: {samples}"
         status, workers = http(url + "/workers")
         assert status == 200 and len(workers) == n
         assert http(url + "/healthz")[0] == 200
