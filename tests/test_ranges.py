@@ -51,6 +51,7 @@ async def test_the_last_seq_of_the_u64_range_survives_a_restart(make_harness: An
     assert held == set(cache.held())
     before = (h.stream("sim-0").synced, h.stream("sim-0").stored)  # history_lost: seqs 0.. never came
     await h.daemon.stop()
+    await engine.wait_subscribers(0)  # the first daemon's subscription gone: the next one is the second's
 
     h2 = await make_harness(config)
     await h2.wait_connected()
