@@ -34,9 +34,10 @@ from aiohttp import web
 from kvindex import native
 from kvindex.approx.gojson import NestingTooDeep, RenderError, go_json_loads
 from kvindex.decisions import MAX_BATCH, DecisionIn
-from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
+from kvindex.events import MAX_BLOCK_SIZE
 from kvindex.http.errors import ApiError
 from kvindex.http.fields import (
+    RANK_ERROR,
     BlockSize,
     Body,
     Count,
@@ -146,7 +147,6 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
 # -- the Structs -------------------------------------------------------------------------------
 _PODS_BAD = "pods must be an array of pod ids (strings)"
 _INSTANCE = "instance_id must be a non-negative integer or a non-empty string"
-_RANK = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"
 
 
 class ScoreBody(Body, frozen=True):
@@ -174,7 +174,7 @@ class RegisterBody(Body, frozen=True):
     """``POST /register`` (Dynamo's field names)."""
 
     bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "block_size": f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}",
-           "dp_rank": _RANK}
+           "dp_rank": RANK_ERROR}
     missing: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE}
     instance_id: Count | Id
     model_name: Model
@@ -186,7 +186,7 @@ class RegisterBody(Body, frozen=True):
 
 
 class UnregisterBody(Body, frozen=True):
-    bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "dp_rank": _RANK}
+    bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "dp_rank": RANK_ERROR}
     missing: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE}
     instance_id: Count | Id
     model_name: Model

@@ -28,6 +28,7 @@ Endpoint = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ENDPOINT_CHA
 Count = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # (Dynamo's instance ids are i64 lease ids)
 BlockSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_SIZE)]  # ranges of the engines' own (kvindex.events)
 DpRank = Annotated[int, msgspec.Meta(ge=0, le=MAX_DP_RANK)]
+RANK_ERROR = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"  # both dialects' refusal of a DpRank
 Pods = list[Id]
 # names a dialect may send empty for "not set" (Mooncake): the same lengths, no minimum
 BlankId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]

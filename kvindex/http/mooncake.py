@@ -45,9 +45,10 @@ from typing import Any, ClassVar, NamedTuple
 import msgspec
 
 from kvindex.answers import PreciseAnswer
-from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
+from kvindex.events import MAX_BLOCK_SIZE
 from kvindex.http.errors import ApiError
 from kvindex.http.fields import (
+    RANK_ERROR,
     BlankEndpoint,
     BlankId,
     BlankSalt,
@@ -66,7 +67,6 @@ MOONCAKE_FIELDS = frozenset({"modelname", "model", "type", "tenant_id", "hash_pr
                              "additionalsalt", "cache_group"})
 PUBLISHER_TYPES = ("vLLM",)
 HASH_STRATEGY, HASH_PROJECTION = "vllm_v1", "low64_be"  # vLLM's block hashes, as vLLM publishes them
-_RANK = f"dp_rank must be an integer from 0 to {MAX_DP_RANK}"
 _INSTANCE = "instance_id must be a non-empty string"
 _LOW7 = bytes(range(128))  # the high bytes of non-negative int32s
 _BLOCK = f"block_size must be an integer from 1 to {MAX_BLOCK_SIZE}"
@@ -89,7 +89,7 @@ class MooncakeRegister(Body, frozen=True):
     """``POST /register`` as Mooncake's proxy sends it."""
 
     bad: ClassVar[dict[str, str]] = {
-        "instance_id": _INSTANCE, "block_size": _BLOCK, "dp_rank": _RANK, "type": "type must be a string",
+        "instance_id": _INSTANCE, "block_size": _BLOCK, "dp_rank": RANK_ERROR, "type": "type must be a string",
         "hash_profile": "hash_profile must be an object of strings (strategy, algorithm, python_hash_seed, "
                         "index_projection)", "cache_group": "cache_group must be 0 or null",
         "additionalsalt": "additionalsalt must be a string"}
@@ -111,7 +111,7 @@ class MooncakeRegister(Body, frozen=True):
 class MooncakeUnregister(Body, frozen=True):
     """``POST /unregister``: ``(instance_id, tenant_id, dp_rank)``; older drafts add the model."""
 
-    bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "dp_rank": _RANK}
+    bad: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE, "dp_rank": RANK_ERROR}
     missing: ClassVar[dict[str, str]] = {"instance_id": _INSTANCE}
     instance_id: Id | Count
     dp_rank: DpRank
