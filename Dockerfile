@@ -1,9 +1,9 @@
 # kvindex: the daemon (and deploy/traffic.py, the compose deployment's router) in one small image.
-# Stage 1 compiles the native accelerators (setup.py: C, XXH3 inlined from libxxhash-dev's header);
+# Stage 1 compiles the native accelerators (setup.py: C only, XXH3 is kvindex's own kvindex/xxh3.h);
 # stage 2 installs that wheel without a compiler. KVINDEX_REQUIRE_NATIVE makes a failed build fail here.
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev \
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

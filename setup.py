@@ -1,10 +1,10 @@
 """Native accelerators: optional C extensions, each with a pure-Python twin that defines it.
 
-A machine without a C compiler (or without Debian's libxxhash-dev for ``_keys``) still installs
-kvindex: ``optional=True`` turns a failed build into a warning, and kvindex runs on the Python
+A C compiler is all they need: XXH3 is kvindex's own (``kvindex/xxh3.h``), no system library.
+A machine without one still installs kvindex: ``optional=True`` turns a failed build into a warning, and kvindex runs on the Python
 twins (``kvindex.native`` reports which is in use; ``KVINDEX_REQUIRE_NATIVE=1`` makes that an error).
 A skipped accelerator is never silent: after the build a warning block on stderr names each one
-not built, why (no compiler, no ``xxhash.h``, or the compiler's error) and the apt-get line that
+not built, why (no compiler, or the compiler's error) and the apt-get line that
 fixes it. (``pip install`` shows a build's output only with ``-v``; the block is also written to
 ``build/kvindex-native-warnings.txt`` and ``kvindex serve`` logs the same at start.)
 """
@@ -17,8 +17,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 FLAGS = ["-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
-XXHASH = ("kvindex._keys",)
-APT = "apt-get install -y gcc libc6-dev libxxhash-dev"
+APT = "apt-get install -y gcc libc6-dev"
 
 
 class LoudBuildExt(build_ext):
@@ -42,8 +41,6 @@ def reason(name, exc):
     cc = (os.environ.get("CC") or "cc").split()[0]
     if not shutil.which(cc) and (os.environ.get("CC") or not shutil.which("gcc")):
         return f"no C compiler ({cc} is not on PATH)"
-    if name in XXHASH and not any(os.path.exists(h) for h in ("/usr/include/xxhash.h", "/usr/local/include/xxhash.h")):
-        return "xxhash.h not found (Debian's libxxhash-dev)"
     return f"the compiler failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
 
 
@@ -66,7 +63,8 @@ def report(not_built):
 setup(
     cmdclass={"build_ext": LoudBuildExt},
     ext_modules=[
-        Extension("kvindex._keys", ["kvindex/_keys.c"], extra_compile_args=FLAGS, optional=True),
+        Extension("kvindex._keys", ["kvindex/_keys.c"], depends=["kvindex/xxh3.h"], extra_compile_args=FLAGS,
+                  optional=True),
         Extension("kvindex._jsontokens", ["kvindex/_jsontokens.c"], extra_compile_args=FLAGS, optional=True),
         Extension("kvindex._walk", ["kvindex/_walk.c"], extra_compile_args=FLAGS, optional=True),
         Extension("adapters._vllm", ["adapters/_vllm.c"], extra_compile_args=FLAGS, optional=True),

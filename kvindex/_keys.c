@@ -3,16 +3,16 @@
  * Same definitions as the Python twin (kvindex/keys.py is the reference; tests compare both):
  *   local_i = XXH3-64(tokens of block i as u32 little-endian, seed 1337)
  *   key_i   = XXH3-64(LE64(key_{i-1}) || LE64(local_i)), key_{-1} = root
- * Only full blocks have keys. Token ids arrive as a buffer of u32s (an array("I")); XXH3 comes
- * from the system's xxhash.h (Debian's libxxhash-dev), inlined: no runtime library.
+ * Only full blocks have keys. Token ids arrive as a buffer of u32s (an array("I")). XXH3-64 is
+ * kvindex's own (xxh3.h, from the published specification): a C compiler is all the build needs.
+ * xxh3_64() and xxh3_64_slices() expose it alone, for tests/test_xxh3.py and benchmarks/xxh3.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
+#include "xxh3.h"
 
 #define LOCAL_SEED 1337ULL
 
@@ -24,7 +24,7 @@ static uint64_t chain(uint64_t parent, uint64_t local) {
     unsigned char pair[16];
     put_le64(pair, parent);
     put_le64(pair + 8, local);
-    return XXH3_64bits(pair, sizeof pair);
+    return kx_xxh3_64(pair, sizeof pair, 0);
 }
 
 /* A u64 from a Python int (0 <= v < 2**64); sets an exception otherwise. */
@@ -89,7 +89,7 @@ static PyObject *per_block(PyObject *tokens, PyObject *bs_obj, Py_ssize_t limit,
     const unsigned char *data = view.buf;
     size_t width = (size_t)(4 * block_size); /* n > 0 only when 4 * block_size <= view.len */
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
-        uint64_t local = XXH3_64bits_withSeed(data + i * width, width, LOCAL_SEED);
+        uint64_t local = kx_xxh3_64(data + i * width, width, LOCAL_SEED);
         PyObject *h = PyLong_FromUnsignedLongLong(chained ? (key = chain(key, local)) : local);
         if (h == NULL) {
             Py_CLEAR(out);
@@ -157,10 +157,54 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(xxh3_64_doc,
+"xxh3_64(data, seed=0) -> int\n\n"
+"XXH3-64 of a bytes-like ``data`` with ``seed`` (0 <= seed < 2**64), as xxhash.xxh3_64_intdigest.");
+
+static PyObject *xxh3_64(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"data", "seed", NULL};
+    Py_buffer view;
+    PyObject *seed_obj = NULL;
+    uint64_t seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|O", names, &view, &seed_obj)) return NULL;
+    if (seed_obj != NULL && as_u64(seed_obj, &seed) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint64_t h = kx_xxh3_64(view.buf, (size_t)view.len, seed);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+PyDoc_STRVAR(xxh3_64_slices_doc,
+"xxh3_64_slices(data, width, seed=0) -> int\n\n"
+"The xor of XXH3-64 (with ``seed``) of each full ``width``-byte slice of ``data``: the hash alone,\n"
+"many times, without a Python int per hash (benchmarks/xxh3.py).");
+
+static PyObject *xxh3_64_slices(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *names[] = {"data", "width", "seed", NULL};
+    Py_buffer view;
+    Py_ssize_t width;
+    PyObject *seed_obj = NULL;
+    uint64_t seed = 0, folded = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*n|O", names, &view, &width, &seed_obj)) return NULL;
+    if ((seed_obj != NULL && as_u64(seed_obj, &seed) < 0) || width <= 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "width must be positive");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const unsigned char *data = view.buf;
+    for (Py_ssize_t at = 0; at <= view.len - width; at += width) folded ^= kx_xxh3_64(data + at, (size_t)width, seed);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(folded);
+}
+
 static PyMethodDef methods[] = {
     {"prompt_keys", prompt_keys, METH_VARARGS, prompt_keys_doc},
     {"local_hashes", local_hashes, METH_VARARGS, local_hashes_doc},
     {"chain_keys", chain_keys, METH_VARARGS, chain_keys_doc},
+    {"xxh3_64", (PyCFunction)(void (*)(void))xxh3_64, METH_VARARGS | METH_KEYWORDS, xxh3_64_doc},
+    {"xxh3_64_slices", (PyCFunction)(void (*)(void))xxh3_64_slices, METH_VARARGS | METH_KEYWORDS, xxh3_64_slices_doc},
     {NULL, NULL, 0, NULL},
 };
 

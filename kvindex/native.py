@@ -8,14 +8,14 @@ Invariants:
   ``kvindex._walk``        the prefix walk (``kvindex.index.walk.walk``);
   ``kvindex._apply``       the store, remove and rehash loops of ``kvindex.index.precise`` / ``.table``;
   ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``).
+- A C compiler is all the build needs (XXH3 is kvindex's own, ``kvindex/xxh3.h``).
 - ``load(name)`` (a module path) returns the compiled module, or None when it is not built (no C
-  compiler or no libxxhash-dev at install time) or ``KVINDEX_PURE_PYTHON=1`` is set.
+  compiler at install time) or ``KVINDEX_PURE_PYTHON=1`` is set.
   ``KVINDEX_REQUIRE_NATIVE=1`` turns a missing build into an ImportError (CI sets it: a silent
   fallback would hide a slow path).
 - Chosen once, at import of the module that uses it; nothing here changes afterwards.
-- ``status()`` names what is really missing (``fix()``): no C compiler, or only the xxHash header
-  (``_keys`` alone needs ``xxhash.h``), with the one Debian package line that brings it; it never
-  asks for a compiler that is installed.
+- ``status()`` names what is really missing (``fix()``): no C compiler, with the one Debian package
+  line that brings it; it never asks for a compiler that is installed (then the build log says why).
 """
 
 from __future__ import annotations
@@ -26,24 +26,17 @@ import shutil
 from types import ModuleType
 
 ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "kvindex._apply", "adapters._vllm")
-NEEDS_XXHASH = ("kvindex._keys",)  # built against Debian's libxxhash-dev (xxhash.h)
-HINT = "install a C compiler and libxxhash-dev (Debian), then pip install -e . again"
+HINT = "install a C compiler (Debian: apt-get install gcc libc6-dev), then pip install -e . again"
 COMPILERS = ("cc", "gcc", "clang")
-XXHASH_HEADERS = ("/usr/include/xxhash.h", "/usr/local/include/xxhash.h")
 REBUILD = "then pip install -e . again (or python setup.py build_ext --inplace)"
 
 
-def fix(missing: list[str], headers: tuple[str, ...] = XXHASH_HEADERS) -> str:
-    """What to install for the ``missing`` accelerators, from what this machine lacks."""
+def fix(missing: list[str]) -> str:
+    """What to do for the ``missing`` accelerators, from what this machine lacks."""
     compiler = os.environ.get("CC") or next((c for c in COMPILERS if shutil.which(c)), None)
     if compiler is None or not shutil.which(compiler.split()[0]):
-        return f"no C compiler found: apt-get install gcc libc6-dev libxxhash-dev, {REBUILD}"
-    header = any(os.path.exists(h) for h in headers)
-    if not header and set(missing) <= set(NEEDS_XXHASH):
-        return f"xxhash.h not found (C compiler {compiler} is installed): apt-get install libxxhash-dev, {REBUILD}"
-    if not header:
-        return f"xxhash.h not found: apt-get install libxxhash-dev, {REBUILD} (its build log says why the others failed)"
-    return f"{compiler} and xxhash.h are installed: {REBUILD}, and read its warnings for why the build failed"
+        return f"no C compiler found: apt-get install gcc libc6-dev, {REBUILD}"
+    return f"C compiler {compiler} is installed: {REBUILD}, and read its warnings for why the build failed"
 
 
 def pure_python() -> bool:

@@ -28,7 +28,7 @@ _ports = itertools.count(21000 + (os.getpid() % 200) * 100)
 
 def need_native(module: object, name: str) -> None:
     """A native accelerator's test needs it built. CI (``KVINDEX_REQUIRE_NATIVE=1``) fails when
-    it is not; elsewhere (no C compiler, no libxxhash-dev), or where ``KVINDEX_PURE_PYTHON=1`` asks
+    it is not; elsewhere (no C compiler), or where ``KVINDEX_PURE_PYTHON=1`` asks
     for the Python twins alone, the test is skipped, saying why: the Python twins it is compared
     with run either way."""
     if module is not None:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-APT_LINE = "apt-get install -y python3-venv gcc libc6-dev libxxhash-dev redis-server chromium fonts-dejavu-core"
+APT_LINE = "apt-get install -y python3-venv gcc libc6-dev redis-server chromium fonts-dejavu-core"
 
 
 def in_ci() -> bool:
