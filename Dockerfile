@@ -1,5 +1,5 @@
 # kvindex: the daemon (and deploy/traffic.py, the compose deployment's router) in one small image.
-# Stage 1 compiles the native accelerators (setup.py: C only, XXH3 is kvindex's own kvindex/xxh3.h);
+# Stage 1 compiles the native accelerators (setup.py: C only, XXH3 is kvindex's own kvindex/kx_xxh3.h);
 # stage 2 installs that wheel without a compiler. KVINDEX_REQUIRE_NATIVE makes a failed build fail here.
 FROM python:3.11-slim AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

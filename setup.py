@@ -1,6 +1,6 @@
 """Native accelerators: optional C extensions, each with a pure-Python twin that defines it.
 
-A C compiler is all they need: XXH3 is kvindex's own (``kvindex/xxh3.h``), no system library.
+A C compiler is all they need: XXH3 is kvindex's own (``kvindex/kx_xxh3.h``), no system library.
 A machine without one still installs kvindex: ``optional=True`` turns a failed build into a warning, and kvindex runs on the Python
 twins (``kvindex.native`` reports which is in use; ``KVINDEX_REQUIRE_NATIVE=1`` makes that an error).
 A skipped accelerator is never silent: after the build a warning block on stderr names each one
@@ -63,7 +63,7 @@ def report(not_built):
 setup(
     cmdclass={"build_ext": LoudBuildExt},
     ext_modules=[
-        Extension("kvindex._keys", ["kvindex/_keys.c"], depends=["kvindex/xxh3.h"], extra_compile_args=FLAGS,
+        Extension("kvindex._keys", ["kvindex/_keys.c"], depends=["kvindex/kx_xxh3.h"], extra_compile_args=FLAGS,
                   optional=True),
         Extension("kvindex._jsontokens", ["kvindex/_jsontokens.c"], extra_compile_args=FLAGS, optional=True),
         Extension("kvindex._walk", ["kvindex/_walk.c"], extra_compile_args=FLAGS, optional=True),

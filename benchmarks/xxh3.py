@@ -1,10 +1,10 @@
-"""kvindex's own XXH3-64 (kvindex/xxh3.h) against libxxhash's, measured in the same run.
+"""kvindex's own XXH3-64 (kvindex/kx_xxh3.h) against libxxhash's, measured in the same run.
 
   python benchmarks/xxh3.py [--repeat 15]
 
 Both sides are ``kvindex/_keys.c`` built the way setup.py builds it (setuptools' build_ext, the
 same compiler and flags) into a temporary directory: once as it is, and once beside a stand-in
-``xxh3.h`` that maps ``kx_xxh3_64`` onto libxxhash's ``XXH3_64bits_withSeed`` inlined from the
+``kx_xxh3.h`` that maps ``kx_xxh3_64`` onto libxxhash's ``XXH3_64bits_withSeed`` inlined from the
 system's ``xxhash.h`` (``XXH_INLINE_ALL``, as kvindex built it before; Debian's libxxhash-dev,
 needed by this baseline only: without it the baseline is skipped, saying so). Same C around the
 hash, so the ratio is the hash's. Figures, each the minimum over ``--repeat`` interleaved runs:
@@ -50,13 +50,13 @@ MIB = 1 << 20
 
 
 def build(workdir: Path, header: str | None, defines: tuple[tuple[str, str], ...] = ()) -> ModuleType:
-    """_keys.c in ``workdir``, beside kvindex/xxh3.h (``header`` None) or the given stand-in."""
+    """_keys.c in ``workdir``, beside kvindex/kx_xxh3.h (``header`` None) or the given stand-in."""
     workdir.mkdir()
     shutil.copy(ROOT / "kvindex" / "_keys.c", workdir / "_keys.c")
     if header is None:
-        shutil.copy(ROOT / "kvindex" / "xxh3.h", workdir / "xxh3.h")
+        shutil.copy(ROOT / "kvindex" / "kx_xxh3.h", workdir / "kx_xxh3.h")
     else:
-        (workdir / "xxh3.h").write_text(header)
+        (workdir / "kx_xxh3.h").write_text(header)
     ext = Extension("_keys", [str(workdir / "_keys.c")], extra_compile_args=["-O3"], define_macros=list(defines))
     cmd = Distribution({"ext_modules": [ext], "script_name": "xxh3.py"}).get_command_obj("build_ext")
     cmd.build_lib, cmd.build_temp = str(workdir / "lib"), str(workdir / "tmp")
@@ -124,7 +124,7 @@ def main() -> None:
             for name, (fn, unit, calls) in table.items():
                 t = best(fn, calls) / unit
                 times[side, name] = min(t, times.get((side, name), t))
-    print(f"XXH3-64: kvindex/xxh3.h vs libxxhash ({header or 'no xxhash.h: baseline skipped'}), "
+    print(f"XXH3-64: kvindex/kx_xxh3.h vs libxxhash ({header or 'no xxhash.h: baseline skipped'}), "
           f"min of {args.repeat} runs; python {sys.version.split()[0]}")
     for name in sides["kvindex"]:
         line = f"  {name:36s} kvindex {times['kvindex', name]:8.2f} (scalar loop {times['scalar', name]:8.2f})"

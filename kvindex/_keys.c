@@ -4,7 +4,7 @@
  *   local_i = XXH3-64(tokens of block i as u32 little-endian, seed 1337)
  *   key_i   = XXH3-64(LE64(key_{i-1}) || LE64(local_i)), key_{-1} = root
  * Only full blocks have keys. Token ids arrive as a buffer of u32s (an array("I")). XXH3-64 is
- * kvindex's own (xxh3.h, from the published specification): a C compiler is all the build needs.
+ * kvindex's own (kx_xxh3.h, from the published specification): a C compiler is all the build needs.
  * xxh3_64() and xxh3_64_slices() expose it alone, for tests/test_xxh3.py and benchmarks/xxh3.py.
  */
 #define PY_SSIZE_T_CLEAN
@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "xxh3.h"
+#include "kx_xxh3.h"
 
 #define LOCAL_SEED 1337ULL
 

@@ -8,7 +8,7 @@ Invariants:
   ``kvindex._walk``        the prefix walk (``kvindex.index.walk.walk``);
   ``kvindex._apply``       the store, remove and rehash loops of ``kvindex.index.precise`` / ``.table``;
   ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``).
-- A C compiler is all the build needs (XXH3 is kvindex's own, ``kvindex/xxh3.h``).
+- A C compiler is all the build needs (XXH3 is kvindex's own, ``kvindex/kx_xxh3.h``).
 - ``load(name)`` (a module path) returns the compiled module, or None when it is not built (no C
   compiler at install time) or ``KVINDEX_PURE_PYTHON=1`` is set.
   ``KVINDEX_REQUIRE_NATIVE=1`` turns a missing build into an ImportError (CI sets it: a silent

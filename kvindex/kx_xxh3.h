@@ -1,4 +1,4 @@
-/* kvindex/xxh3.h: kvindex's own XXH3-64 (with a seed), so the native build needs a C compiler only.
+/* kvindex/kx_xxh3.h: kvindex's own XXH3-64 (with a seed), so the native build needs a C compiler only.
  *
  * Written from the published specification (Yann Collet, "xxHash fast digest algorithm",
  * doc/xxhash_spec.md of the xxHash repository, section "XXH3 Algorithm Description"): its
