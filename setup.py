@@ -1,8 +1,9 @@
 """Native accelerators: optional C extensions, each with a pure-Python twin that defines it.
 
 A C compiler is all they need: XXH3 is kvindex's own (``kvindex/kx_xxh3.h``), no system library.
-A machine without one still installs kvindex: ``optional=True`` turns a failed build into a warning, and kvindex runs on the Python
-twins (``kvindex.native`` reports which is in use; ``KVINDEX_REQUIRE_NATIVE=1`` makes that an error).
+A machine without one still installs kvindex: ``optional=True`` turns a failed build into a
+warning, and kvindex runs on the Python twins (``kvindex.native`` reports which is in use;
+``KVINDEX_REQUIRE_NATIVE=1`` makes that an error).
 A skipped accelerator is never silent: after the build a warning block on stderr names each one
 not built, why (no compiler, or the compiler's error) and the apt-get line that
 fixes it. (``pip install`` shows a build's output only with ``-v``; the block is also written to
