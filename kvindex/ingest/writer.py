@@ -12,6 +12,9 @@ Invariants:
   (``kvindex.ingest.capacity``).
 - Garbage (``decode`` failing, a skipped event or field, a block size mismatch) is counted by
   reason in ``kvindex_decode_errors_total`` and logged at most once per burst.
+- ``on_lora`` (set by the daemon: ``kvindex.lora.LoraAdapters.learn_from_events``) hears the
+  ``lora_name``s of an APPLIED batch's BlockStored events with the stream's pod and model: a
+  ``lora_name`` on a stream of model M is an adapter of M.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -55,6 +58,7 @@ class StreamWriter:
         self.key = engine.name  # the lane's key in the fleet (the journal's records name it)
         self._capacity = PodCapacity(max_blocks_per_pod, store, metrics)
         self.journal: Journal | None = None
+        self.on_lora: Callable[[str, str, Iterable[str]], None] | None = None  # (pod, model, lora names)
         self._waiting: dict[str, str] = {}  # topic -> the reason its stream was marked unsynced while waiting
 
     def stream(self, topic: str) -> Stream:
@@ -129,6 +133,10 @@ class StreamWriter:
         st.counters.lag_seconds = max(0.0, now - batch.ts)
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
+        if self.on_lora is not None:
+            names = {ev.lora_name for ev in batch.events if type(ev) is BlockStored and ev.lora_name is not None}
+            if names:
+                self.on_lora(st.pod, st.model, names)
 
     async def _mismatch(self, st: Stream, events: Sequence[object], n: int) -> None:
         """BlockStored events whose block size is not the model's: counted, and a warning naming both."""
