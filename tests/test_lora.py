@@ -72,36 +72,53 @@ class EngineBlocks:
         return n
 
 
-async def replay_capture(make_harness: Any, make_engine: Any, tmp_path: Path, config: Config | None = None
-                         ) -> list[tuple[dict[str, Any], dict[tuple[str, str | None], tuple[int, int]]]]:
-    """Every request of the capture, in order, after the frames published before it was sent: per
-    identity (model, cache_salt) asked, (kvindex's /v1/score tokens, the independent depth)."""
-    captured: list[Captured] = load_capture(CAPTURE / "events.jsonl")
+class Replay:
+    """The capture's frames into a running daemon over real ZeroMQ, up to each request's t_sent,
+    and the same frames into ``EngineBlocks``."""
+
+    def __init__(self, h: Any, engine: Any) -> None:
+        self.h, self.engine, self.pos = h, engine, 0
+        self.captured: list[Captured] = load_capture(CAPTURE / "events.jsonl")
+        self.truth = EngineBlocks(32)
+
+    async def until(self, t: float) -> None:
+        while self.pos < len(self.captured) and self.captured[self.pos].t < t:
+            c = self.captured[self.pos]
+            await self.engine.publish(c.frames)
+            await self.h.wait_seq(POD, int.from_bytes(c.frames[1], "big"))
+            self.truth.apply(c.frames[2])
+            self.pos += 1
+
+
+async def start_replay(make_harness: Any, make_engine: Any, tmp_path: Path, config: Config | None = None) -> Replay:
     engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
     cfg = config or Config()
     h = await make_harness(Config(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
                                      "engines": (engine_config(engine),)}))
     await h.wait_connected()
-    truth, pos, out = EngineBlocks(32), 0, []
+    return Replay(h, engine)
+
+
+async def replay_capture(make_harness: Any, make_engine: Any, tmp_path: Path, config: Config | None = None
+                         ) -> tuple[Replay, list[tuple[dict[str, Any], dict[tuple[str, str | None], tuple[int, int]]]]]:
+    """Every request of the capture, in order, after the frames published before it was sent: per
+    identity (model, cache_salt) asked, (kvindex's /v1/score tokens, the independent depth)."""
+    rp = await start_replay(make_harness, make_engine, tmp_path, config)
+    out = []
     for r in requests():
-        while pos < len(captured) and captured[pos].t < r["t_sent"]:
-            c = captured[pos]
-            await engine.publish(c.frames)
-            await h.wait_seq(POD, int.from_bytes(c.frames[1], "big"))
-            truth.apply(c.frames[2])
-            pos += 1
+        await rp.until(r["t_sent"])
         salt = r.get("cache_salt")
         other = BASE if r["model"] == ADAPTER else ADAPTER
         asked = {}
         for model, s in {(r["model"], salt), (other, salt), (r["model"], None if salt else "salt-T2"),
                          (other, None if salt else "salt-T2")}:
-            status, answer = await h.post("/v1/score", score_body(r, model, s))
+            status, answer = await rp.h.post("/v1/score", score_body(r, model, s))
             assert status == 200, answer
             assert answer["prompt_tokens"] == r["prompt_tokens"]
             asked[(model, s)] = (answer["pods"][POD]["precise"]["tokens"],
-                                 truth.depth(r["prompt_token_ids"], ADAPTER if model == ADAPTER else None, s))
+                                 rp.truth.depth(r["prompt_token_ids"], ADAPTER if model == ADAPTER else None, s))
         out.append((r, asked))
-    return out
+    return rp, out
 
 
 def agreement(results: list[tuple[dict[str, Any], dict[tuple[str, str | None], tuple[int, int]]]]) -> int:
@@ -110,7 +127,7 @@ def agreement(results: list[tuple[dict[str, Any], dict[tuple[str, str | None], t
 
 async def test_lora_capture_every_request_as_the_router_sends_it(make_harness: Any, make_engine: Any,
                                                                  tmp_path: Path) -> None:
-    results = await replay_capture(make_harness, make_engine, tmp_path)
+    rp, results = await replay_capture(make_harness, make_engine, tmp_path)
     assert len(results) == 160
     hits = sum(r["cached_tokens"] > 0 for r, _ in results if r["model"] == ADAPTER)
     assert hits == 26  # the capture's adapter hits: each one was answered 0 before adapters were resolved
@@ -121,3 +138,145 @@ async def test_lora_capture_every_request_as_the_router_sends_it(make_harness: A
             assert tokens == independent, (r["i"], model, salt, tokens, independent)
     crossed = [(r, a) for r, a in results if any(t for (m, s), (t, _) in a.items() if (m, s) != (r["model"], r.get("cache_salt")))]
     assert crossed  # the other identities were asked where they do hold blocks, not only where nothing is held
+    status, listed = await rp.h.get("/v1/models")  # what kvindex learned, where an operator sees it
+    assert status == 200
+    assert listed["data"] == [{"id": BASE, "object": "model", "parent": None, "block_size": 32},
+                              {"id": ADAPTER, "object": "model", "parent": BASE, "source": "events", "learned_from": POD}]
+
+
+# -- the routes, the 400, the decisions -------------------------------------------------------
+async def replay_first(make_harness: Any, make_engine: Any, tmp_path: Path, n: int, config: Config | None = None
+                       ) -> tuple[Replay, list[dict[str, Any]]]:
+    """The frames up to the first request to the adapter that hits (all its events, learned)."""
+    rp = await start_replay(make_harness, make_engine, tmp_path, config)
+    reqs = requests()
+    hit = [r for r in reqs if r["model"] == ADAPTER and r["cached_tokens"] > 0 and not r.get("cache_salt")][n]
+    await rp.until(hit["t_sent"])
+    return rp, [hit]
+
+
+async def test_dynamo_and_mooncake_routes_resolve_the_adapter(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    rp, [r] = await replay_first(make_harness, make_engine, tmp_path, 0)
+    ids = r["prompt_token_ids"]
+    status, by_name = await rp.h.post("/query", {"model_name": ADAPTER, "token_ids": ids})
+    assert status == 200, by_name
+    status, explicit = await rp.h.post("/query", {"model_name": BASE, "lora_name": ADAPTER, "token_ids": ids})
+    status, base = await rp.h.post("/query", {"model_name": BASE, "token_ids": ids})
+    held = by_name["instances"][POD]["longest_matched"]
+    assert held == explicit["instances"][POD]["longest_matched"] >= r["cached_tokens"] > 0
+    assert base["instances"].get(POD, {}).get("longest_matched", 0) == rp.truth.depth(ids + [0], None, None)
+    status, moon = await rp.h.post("/query", {"model": ADAPTER, "block_size": 32, "token_ids": ids})
+    assert status == 200, moon
+    assert moon["instances"][POD]["longest_matched"] == held
+    from kvindex import keys as K
+    locals_ = K.local_hashes(ids, 32)
+    status, by_hash = await rp.h.post("/query_by_hash", {"model_name": ADAPTER, "block_hashes": locals_})
+    assert status == 200, by_hash
+    assert by_hash["instances"][POD]["longest_matched"] == held  # Dynamo's whole-prompt rule, as /query
+    status, tiered = await rp.h.post("/query_tiered_by_hash", {"model_name": ADAPTER, "block_hashes": locals_})
+    assert status == 200 and tiered["tiered"]["device"]["scores"][0][1] * 32 == held
+
+
+async def test_adapter_as_model_with_another_lora_name_is_a_400(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    rp, [r] = await replay_first(make_harness, make_engine, tmp_path, 0)
+    for path, body in (("/v1/score", {"model": ADAPTER, "lora_name": "other", "token_ids": r["prompt_token_ids"]}),
+                       ("/query", {"model_name": ADAPTER, "lora_name": "other", "token_ids": r["prompt_token_ids"]}),
+                       ("/query", {"model": ADAPTER, "lora_name": "other", "block_size": 32,
+                                   "token_ids": r["prompt_token_ids"]})):
+        status, answer = await rp.h.post(path, body)
+        assert status == 400, (path, answer)
+        assert answer["field"] == "lora_name" and "\n" not in answer["error"], answer
+        assert "LoRA adapter of 'tiny'" in answer["error"]
+    status, same = await rp.h.post("/v1/score", {**score_body(r, ADAPTER, None), "lora_name": ADAPTER})
+    assert status == 200 and same["pods"][POD]["precise"]["tokens"] == r["cached_tokens"]  # naming it twice: the same
+    status, explicit = await rp.h.post("/v1/score", {**score_body(r, BASE, None), "lora_name": ADAPTER})
+    assert status == 200 and explicit["pods"][POD]["precise"]["tokens"] == r["cached_tokens"]  # an explicit lora_name
+    status, metrics = await rp.h.get("/metrics")
+    assert b'reason="adapter_conflict"' in metrics
+
+
+async def test_a_decision_for_the_adapter_lines_up_both_sides(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    """The approximate side keeps the adapter's name as its seed (Kthena hashes the model it is
+    given); the precise side keys the adapter on its base; the drift sample re-checks both."""
+    rp, [r] = await replay_first(make_harness, make_engine, tmp_path, 0)
+    request = {"model": ADAPTER, "prompt": r["prompt"]} if "prompt" in r else {"model": ADAPTER, "messages": r["messages"]}
+    status, d = await rp.h.post("/v1/decisions", {"pod": POD, "request": request, "token_ids": r["prompt_token_ids"],
+                                                  "cached_tokens": r["cached_tokens"], "prompt_tokens": r["prompt_tokens"]})
+    assert status == 200, d
+    assert d["errors"]["precise"] == 0.0 and d["precise"]["tokens"] == r["cached_tokens"]
+    from kvindex.approx.hashing import hash_request
+    hashes = hash_request(rp.h.daemon.config.approx, ADAPTER, request)
+    status, explain = await rp.h.post("/v1/approx/explain", request)
+    assert explain["block_hashes"] == hashes  # the router's hashes: seeded with "tinylora"
+    assert explain["pods"][POD]["matched_blocks"] == len(hashes)  # the decision was recorded under that seed
+    status, drift = await rp.h.get("/v1/drift?recheck=1")
+    assert status == 200
+    [sampled] = rp.h.daemon.drift.decisions()
+    assert (sampled.model, sampled.precise_model) == (ADAPTER, BASE)
+    truth = await rp.h.daemon.drift.truth(sampled, [POD])
+    assert round(truth[POD] * r["prompt_tokens"]) >= r["cached_tokens"]  # the precise re-check finds the adapter's blocks
+
+
+# -- the sources, their precedence and bounds --------------------------------------------------
+async def test_config_declares_an_adapter_and_outranks_events(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    from kvindex.config import ModelConfig
+    cfg = Config(models={"declared": ModelConfig(base_model=BASE), ADAPTER: ModelConfig(base_model="tiny-other")})
+    rp, [r] = await replay_first(make_harness, make_engine, tmp_path, 0, cfg)
+    status, listed = await rp.h.get("/v1/models")
+    by_id = {m["id"]: m for m in listed["data"]}
+    assert by_id["declared"] == {"id": "declared", "object": "model", "parent": BASE, "source": "config",
+                                 "learned_from": '[models."declared"]'}
+    assert by_id[ADAPTER]["parent"] == "tiny-other" and by_id[ADAPTER]["source"] == "config"  # events did not replace it
+    status, metrics = await rp.h.get("/metrics")
+    assert b'kvindex_lora_adapters_refused_total{reason="conflict",source="events"}' in metrics
+    status, s = await rp.h.post("/v1/score", score_body(r, ADAPTER, None))
+    assert s["pods"][POD]["precise"]["tokens"] == 0  # keyed as the configured base says: no engine holds that
+    status, s = await rp.h.post("/v1/score", {**score_body(r, BASE, None), "lora_name": ADAPTER})
+    assert s["pods"][POD]["precise"]["tokens"] == r["cached_tokens"]  # an explicit lora_name still wins
+
+
+def test_config_base_model_is_validated() -> None:
+    import pytest
+
+    from kvindex.config import ConfigError, config_from_toml
+    ok = config_from_toml({"models": {ADAPTER: {"base_model": BASE}, BASE: {"block_size": 32}}})
+    assert ok.models[ADAPTER].base_model == BASE
+    assert config_from_toml({"models": {ADAPTER: {"base_model": "not-configured"}}})  # a base as written
+    for models, words in (({"a": {"base_model": "a"}}, "its own base"),
+                          ({"a": {"base_model": "b"}, "b": {"base_model": "a"}}, "itself an adapter"),
+                          ({"a": {"base_model": "b"}, "b": {"base_model": "c"}}, "itself an adapter"),
+                          ({"*": {"base_model": "b"}}, "default table"),
+                          ({"a": {"base_model": "b", "block_size": 16}}, "no block_size"),
+                          ({"a": {"base_model": "b", "models_url": "tcp://x:1"}}, "models_url"),
+                          ({"a": {"base_model": ""}}, "base_model")):
+        with pytest.raises(ConfigError, match=words):
+            config_from_toml({"models": models}, source="kvindex.toml")
+    with pytest.raises(ConfigError, match="serves model 'a'"):
+        config_from_toml({"models": {"a": {"base_model": "b"}}, "engines": [{"endpoint": "tcp://h:1", "model": "a"}]})
+
+
+def test_learned_adapters_are_bounded_and_ranked() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    registry = CollectorRegistry()
+    lora = LoraAdapters({"cfg": BASE}, Metrics(registry), max_learned=2)
+    lora.learn_from_events("p", BASE, ["a", "b", "c"])
+    assert lora.base_of("a") == lora.base_of("b") == BASE and lora.base_of("c") is None
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total", {"source": "events", "reason": "cap"}) == 1
+    lora.sync_engine("http://e", {"a": "tiny2"})  # the engine outranks events: replaced, still two learned
+    assert lora.base_of("a") == "tiny2"
+    lora.learn_from_events("p", BASE, ["a"])
+    assert lora.base_of("a") == "tiny2"  # events do not replace the engine's word
+    lora.sync_engine("http://e", {})  # unloaded: forgotten, its slot free again
+    assert lora.base_of("a") is None
+    lora.learn_from_events("p", BASE, ["c", BASE, "cfg"])
+    assert lora.base_of("c") == BASE  # the freed slot
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total", {"source": "events", "reason": "self"}) == 1
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total",
+                                     {"source": "events", "reason": "conflict"}) == 1  # "a" vs the engine; cfg: known
+    lora.learn_from_events("p", "cfg", ["d"])  # a base that is itself an adapter
+    assert lora.base_of("d") is None
+    assert lora.resolve("cfg", None) == (BASE, "cfg") and lora.resolve(BASE, "x") == (BASE, "x")
+    assert lora.resolve("unknown", None) == ("unknown", None)
