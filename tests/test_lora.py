@@ -7,6 +7,7 @@ hashed it with: its parent, its tokens and its ``extra_keys`` (the adapter name,
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from pathlib import Path
@@ -280,3 +281,127 @@ def test_learned_adapters_are_bounded_and_ranked() -> None:
     assert lora.base_of("d") is None
     assert lora.resolve("cfg", None) == (BASE, "cfg") and lora.resolve(BASE, "x") == (BASE, "x")
     assert lora.resolve("unknown", None) == ("unknown", None)
+
+
+class StandInEngine:
+    """An aiohttp server answering ``GET /v1/models`` as vLLM 0.32 does (``ModelList`` of
+    ``ModelCard``s: the base with ``parent`` null, each adapter with its base as ``parent``)."""
+
+    def __init__(self) -> None:
+        self.adapters: dict[str, str] = {ADAPTER: BASE}
+        self.status = 200
+        self.calls = 0
+
+    async def models(self, request: Any) -> Any:
+        from aiohttp import web
+        self.calls += 1
+        if self.status != 200:
+            return web.Response(status=self.status, text="engine error")
+        cards = [{"id": BASE, "object": "model", "created": 0, "owned_by": "vllm", "root": "/models/tiny",
+                  "parent": None, "max_model_len": 2048, "permission": [{"id": "modelperm-x", "object": "model_permission"}]}]
+        cards += [{"id": name, "object": "model", "created": 0, "owned_by": "vllm", "root": f"/loras/{name}",
+                   "parent": base, "max_model_len": None, "permission": []} for name, base in self.adapters.items()]
+        return web.json_response({"object": "list", "data": cards})
+
+
+async def serve(fake: StandInEngine) -> tuple[Any, str]:
+    from aiohttp import web
+    app = web.Application()
+    app.router.add_get("/v1/models", fake.models)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_engine_models_teach_adapters_before_any_event(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    from kvindex.config import ModelConfig
+    from tests.conftest import wait_for
+    fake = StandInEngine()
+    fake.adapters["unused"] = BASE
+    runner, url = await serve(fake)
+    try:
+        rp = await start_replay(make_harness, make_engine, tmp_path, Config(models={BASE: ModelConfig(models_url=url)}))
+        lora = rp.h.daemon.lora
+        await wait_for(lambda: lora.base_of("unused") == BASE, what="the engine's adapters learned")
+        status, listed = await rp.h.get("/v1/models")
+        assert {"id": ADAPTER, "object": "model", "parent": BASE, "source": "engine", "learned_from": url} in listed["data"]
+        for r in requests():  # the whole capture: the engine's word, then its events (which change nothing)
+            await rp.until(r["t_sent"])
+            status, s = await rp.h.post("/v1/score", score_body(r, r["model"], r.get("cache_salt")))
+            assert s["pods"][POD]["precise"]["tokens"] == r["cached_tokens"], r["i"]
+        assert [a["source"] for a in lora.views()] == ["engine", "engine"]  # events never replace the engine
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_failing_engine_is_retried_with_backoff_and_logged_once(caplog: Any) -> None:
+    import logging
+
+    import aiohttp
+    from prometheus_client import CollectorRegistry
+
+    from adapters.engine_models import ModelsPoller
+    from kvindex.config import ModelConfig
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    from tests.conftest import wait_for
+    fake = StandInEngine()
+    fake.status = 500
+    runner, url = await serve(fake)
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.known(None, BASE)
+    lora = LoraAdapters({}, metrics)
+    caplog.set_level(logging.INFO, logger="kvindex.lora")
+    session = aiohttp.ClientSession()
+    poller = ModelsPoller(url, BASE, lora, metrics, session, every=0.05, retry=0.001)
+    task = asyncio.create_task(poller.run())
+    try:
+        await wait_for(lambda: poller.failures >= 4, what="four failed polls")
+        assert lora.base_of(ADAPTER) is None and not task.done()  # never fatal
+        warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "HTTP 500" in warnings[0].getMessage()
+        assert registry.get_sample_value("kvindex_lora_models_poll_failures_total", {"model": BASE}) >= 4
+        fake.status = 200
+        await wait_for(lambda: lora.base_of(ADAPTER) == BASE, what="learned once the engine answers")
+        assert any("answers again" in rec.getMessage() for rec in caplog.records)
+        fake.adapters.clear()  # the adapter unloaded (vLLM's /v1/unload_lora_adapter): forgotten
+        await wait_for(lambda: lora.base_of(ADAPTER) is None, what="the unloaded adapter forgotten")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await session.close()
+        await runner.cleanup()
+    assert ModelConfig(tokenizer="engine", tokenize_url=url).adapters_url == url  # the tokenizing engine, by default
+    assert ModelConfig(tokenizer="engine", tokenize_url=url, models_url="").adapters_url is None
+
+
+async def test_a_closed_port_and_garbage_answers_are_counted_never_fatal() -> None:
+    import aiohttp
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    from adapters.engine_models import ModelsPoller, PollFailed, listed_adapters
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    lora = LoraAdapters({}, Metrics(CollectorRegistry()))
+    async with aiohttp.ClientSession() as session:
+        import pytest
+        with pytest.raises(PollFailed):
+            await ModelsPoller("http://127.0.0.1:9", BASE, lora, Metrics(CollectorRegistry()), session).poll_once()
+        app = web.Application()
+        app.router.add_get("/v1/models", lambda request: web.Response(text="not json"))
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            with pytest.raises(PollFailed, match="not JSON"):
+                await ModelsPoller(f"http://127.0.0.1:{runner.addresses[0][1]}", BASE, lora, Metrics(CollectorRegistry()),
+                                   session).poll_once()
+        finally:
+            await runner.cleanup()
+    with pytest.raises(PollFailed):
+        listed_adapters([1, 2])
+    assert listed_adapters({"data": [{"id": "a", "parent": "b"}, {"id": 3, "parent": "b"}, "x", {"id": "c"}]}) == {"a": "b"}
