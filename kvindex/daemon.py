@@ -131,6 +131,8 @@ class Daemon:
         self.lora = LoraAdapters(checked_adapters({m: mc.base_model for m, mc in config.models.items()}), self.metrics)
         self.lora_pollers = EnginePollers({mc.adapters_url: m for m, mc in config.models.items() if mc.adapters_url},
                                           self.lora, self.metrics)  # each engine's /v1/models: its adapters
+        if self.shards is not None:  # the workers' lanes report their events' lora_names every WATCH_SECONDS
+            self.shards.on_lora = self.lora.learn_from_events
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
                                   behind=self._behind, adapters=self.lora)
         self.registrations = Registrations()

@@ -14,9 +14,10 @@ Invariants:
   an equal or higher one says (that is a ``conflict``, refused and counted).
 - Learned entries (engine, events) are bounded: at most ``max_learned``; one more is refused and
   counted (``cap``). Configured ones are not counted against it (the file is finite).
-- Every refusal is counted in ``kvindex_lora_adapters_refused_total{source, reason}`` and every
-  entry learned in ``kvindex_lora_adapters_learned_total{source}``; nothing here raises on input
-  from an engine.
+- Every refused (adapter, base, source) is counted once in
+  ``kvindex_lora_adapters_refused_total{source, reason}`` (events name it in batch after batch;
+  past ``max_learned`` distinct refusals, each one is counted), every entry learned in
+  ``kvindex_lora_adapters_learned_total{source}``; nothing here raises on input from an engine.
 - No I/O here: the poller of ``/v1/models`` is ``adapters.engine_models``.
 """
 
@@ -84,6 +85,7 @@ class LoraAdapters:
         self._max_learned = max_learned
         self._by_name: dict[str, Adapter] = {}
         self._learned = 0
+        self._refused: set[tuple[str, str, str]] = set()  # counted already
         for name, base in configured.items():  # checked by kvindex.config: no self, no chains
             self._by_name[name] = Adapter(name, base, CONFIG, f'[models."{name}"]')
 
@@ -114,8 +116,10 @@ class LoraAdapters:
             return True  # known already, as well or better
         reason = self._refusal(name, base, source, have)
         if reason is not None:
-            if self._metrics is not None:
+            if (name, base, source) not in self._refused and self._metrics is not None:
                 self._metrics.lora_refused.labels(source, reason).inc()
+            if len(self._refused) < self._max_learned:
+                self._refused.add((name, base, source))
             return False
         if have is None:
             self._learned += 1

@@ -405,3 +405,40 @@ async def test_a_closed_port_and_garbage_answers_are_counted_never_fatal() -> No
     with pytest.raises(PollFailed):
         listed_adapters([1, 2])
     assert listed_adapters({"data": [{"id": "a", "parent": "b"}, {"id": 3, "parent": "b"}, "x", {"id": "c"}]}) == {"a": "b"}
+
+
+async def test_a_sharded_daemon_learns_adapters_from_its_workers_events(make_engine: Any, tmp_path: Path) -> None:
+    """``kvindex serve --workers 2``: the lanes live in the workers; what their events name reaches
+    the parent (which answers the queries) with the lane status."""
+    import aiohttp
+
+    from tests.test_shards import pod_seqs, serve_sharded
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
+    captured = load_capture(CAPTURE / "events.jsonl")
+    r = [r for r in requests() if r["model"] == ADAPTER and r["cached_tokens"] > 0][0]
+    async with aiohttp.ClientSession() as session:
+        served = await serve_sharded([engine], session)
+        try:
+            await engine.wait_subscribers(1, 10)
+            sent = [c for c in captured if c.t < r["t_sent"]]
+            for c in sent:
+                await engine.publish(c.frames)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while (await pod_seqs(served)).get("e0") != int.from_bytes(sent[-1].frames[1], "big"):
+                assert loop.time() < deadline
+                await asyncio.sleep(0.02)
+            while True:
+                status, listed = await served.request("GET", "/v1/models")
+                if any(m["id"] == ADAPTER for m in listed["data"]):
+                    break
+                assert loop.time() < deadline, listed
+                await asyncio.sleep(0.05)
+            assert {"id": ADAPTER, "object": "model", "parent": BASE, "source": "events", "learned_from": "e0"} \
+                in listed["data"]
+            status, s = await served.request("POST", "/v1/score", {**score_body(r, ADAPTER, None), "pods": ["e0"]})
+            assert status == 200 and s["pods"]["e0"]["precise"]["tokens"] == r["cached_tokens"] > 0, s
+        finally:
+            if served.proc.returncode is None:
+                served.proc.kill()
+            await served.proc.wait()

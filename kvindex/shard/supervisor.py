@@ -86,6 +86,7 @@ class Shards:
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
         self.lane_status: dict[str, LaneStatus] = {}  # lane key -> the worker's last report
+        self.on_lora: Callable[[str, str, Iterable[str]], None] | None = None  # what the lanes' events named
 
     async def start(self) -> None:
         for chan in self.channels:
@@ -137,6 +138,9 @@ class Shards:
         for part in answers:
             if isinstance(part, dict):
                 self.lane_status.update(part)
+                for status in part.values():
+                    for pod, model, name in status.lora if self.on_lora is not None else ():
+                        self.on_lora(pod, model, (name,))
 
     async def ask_all(self, req: ch.Request[R]) -> list[R | BaseException]:
         """``req`` to every worker; a worker that cannot answer gives its ``StoreUnavailable``."""
