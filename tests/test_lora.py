@@ -28,10 +28,15 @@ def requests() -> list[dict[str, Any]]:
     return sorted(json.loads((CAPTURE / "meta.json").read_text())["requests"], key=lambda r: r["t_sent"])
 
 
-def score_body(r: dict[str, Any], model: str, cache_salt: str | None) -> dict[str, Any]:
-    """The /v1/score body a router sends for request ``r`` as ``model`` (the one body builder: once
-    kvindex tokenizes by itself, the prompt text replaces ``token_ids`` here)."""
-    body: dict[str, Any] = {"model": model, "token_ids": r["prompt_token_ids"], "pods": [POD]}
+def score_body(r: dict[str, Any], model: str, cache_salt: str | None, text: bool = False) -> dict[str, Any]:
+    """The /v1/score body a router sends for request ``r`` as ``model`` (the one body builder):
+    the engine's ``prompt_token_ids``, or with ``text`` the OpenAI body alone (prompt or messages),
+    which kvindex's tokenizer for the model turns into tokens."""
+    if text:
+        body: dict[str, Any] = {"model": model, "pods": [POD],
+                                **({"prompt": r["prompt"]} if "prompt" in r else {"messages": r["messages"]})}
+    else:
+        body = {"model": model, "token_ids": r["prompt_token_ids"], "pods": [POD]}
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     return body
@@ -100,11 +105,13 @@ async def start_replay(make_harness: Any, make_engine: Any, tmp_path: Path, conf
     return Replay(h, engine)
 
 
-async def replay_capture(make_harness: Any, make_engine: Any, tmp_path: Path, config: Config | None = None
-                         ) -> tuple[Replay, list[tuple[dict[str, Any], dict[tuple[str, str | None], tuple[int, int]]]]]:
+async def replay_capture(make_harness: Any, make_engine: Any, tmp_path: Path, config: Config | None = None,
+                         text: bool = False) -> tuple[Replay, list[tuple[dict[str, Any], dict[tuple[str, str | None], tuple[int, int]]]]]:
     """Every request of the capture, in order, after the frames published before it was sent: per
     identity (model, cache_salt) asked, (kvindex's /v1/score tokens, the independent depth)."""
     rp = await start_replay(make_harness, make_engine, tmp_path, config)
+    from tests.conftest import wait_for
+    await wait_for(lambda: all(p.polls or p.failures for p in rp.h.daemon.lora_pollers.pollers), what="first polls")
     out = []
     for r in requests():
         await rp.until(r["t_sent"])
@@ -113,7 +120,7 @@ async def replay_capture(make_harness: Any, make_engine: Any, tmp_path: Path, co
         asked = {}
         for model, s in {(r["model"], salt), (other, salt), (r["model"], None if salt else "salt-T2"),
                          (other, None if salt else "salt-T2")}:
-            status, answer = await rp.h.post("/v1/score", score_body(r, model, s))
+            status, answer = await rp.h.post("/v1/score", score_body(r, model, s, text))
             assert status == 200, answer
             assert answer["prompt_tokens"] == r["prompt_tokens"]
             asked[(model, s)] = (answer["pods"][POD]["precise"]["tokens"],
@@ -442,3 +449,40 @@ async def test_a_sharded_daemon_learns_adapters_from_its_workers_events(make_eng
             if served.proc.returncode is None:
                 served.proc.kill()
             await served.proc.wait()
+
+
+async def test_lora_capture_from_the_openai_bodies_alone(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    """The same capture through /v1/score with the router's OpenAI body and no ``token_ids``: the
+    adapter is tokenized with its base model's tokenizer (here ``tokenizer = "engine"``, a stand-in
+    engine whose ``/tokenize`` answers what the engine's own answered: the recorded
+    ``prompt_token_ids``, equal per the capture's ``tokenize_ids_equal_prompt_token_ids``; its
+    ``/v1/models``, polled at the ``tokenize_url`` by default, names the adapter before its first
+    block, so the first adapter request, a miss, is tokenized too)."""
+    from aiohttp import web
+
+    from kvindex.config import ModelConfig
+    ids = {json.dumps(r.get("prompt", r.get("messages")), sort_keys=True): r["prompt_token_ids"] for r in requests()}
+    assert all(r["tokenize_ids_equal_prompt_token_ids"] for r in requests())
+    asked: list[str] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        asked.append(body["model"])
+        tokens = ids[json.dumps(body.get("prompt", body.get("messages")), sort_keys=True)]
+        return web.json_response({"count": len(tokens), "tokens": tokens, "max_model_len": 2048})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/v1/models", StandInEngine().models)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        cfg = Config(models={BASE: ModelConfig(tokenizer="engine", tokenize_url=url)})
+        _, results = await replay_capture(make_harness, make_engine, tmp_path, cfg, text=True)
+    finally:
+        await runner.cleanup()
+    assert agreement(results) == 160
+    assert all(tokens == independent for _, a in results for tokens, independent in a.values())
+    assert ADAPTER in asked  # the base's tokenizer, asked with the adapter's name as the engine would be
