@@ -41,16 +41,21 @@ class PollFailed(Exception):
     pass
 
 
-def listed_adapters(answer: Any) -> dict[str, str]:
-    """``{adapter: parent}`` of a ``/v1/models`` answer; ``PollFailed`` if it is not a model list."""
+def listed_models(answer: Any) -> tuple[dict[str, str], list[str]]:
+    """``({adapter: parent}, [base models])`` of a ``/v1/models`` answer; ``PollFailed`` if it is
+    not a model list."""
     data = answer.get("data") if isinstance(answer, dict) else None
     if not isinstance(data, list):
         raise PollFailed("answer is not a model list ({\"data\": [...]})")
-    out: dict[str, str] = {}
+    adapters: dict[str, str] = {}
+    bases: list[str] = []
     for card in data[:MAX_CARDS]:
-        if isinstance(card, dict) and isinstance(card.get("id"), str) and isinstance(card.get("parent"), str):
-            out[card["id"]] = card["parent"]
-    return out
+        if isinstance(card, dict) and isinstance(card.get("id"), str):
+            if isinstance(card.get("parent"), str):
+                adapters[card["id"]] = card["parent"]
+            elif card.get("parent") is None:
+                bases.append(card["id"])
+    return adapters, bases
 
 
 class ModelsPoller:
@@ -79,7 +84,7 @@ class ModelsPoller:
             answer = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             raise PollFailed("answer is not JSON") from None
-        self._adapters.sync_engine(self._origin, listed_adapters(answer))
+        self._adapters.sync_engine(self._origin, *listed_models(answer))
         self.polls += 1
 
     async def run(self) -> None:

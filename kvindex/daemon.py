@@ -128,7 +128,9 @@ class Daemon:
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
-        self.lora = LoraAdapters(checked_adapters({m: mc.base_model for m, mc in config.models.items()}), self.metrics)
+        self.lora = LoraAdapters(checked_adapters({m: mc.base_model for m, mc in config.models.items()}), self.metrics,
+                                 bases=[m for m, mc in config.models.items() if mc.base_model is None and m != "*"]
+                                 + [e.model for e in config.engines if e.model])
         self.lora_pollers = EnginePollers({mc.adapters_url: m for m, mc in config.models.items() if mc.adapters_url},
                                           self.lora, self.metrics)  # each engine's /v1/models: its adapters
         if self.shards is not None:  # the workers' lanes report their events' lora_names every WATCH_SECONDS

@@ -7,7 +7,10 @@ adapter). ``resolve`` turns what a query names into that pair.
 
 Invariants:
 - An adapter has exactly one base model; a name is never its own base, and a base is never itself
-  an adapter (no chains, no cycles): resolving twice is resolving once.
+  an adapter (no chains, no cycles): resolving twice is resolving once. A base is a name known as
+  one: a configured model or engine model, a stream's model, an engine's card without a parent, or
+  an adapter's base; such a name is never learned as an adapter (a stray ``lora_name`` equal to a
+  real model's name must not re-key that model's queries).
 - Three sources, by precedence: ``config`` (``[models."<adapter>"] base_model``) over ``engine``
   (an engine's ``/v1/models``: cards with a ``parent``) over ``events`` (a ``BlockStored`` with
   ``lora_name`` L on a stream of base model M). A source replaces what a lower one said, never what
@@ -30,6 +33,7 @@ from typing import Any, Protocol
 CONFIG, ENGINE, EVENTS = "config", "engine", "events"
 PRECEDENCE = {CONFIG: 2, ENGINE: 1, EVENTS: 0}
 MAX_LEARNED_ADAPTERS = 1024  # adapters learned from engines and events; vLLM's --max-loras is usually < 100
+MAX_BASE_MODELS = 4096  # names remembered as base models (configured, streams', engines' cards)
 MAX_ADAPTER_CHARS = 256  # a longer lora_name is never learned (kvindex.limits: MAX_ID_CHARS)
 
 
@@ -80,12 +84,13 @@ class Adapter:
 
 class LoraAdapters:
     def __init__(self, configured: Mapping[str, str] = {}, metrics: Counters | None = None,
-                 max_learned: int = MAX_LEARNED_ADAPTERS) -> None:
+                 max_learned: int = MAX_LEARNED_ADAPTERS, bases: Iterable[str] = ()) -> None:
         self._metrics = metrics
         self._max_learned = max_learned
         self._by_name: dict[str, Adapter] = {}
         self._learned = 0
         self._refused: set[tuple[str, str, str]] = set()  # counted already
+        self._bases: set[str] = set(bases) | set(configured.values())  # names known as base models
         for name, base in configured.items():  # checked by kvindex.config: no self, no chains
             self._by_name[name] = Adapter(name, base, CONFIG, f'[models."{name}"]')
 
@@ -124,6 +129,7 @@ class LoraAdapters:
         if have is None:
             self._learned += 1
         self._by_name[name] = Adapter(name, base, source, origin)
+        self._base(base)
         if self._metrics is not None:
             self._metrics.lora_learned.labels(source).inc()
         return True
@@ -133,23 +139,31 @@ class LoraAdapters:
             return "bad_name"
         if name == base:
             return "self"
-        if base in self._by_name or any(a.base == name for a in self._by_name.values()):
-            return "chain"  # its base is an adapter, or it is the base of adapters
+        if base in self._by_name or name in self._bases:
+            return "chain"  # its base is an adapter, or it is a base model
         if have is not None and PRECEDENCE[have.source] >= PRECEDENCE[source]:
             return "conflict"
         if have is None and self._learned >= self._max_learned:
             return "cap"
         return None
 
+    def _base(self, name: str) -> None:
+        if len(self._bases) < MAX_BASE_MODELS:
+            self._bases.add(name)
+
     def learn_from_events(self, pod: str, base: str, lora_names: Iterable[str]) -> None:
         """The ``lora_name``s of a stream's BlockStored events (its model ``base``)."""
+        self._base(base)
         for name in lora_names:
             if self._by_name.get(name) is None or self._by_name[name].base != base:
                 self.learn(name, base, EVENTS, pod)
 
-    def sync_engine(self, origin: str, listed: Mapping[str, str]) -> None:
+    def sync_engine(self, origin: str, listed: Mapping[str, str], bases: Iterable[str] = ()) -> None:
         """An engine's ``/v1/models`` answer: its adapters (name -> parent) are learned, and those
-        it listed before and no longer lists (unloaded) are forgotten."""
+        it listed before and no longer lists (unloaded) are forgotten; ``bases``: its cards without
+        a parent."""
+        for name in bases:
+            self._base(name)
         for name, a in list(self._by_name.items()):
             if a.source == ENGINE and a.origin == origin and name not in listed:
                 del self._by_name[name]

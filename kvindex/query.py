@@ -170,7 +170,9 @@ class QueryService:
         if "token_ids" in body:
             return self.check_token_ids(body["token_ids"])
         base = self.adapters.base_of(model)
-        tokenizer = (self._tokenizer_for(base) if base is not None else None) or self._tokenizer_for(model)
+        tokenizer = self._tokenizer_for(base) if base is not None else None
+        if tokenizer is None:  # (not ``or``: a tokenizer with an empty cache has len 0)
+            tokenizer = self._tokenizer_for(model)
         if tokenizer is None:
             return None
         try:

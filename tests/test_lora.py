@@ -122,7 +122,7 @@ async def replay_capture(make_harness: Any, make_engine: Any, tmp_path: Path, co
                          (other, None if salt else "salt-T2")}:
             status, answer = await rp.h.post("/v1/score", score_body(r, model, s, text))
             assert status == 200, answer
-            assert answer["prompt_tokens"] == r["prompt_tokens"]
+            assert answer["prompt_tokens"] == r["prompt_tokens"], (r["i"], model, answer)
             asked[(model, s)] = (answer["pods"][POD]["precise"]["tokens"],
                                  rp.truth.depth(r["prompt_token_ids"], ADAPTER if model == ADAPTER else None, s))
         out.append((r, asked))
@@ -195,6 +195,10 @@ async def test_adapter_as_model_with_another_lora_name_is_a_400(make_harness: An
         assert status == 400, (path, answer)
         assert answer["field"] == "lora_name" and "\n" not in answer["error"], answer
         assert "LoRA adapter of 'tiny'" in answer["error"]
+    status, answer = await rp.h.post("/v1/decisions", {"pod": POD, "token_ids": r["prompt_token_ids"], "request": {
+        "model": ADAPTER, "lora_name": "other", "prompt": "x"}})
+    assert status == 400 and "LoRA adapter of 'tiny'" in answer["error"], answer
+    assert rp.h.daemon.drift.decisions() == []  # refused whole: nothing recorded
     status, same = await rp.h.post("/v1/score", {**score_body(r, ADAPTER, None), "lora_name": ADAPTER})
     assert status == 200 and same["pods"][POD]["precise"]["tokens"] == r["cached_tokens"]  # naming it twice: the same
     status, explicit = await rp.h.post("/v1/score", {**score_body(r, BASE, None), "lora_name": ADAPTER})
@@ -286,6 +290,11 @@ def test_learned_adapters_are_bounded_and_ranked() -> None:
                                      {"source": "events", "reason": "conflict"}) == 1  # "a" vs the engine; cfg: known
     lora.learn_from_events("p", "cfg", ["d"])  # a base that is itself an adapter
     assert lora.base_of("d") is None
+    lora.sync_engine("http://f", {}, bases=["real-model"])  # an engine's base card
+    lora.learn_from_events("p", BASE, ["real-model", "tiny2"])  # a stray lora_name naming a real model, a base
+    assert lora.base_of("real-model") is None and lora.base_of("tiny2") is None
+    assert lora.resolve("real-model", None) == ("real-model", None)
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total", {"source": "events", "reason": "chain"}) == 3
     assert lora.resolve("cfg", None) == (BASE, "cfg") and lora.resolve(BASE, "x") == (BASE, "x")
     assert lora.resolve("unknown", None) == ("unknown", None)
 
@@ -390,7 +399,7 @@ async def test_a_closed_port_and_garbage_answers_are_counted_never_fatal() -> No
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
-    from adapters.engine_models import ModelsPoller, PollFailed, listed_adapters
+    from adapters.engine_models import ModelsPoller, PollFailed, listed_models
     from kvindex.lora import LoraAdapters
     from kvindex.metrics import Metrics
     lora = LoraAdapters({}, Metrics(CollectorRegistry()))
@@ -410,8 +419,9 @@ async def test_a_closed_port_and_garbage_answers_are_counted_never_fatal() -> No
         finally:
             await runner.cleanup()
     with pytest.raises(PollFailed):
-        listed_adapters([1, 2])
-    assert listed_adapters({"data": [{"id": "a", "parent": "b"}, {"id": 3, "parent": "b"}, "x", {"id": "c"}]}) == {"a": "b"}
+        listed_models([1, 2])
+    assert listed_models({"data": [{"id": "a", "parent": "b"}, {"id": 3, "parent": "b"}, "x", {"id": "c"},
+                                   {"id": "d", "parent": 5}]}) == ({"a": "b"}, ["c"])
 
 
 async def test_a_sharded_daemon_learns_adapters_from_its_workers_events(make_engine: Any, tmp_path: Path) -> None:
