@@ -153,12 +153,14 @@ async def test_lora_capture_every_request_as_the_router_sends_it(make_harness: A
 
 
 # -- the routes, the 400, the decisions -------------------------------------------------------
-async def replay_first(make_harness: Any, make_engine: Any, tmp_path: Path, n: int, config: Config | None = None
-                       ) -> tuple[Replay, list[dict[str, Any]]]:
-    """The frames up to the first request to the adapter that hits (all its events, learned)."""
+async def replay_first(make_harness: Any, make_engine: Any, tmp_path: Path, n: int, config: Config | None = None,
+                       field: str = "") -> tuple[Replay, list[dict[str, Any]]]:
+    """The frames up to the ``n``-th unsalted request to the adapter that hits (with ``field``:
+    among those whose body has it, e.g. "prompt"); its blocks are held."""
     rp = await start_replay(make_harness, make_engine, tmp_path, config)
     reqs = requests()
-    hit = [r for r in reqs if r["model"] == ADAPTER and r["cached_tokens"] > 0 and not r.get("cache_salt")][n]
+    hit = [r for r in reqs if r["model"] == ADAPTER and r["cached_tokens"] > 0 and not r.get("cache_salt")
+           and (not field or field in r)][n]
     await rp.until(hit["t_sent"])
     return rp, [hit]
 
@@ -210,14 +212,17 @@ async def test_adapter_as_model_with_another_lora_name_is_a_400(make_harness: An
 async def test_a_decision_for_the_adapter_lines_up_both_sides(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
     """The approximate side keeps the adapter's name as its seed (Kthena hashes the model it is
     given); the precise side keys the adapter on its base; the drift sample re-checks both."""
-    rp, [r] = await replay_first(make_harness, make_engine, tmp_path, 0)
-    request = {"model": ADAPTER, "prompt": r["prompt"]} if "prompt" in r else {"model": ADAPTER, "messages": r["messages"]}
+    import xxhash
+    rp, [r] = await replay_first(make_harness, make_engine, tmp_path, 0, field="prompt")
+    request = {"model": ADAPTER, "prompt": r["prompt"]}
     status, d = await rp.h.post("/v1/decisions", {"pod": POD, "request": request, "token_ids": r["prompt_token_ids"],
                                                   "cached_tokens": r["cached_tokens"], "prompt_tokens": r["prompt_tokens"]})
     assert status == 200, d
     assert d["errors"]["precise"] == 0.0 and d["precise"]["tokens"] == r["cached_tokens"]
-    from kvindex.approx.hashing import hash_request
-    hashes = hash_request(rp.h.daemon.config.approx, ADAPTER, request)
+    data, prev, hashes = r["prompt"].encode(), xxhash.xxh64_intdigest(ADAPTER.encode()), []
+    for i in range(min(128, -(-len(data) // 64))):  # Kthena's chain (reference/approx-index.md §1), seeded
+        prev = xxhash.xxh64_intdigest(b"%d" % prev + data[i * 64:(i + 1) * 64])  # with the model as sent
+        hashes.append(prev)
     status, explain = await rp.h.post("/v1/approx/explain", request)
     assert explain["block_hashes"] == hashes  # the router's hashes: seeded with "tinylora"
     assert explain["pods"][POD]["matched_blocks"] == len(hashes)  # the decision was recorded under that seed
