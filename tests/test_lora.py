@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 
 from kvindex.config import Config
+from kvindex.events import Frame
 from kvindex.tools.capture import Captured, load_capture
 from tests.conftest import ROOT, engine_config, ipc_endpoint
 
@@ -501,3 +502,36 @@ async def test_lora_capture_from_the_openai_bodies_alone(make_harness: Any, make
     assert agreement(results) == 160
     assert all(tokens == independent for _, a in results for tokens, independent in a.values())
     assert ADAPTER in asked  # the base's tokenizer, asked with the adapter's name as the engine would be
+
+
+async def test_a_replica_that_lost_every_race_still_learns_the_adapters() -> None:
+    """Two replicas' writers over one store (as replicas share Redis): each batch is APPLIED by the
+    first, DUPLICATE for the second; both hear the capture's adapter."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from adapters import DIALECTS
+    from kvindex.config import EngineConfig
+    from kvindex.index.memory import MemoryPreciseStore
+    from kvindex.ingest.writer import StreamWriter
+    from kvindex.logs import BurstLog
+    from kvindex.metrics import Metrics
+    from kvindex.sequence import Outcome
+    store = MemoryPreciseStore()
+    heard: list[set[tuple[str, str, str]]] = [set(), set()]
+    writers = []
+    for i in range(2):
+        w = StreamWriter(EngineConfig(endpoint="tcp://127.0.0.1:1"), {}, decoder=DIALECTS["vllm"].decoder(), first_seq=0,
+                         store=store, metrics=Metrics(CollectorRegistry()), burst=BurstLog(logging.getLogger("t")))
+        w.on_lora = lambda pod, model, names, i=i: heard[i].update((pod, model, n) for n in names)
+        writers.append(w)
+    outcomes = []
+    for c in load_capture(CAPTURE / "events.jsonl"):
+        topic, seq = c.frames[0].decode(), int.from_bytes(c.frames[1], "big")
+        for w in writers:
+            st = w.stream(topic)
+            result = await w.apply(st, seq, w.decode(st.pod, Frame(topic, seq, c.frames[2])), c.frames[2], None)
+            outcomes.append(result.outcome)
+    assert Outcome.DUPLICATE in outcomes[1::2] and set(outcomes[::2]) == {Outcome.APPLIED}
+    assert heard[0] == heard[1] == {(POD, BASE, ADAPTER)}

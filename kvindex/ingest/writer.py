@@ -13,7 +13,8 @@ Invariants:
 - Garbage (``decode`` failing, a skipped event or field, a block size mismatch) is counted by
   reason in ``kvindex_decode_errors_total`` and logged at most once per burst.
 - ``on_lora`` (set by the daemon: ``kvindex.lora.LoraAdapters.learn_from_events``) hears the
-  ``lora_name``s of an APPLIED batch's BlockStored events with the stream's pod and model: a
+  ``lora_name``s of an APPLIED or DUPLICATE batch's BlockStored events (a replica sharing a Redis
+  store whose peers applied every batch still learns) with the stream's pod and model: a
   ``lora_name`` on a stream of model M is an adapter of M.
 """
 
@@ -85,6 +86,8 @@ class StreamWriter:
         result = await self._store.apply(st.ref, seq, st.epoch, rank, events, force=force)
         outcome = result.outcome
         st.observe(result.position)
+        if outcome is APPLIED or outcome is DUPLICATE:
+            self._heard(st, batch)
         if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
@@ -133,6 +136,9 @@ class StreamWriter:
         st.counters.lag_seconds = max(0.0, now - batch.ts)
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
+
+    def _heard(self, st: Stream, batch: EventBatch) -> None:
+        """The ``lora_name``s of the batch's stores, to ``on_lora``."""
         if self.on_lora is not None:
             names = {ev.lora_name for ev in batch.events if type(ev) is BlockStored and ev.lora_name is not None}
             if names:
