@@ -135,12 +135,13 @@ class Shards:
     async def _refresh_lanes(self) -> None:
         live = [chan for chan in self.channels if chan.dead is None]
         answers = await asyncio.gather(*(c.request(ch.Lanes()) for c in live), return_exceptions=True)
+        heard = self.on_lora
         for part in answers:
             if isinstance(part, dict):
                 self.lane_status.update(part)
-                for status in part.values():
-                    for pod, model, name in status.lora if self.on_lora is not None else ():
-                        self.on_lora(pod, model, (name,))
+                for pod, model, name in (t for status in part.values() for t in status.lora):
+                    if heard is not None:
+                        heard(pod, model, (name,))
 
     async def ask_all(self, req: ch.Request[R]) -> list[R | BaseException]:
         """``req`` to every worker; a worker that cannot answer gives its ``StoreUnavailable``."""
