@@ -28,6 +28,7 @@ from msgspec import UNSET, UnsetType
 
 from kvindex import strict
 from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
+from kvindex.lora import checked_adapters
 from kvindex.settings import (
     FSYNC_POLICIES,
     ApproxConfig,
@@ -113,11 +114,15 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Per model: how its prompts are tokenized for the precise index, and its block size."""
+    """Per model: how its prompts are tokenized for the precise index, and its block size; for a
+    LoRA adapter (``base_model``), the model it adapts; ``models_url``: an engine whose ``/v1/models``
+    lists adapters (default: ``tokenize_url``; "" for none)."""
 
     tokenizer: str = "none"
     tokenize_url: str | None = None
     block_size: int | None = None
+    base_model: str | None = None
+    models_url: str | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size, "model block_size")
@@ -125,6 +130,16 @@ class ModelConfig:
             raise ConfigError(f"tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
         if self.tokenizer == "engine" and not self.tokenize_url:
             raise ConfigError('tokenizer = "engine" needs tokenize_url (the engine\'s base URL)')
+        if self.base_model is not None and (not self.base_model or self.block_size is not None):
+            raise ConfigError("base_model must name the adapter's base model, and an adapter has no block_size of "
+                              "its own (its blocks are its base model's)")
+        if self.models_url and not self.models_url.startswith(("http://", "https://")):
+            raise ConfigError(f"models_url {self.models_url!r} is not an http(s):// URL of an engine")
+
+    @property
+    def adapters_url(self) -> str | None:
+        """Where this table's engine lists its LoRA adapters (``GET <url>/v1/models``), if anywhere."""
+        return (self.models_url if self.models_url is not None else self.tokenize_url) or None
 
 
 MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer
@@ -192,6 +207,10 @@ class Config:
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
         self._check_http()
+        try:
+            checked_adapters({m: mc.base_model for m, mc in self.models.items()}, [(e.name, e.model) for e in self.engines])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex or Dynamo indexer")
 

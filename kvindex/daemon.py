@@ -48,6 +48,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from adapters import DIALECTS
+from adapters.engine_models import EnginePollers
 from adapters.engine_tokenizer import EngineTokenizer
 from adapters.llmd_sim import SimTokenizer
 from kvindex import native
@@ -67,6 +68,7 @@ from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog
+from kvindex.lora import LoraAdapters, checked_adapters
 from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
 from kvindex.pods import PodDirectory, pod_census
@@ -126,8 +128,15 @@ class Daemon:
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
         self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
+        self.lora = LoraAdapters(checked_adapters({m: mc.base_model for m, mc in config.models.items()}), self.metrics,
+                                 bases=[m for m, mc in config.models.items() if mc.base_model is None and m != "*"]
+                                 + [e.model for e in config.engines if e.model])
+        self.lora_pollers = EnginePollers({mc.adapters_url: m for m, mc in config.models.items() if mc.adapters_url},
+                                          self.lora, self.metrics)  # each engine's /v1/models: its adapters
+        if self.shards is not None:  # the workers' lanes report their events' lora_names every WATCH_SECONDS
+            self.shards.on_lora = self.lora.learn_from_events
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
-                                  behind=self._behind)
+                                  behind=self._behind, adapters=self.lora)
         self.registrations = Registrations()
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics,
@@ -205,9 +214,11 @@ class Daemon:
                                 store_buffer=self.config.store_buffer, replay_max_bytes=self.config.replay_max_bytes,
                                 max_blocks_per_pod=self.config.max_blocks_per_pod,
                                 silent_seconds=self.config.engine_silent_seconds)
-        return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
+        lane = EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)
+        lane.writer.on_lora = self.lora.learn_from_events  # a lora_name in its events: an adapter of its model
+        return lane
 
     # -- the store's health --------------------------------------------------------------------
     def _behind(self, model: str) -> bool:
@@ -301,6 +312,7 @@ class Daemon:
         self.loading = self.recovery.loading_reason()
         await self._listen()  # HTTP first: while the state loads it answers 503 "loading"
         await self.recovery.restore()
+        self.lora_pollers.start()
         self._drift_task = asyncio.create_task(self.drift.run(), name="drift re-check")
         if self.recovery.wal is not None:
             self._snapshot_task = asyncio.create_task(self.recovery.snapshot_loop(), name="snapshot timer")
@@ -335,6 +347,7 @@ class Daemon:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.lora_pollers.stop()
         if self.recovery.wal is not None:  # while the lanes still hold their streams' watermarks
             await self.recovery.try_snapshot("final")  # (no log before the state was whole: no snapshot)
         try:

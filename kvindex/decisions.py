@@ -56,6 +56,7 @@ class _Ready:
     lora_name: str | None = None
     cache_salt: str | None = None
     label: str = ""  # drift.Decision.label
+    precise_model: str = ""  # the model the precise side keys it by (an adapter's base), when not ``model``
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,8 @@ class Predictor(Protocol):
     async def token_ids_for(self, model: str, body: dict[str, Any]) -> Sequence[int] | None: ...
 
     def approx_hashes(self, model: str, body: dict[str, Any]) -> tuple[int, ...] | None: ...
+
+    def identity(self, model: str, lora_name: str | None = None) -> tuple[str, str | None]: ...
 
     async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
                       lora_name: str | None = None, cache_salt: str | None = None) -> PreciseAnswer: ...
@@ -125,15 +128,16 @@ class Decisions:
         if token_ids is None and hashes is None:
             raise QueryError("nothing to record: the request has no prompt, messages or input", field="request")
         lora, salt = request.get("lora_name"), request.get("cache_salt")
+        base, lora = q.identity(model, lora if isinstance(lora, str) else None)  # an adapter: on its base
         return _Ready(d.pod, model, token_ids, hashes, d.cached_tokens, d.prompt_tokens,
-                      lora if isinstance(lora, str) else None, salt if isinstance(salt, str) else None,
-                      prompt_label(request, salt if isinstance(salt, str) else None))
+                      lora, salt if isinstance(salt, str) else None,
+                      prompt_label(request, salt if isinstance(salt, str) else None), base if base != model else "")
 
     async def _commit(self, r: _Ready) -> dict[str, Any]:
         q, pod = self._query, r.pod
         precise, scored = None, False
         if r.token_ids is not None:
-            precise = await q.precise(r.model, r.token_ids, [pod], r.lora_name, r.cache_salt)
+            precise = await q.precise(r.precise_model or r.model, r.token_ids, [pod], r.lora_name, r.cache_salt)
             recalled = q.recall(r.model, r.token_ids, pod, precise)
             precise, scored = (recalled, True) if recalled is not None else (precise, False)
         approx = await q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
@@ -147,7 +151,7 @@ class Decisions:
             block_size=precise.block_size if precise else 0, prompt_tokens=prompt_tokens,
             truth_tokens=precise.prompt_tokens if precise else 0,
             approx=approx.ratio(pod) if approx else 0.0, precise=precise.ratio(pod) if precise else None,
-            actual=actual, label=r.label)
+            actual=actual, label=r.label, precise_model=r.precise_model)
         if precise is not None and precise.block_size == 0 and r.token_ids is not None:
             decision.pending = (precise.root, array("I", r.token_ids[:cacheable_tokens(r.token_ids)]))
         if r.hashes:

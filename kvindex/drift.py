@@ -63,6 +63,7 @@ class Decision:
     pending: tuple[int, array] | None = None  # (key root, cacheable token ids) until keys exist
     truth_tokens: int = 0  # the prompt's token count, the denominator of the truth h (0: prompt_tokens)
     label: str = ""  # what names the prompt to a person: its cache_salt, else its first characters
+    precise_model: str = ""  # the model its keys are of, when not ``model`` (a LoRA adapter's base)
 
     @property
     def approx_error(self) -> float | None:
@@ -94,7 +95,8 @@ def decision_bytes(d: Decision) -> int:
     """What a sampled decision retains, an upper bound over its life (pending token ids become at
     most one u64 key each)."""
     pending = 8 * len(d.pending[1]) if d.pending is not None else 0
-    return (300 + str_bytes(d.pod) + str_bytes(d.model) + str_bytes(d.label) + 8 * (len(d.hashes) + len(d.keys))
+    return (300 + str_bytes(d.pod) + str_bytes(d.model) + str_bytes(d.precise_model) + str_bytes(d.label)
+            + 8 * (len(d.hashes) + len(d.keys))
             + pending)
 
 
@@ -172,14 +174,14 @@ class DriftAudit:
             return {}
         pods = None if pods is None else list(pods)
         try:
-            matches = await self._precise.match(d.keys, pods, model=d.model)
+            matches = await self._precise.match(d.keys, pods, model=d.precise_model or d.model)
         except BlockSizeChanged:  # the keys keep the decision's block size: what engines hold of them now
-            matches = await self._precise.match(d.keys, pods, model=d.model)
+            matches = await self._precise.match(d.keys, pods, model=d.precise_model or d.model)
         return {p: m.gpu * d.block_size / tokens for p, m in matches.items()}
 
     async def _resolve_keys(self, d: Decision) -> None:
         """A decision made before any engine published the model's blocks gets its keys now."""
-        bs = await self._precise.block_size(d.model)
+        bs = await self._precise.block_size(d.precise_model or d.model)
         if bs is None or d.pending is None:
             return
         root, tokens = d.pending

@@ -95,6 +95,14 @@ class Metrics:
         self.store_up = Gauge("kvindex_store_up", "1 while the store answers, 0 after a failed call", registry=r)
         self.store_buffered = Gauge("kvindex_store_buffered_batches", "Engine batches waiting for the store, summed "
                                     "over lanes", registry=r)
+        self.lora_learned = Counter("kvindex_lora_adapters_learned", "LoRA adapters learned (or replaced by a "
+                                    "higher-precedence source), by source: engine (/v1/models), events", ["source"],
+                                    registry=r)
+        self.lora_refused = Counter("kvindex_lora_adapters_refused", "LoRA adapters not learned, by source and reason: "
+                                    "cap (max learned), conflict (another base from an equal or higher source), self, "
+                                    "chain (an adapter of an adapter), bad_name", ["source", "reason"], registry=r)
+        self.lora_poll_failures = Counter("kvindex_lora_models_poll_failures", "Failed polls of an engine's /v1/models "
+                                          "(its LoRA adapters), by the model table whose URL it is", ["model"], registry=r)
         self.decisions = Counter("kvindex_decisions", "Routing decisions recorded", ["pod"], registry=r)
         self.decision_fraction = Histogram("kvindex_decision_hit_fraction", "Per decision: the prompt fraction predicted "
                                            "cached (approx, precise) and reported cached by the engine (actual)",

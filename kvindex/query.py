@@ -4,6 +4,10 @@ Invariants:
 - The precise side matches token blocks: ``token_ids`` given by the caller win; otherwise the
   model's configured tokenizer renders and tokenizes the OpenAI body. The approximate side always
   renders the body (Kthena / GIE semantics), never tokens.
+- A model that is a known LoRA adapter (``kvindex.lora``) is matched on the precise side as that
+  adapter on its base model (``identity``), on every precise route; the approximate side hashes the
+  model string as the router was given it (Kthena seeds with it: the adapter's name). An adapter
+  is tokenized with its base model's tokenizer (its own table's when the base has none).
 - A precise match never counts the block holding the last prompt token (vLLM never serves it from
   cache), so ``tokens`` is what the engine would report as ``cached_tokens``.
 - ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
@@ -32,6 +36,7 @@ from kvindex.approx.hashing import hash_request, render_request
 from kvindex.budget import ByteLRU, str_bytes
 from kvindex.index.approx import score_matches
 from kvindex.index.protocol import ApproxStore, BlockSizeChanged, PreciseStore
+from kvindex.lora import AdapterConflict, LoraAdapters
 from kvindex.tokenize import Tokenizer
 from kvindex.types import PodMatch
 
@@ -100,8 +105,9 @@ def _never_behind(model: str) -> bool:
 class QueryService:
     def __init__(self, store: PreciseStore, approx: ApproxStore,
                  tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int,
-                 behind: Callable[[str], bool] = _never_behind) -> None:
+                 behind: Callable[[str], bool] = _never_behind, adapters: LoraAdapters | None = None) -> None:
         self.store = store
+        self.adapters = adapters if adapters is not None else LoraAdapters()
         self.approx = approx
         self.scores = ScoreMemory()
         self._tokenizer_for = tokenizer_for
@@ -114,11 +120,20 @@ class QueryService:
             raise QueryError(f"store resynchronising: model {model!r} has engine batches not in the store yet",
                              field=None, status=503, reason="store_resynchronising")
 
+    def identity(self, model: str, lora_name: str | None = None) -> tuple[str, str | None]:
+        """The (model, lora_name) the precise index keys a query by: an adapter named as the model
+        is that adapter on its base; an adapter as model with another ``lora_name``: 400."""
+        try:
+            return self.adapters.resolve(model, lora_name)
+        except AdapterConflict as exc:
+            raise QueryError(str(exc), field="lora_name", reason="adapter_conflict") from None
+
     async def precise(self, model: str, token_ids: Sequence[int], pods: Iterable[str] | None,
                       lora_name: str | None = None, cache_salt: str | None = None,
                       whole: bool = False) -> PreciseAnswer:
         """``whole``: count the block holding the last token too (Dynamo's rule, its compatible API);
         by default not (the engine never serves it from cache: its ``cached_tokens``)."""
+        model, lora_name = self.identity(model, lora_name)
         root = K.root_key(model, lora_name, cache_salt)
         for attempt in (0, 1):  # the model's block size moved on under the first (an engine restarted)
             bs = await self.store.block_size(model)  # the store unreachable says so first
@@ -136,12 +151,13 @@ class QueryService:
 
     async def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int],
                                       pods: Iterable[str] | None) -> PreciseAnswer:
+        model, lora_name = self.identity(model)
         for attempt in (0, 1):
             bs = await self.store.block_size(model)
             self.check_current(model)
             if bs is None:
                 return PreciseAnswer(0, 0, (), {})
-            keys = K.chain_keys(K.root_key(model), local_hashes)
+            keys = K.chain_keys(K.root_key(model, lora_name), local_hashes)
             try:
                 return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods, model=model))
             except BlockSizeChanged:
@@ -153,7 +169,10 @@ class QueryService:
         """Token ids from the body, or from the model's tokenizer; None when neither exists."""
         if "token_ids" in body:
             return self.check_token_ids(body["token_ids"])
-        tokenizer = self._tokenizer_for(model)
+        base = self.adapters.base_of(model)
+        tokenizer = self._tokenizer_for(base) if base is not None else None
+        if tokenizer is None:  # (not ``or``: a tokenizer with an empty cache has len 0)
+            tokenizer = self._tokenizer_for(model)
         if tokenizer is None:
             return None
         try:

@@ -28,7 +28,7 @@ WRITE_ROUTES = {("DELETE", "/v1/pods/{pod}"), ("POST", "/v1/pods/{pod}/resync"),
 READ_ROUTES = {("GET", "/metrics"), ("GET", "/v1/pods"), ("GET", "/v1/pods/{pod}"), ("POST", "/v1/score"),
                ("POST", "/v1/approx/explain"), ("GET", "/v1/drift"), ("GET", "/v1/drift/history"),
                ("GET", "/v1/drift/pods/{pod}"), ("GET", "/workers"), ("POST", "/query"), ("POST", "/query_by_hash"),
-               ("POST", "/query_tiered_by_hash")}
+               ("POST", "/query_tiered_by_hash"), ("GET", "/v1/models")}
 
 
 def app_routes(h: Any) -> set[tuple[str, str]]:

@@ -35,7 +35,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     0: ("kvindex", "kvindex.config", "kvindex.events", "kvindex.keys", "kvindex.native", "kvindex.logs",
         "kvindex.loops", "kvindex.sequence", "kvindex.tokenize", "kvindex.metrics", "kvindex.settings",
         "kvindex.storeurl", "kvindex.strict", "kvindex.views", "kvindex.types", "kvindex.budget",
-        "kvindex.limits",
+        "kvindex.limits", "kvindex.lora",
         "kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "kvindex._apply"),  # vocabulary
     1: ("adapters",),  # engine dialect decoders and tokenizers (adapters._vllm is their C twin)
     2: ("kvindex.approx",),  # request -> prompt string -> hashes

@@ -147,12 +147,12 @@ async def query(request: web.Request) -> web.Response:
         body["token_ids"] = m.token_ids
     else:
         args = parse(body, QueryBody)
-    model = args.model_name
+    model, lora_name = svc.query.identity(args.model_name, args.lora_name)  # an adapter named as the model: its base
     token_ids = svc.query.check_token_ids(body.get("token_ids"))
     pods = await svc.engines.candidates(model, args.routing_group)
     if moon is not None:
         pods = mooncake.only_instance(pods, moon)
-    answer = await svc.query.precise(model, token_ids, pods, args.lora_name, args.cache_salt, whole=True)
+    answer = await svc.query.precise(model, token_ids, pods, lora_name, args.cache_salt, whole=True)
     svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
     return reply(request, mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer))
 
@@ -165,8 +165,9 @@ async def query_by_hash(request: web.Request) -> web.Response:
         raise mooncake.refuse_by_hash(body)
     args = parse(body, QueryByHashBody)
     hashes = block_hashes(args, svc.config.max_token_ids)
-    model = args.model_name
-    answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.engines.candidates(model, args.routing_group))
+    model = svc.query.identity(args.model_name)[0]  # its engines: an adapter's are its base's
+    answer = await svc.query.precise_by_local_hashes(args.model_name, hashes,
+                                                     await svc.engines.candidates(model, args.routing_group))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
     return reply(request, query_answer(answer))
 
@@ -198,8 +199,9 @@ async def query_tiered_by_hash(request: web.Request) -> web.Response:
     svc = services(request)
     args = parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody)
     hashes = block_hashes(args, svc.config.max_token_ids)
-    model = args.model_name
-    answer = await svc.query.precise_by_local_hashes(model, hashes, await svc.engines.candidates(model, args.routing_group))
+    model = svc.query.identity(args.model_name)[0]  # its engines: an adapter's are its base's
+    answer = await svc.query.precise_by_local_hashes(args.model_name, hashes,
+                                                     await svc.engines.candidates(model, args.routing_group))
     svc.metrics.query_seconds.labels("/query_tiered_by_hash").observe(time.perf_counter() - t0)
     return reply(request, tiered_answer(answer))
 

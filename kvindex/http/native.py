@@ -148,6 +148,19 @@ async def score(request: web.Request) -> web.Response:
     return json_response(answer)
 
 
+async def models(request: web.Request) -> web.Response:
+    """The models kvindex knows, OpenAI-shaped as vLLM lists them: base models (engines have
+    published blocks of them, or ``[models]`` names them) with ``parent`` null, and every LoRA
+    adapter with its ``parent`` (base), ``source`` (config, engine, events) and ``learned_from``."""
+    svc = services(request)
+    adapters = svc.query.adapters.views()
+    sizes = await svc.query.store.block_sizes()
+    bases = (set(sizes) | {m for m, mc in svc.config.models.items() if mc.base_model is None and m != "*"}
+             | {a["parent"] for a in adapters})
+    data = [{"id": m, "object": "model", "parent": None, "block_size": sizes.get(m)} for m in sorted(bases)]
+    return json_response({"object": "list", "data": data + adapters})
+
+
 @scope(WRITE)
 async def decisions(request: web.Request) -> web.Response:
     svc = services(request)
@@ -217,6 +230,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/v1/pods/{pod:.+}", get_pod),
         web.delete("/v1/pods/{pod:.+}", delete_pod),
         web.post("/v1/score", score),
+        web.get("/v1/models", models),
         web.post("/v1/decisions", decisions),
         web.post("/v1/approx/explain", explain),
         web.get("/v1/drift", drift),

@@ -12,6 +12,10 @@ Invariants:
   (``kvindex.ingest.capacity``).
 - Garbage (``decode`` failing, a skipped event or field, a block size mismatch) is counted by
   reason in ``kvindex_decode_errors_total`` and logged at most once per burst.
+- ``on_lora`` (set by the daemon: ``kvindex.lora.LoraAdapters.learn_from_events``) hears the
+  ``lora_name``s of an APPLIED or DUPLICATE batch's BlockStored events (a replica sharing a Redis
+  store whose peers applied every batch still learns) with the stream's pod and model: a
+  ``lora_name`` on a stream of model M is an adapter of M.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -55,6 +59,7 @@ class StreamWriter:
         self.key = engine.name  # the lane's key in the fleet (the journal's records name it)
         self._capacity = PodCapacity(max_blocks_per_pod, store, metrics)
         self.journal: Journal | None = None
+        self.on_lora: Callable[[str, str, Iterable[str]], None] | None = None  # (pod, model, lora names)
         self._waiting: dict[str, str] = {}  # topic -> the reason its stream was marked unsynced while waiting
 
     def stream(self, topic: str) -> Stream:
@@ -81,6 +86,8 @@ class StreamWriter:
         result = await self._store.apply(st.ref, seq, st.epoch, rank, events, force=force)
         outcome = result.outcome
         st.observe(result.position)
+        if outcome is APPLIED or outcome is DUPLICATE:
+            self._heard(st, batch)
         if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
@@ -129,6 +136,13 @@ class StreamWriter:
         st.counters.lag_seconds = max(0.0, now - batch.ts)
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
+
+    def _heard(self, st: Stream, batch: EventBatch) -> None:
+        """The ``lora_name``s of the batch's stores, to ``on_lora``."""
+        if self.on_lora is not None:
+            names = {ev.lora_name for ev in batch.events if type(ev) is BlockStored and ev.lora_name is not None}
+            if names:
+                self.on_lora(st.pod, st.model, names)
 
     async def _mismatch(self, st: Stream, events: Sequence[object], n: int) -> None:
         """BlockStored events whose block size is not the model's: counted, and a warning naming both."""

@@ -150,6 +150,7 @@ class LaneStatus(msgspec.Struct, frozen=True, array_like=True):
     connected: int = 0
     failure: str | None = None
     behind: tuple[str, ...] = ()
+    lora: tuple[tuple[str, str, str], ...] = ()  # (pod, model, lora_name) its events named (kvindex.lora)
 
 
 class Ping(Request[int], frozen=True, tag="ping"):

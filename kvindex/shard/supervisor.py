@@ -86,6 +86,7 @@ class Shards:
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
         self.lane_status: dict[str, LaneStatus] = {}  # lane key -> the worker's last report
+        self.on_lora: Callable[[str, str, Iterable[str]], None] | None = None  # what the lanes' events named
 
     async def start(self) -> None:
         for chan in self.channels:
@@ -134,9 +135,13 @@ class Shards:
     async def _refresh_lanes(self) -> None:
         live = [chan for chan in self.channels if chan.dead is None]
         answers = await asyncio.gather(*(c.request(ch.Lanes()) for c in live), return_exceptions=True)
+        heard = self.on_lora
         for part in answers:
             if isinstance(part, dict):
                 self.lane_status.update(part)
+                for pod, model, name in (t for status in part.values() for t in status.lora):
+                    if heard is not None:
+                        heard(pod, model, (name,))
 
     async def ask_all(self, req: ch.Request[R]) -> list[R | BaseException]:
         """``req`` to every worker; a worker that cannot answer gives its ``StoreUnavailable``."""

@@ -45,6 +45,7 @@ from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog, one_line_logs
+from kvindex.lora import MAX_LEARNED_ADAPTERS
 from kvindex.metrics import Metrics
 from kvindex.pods import PodDirectory
 from kvindex.sequence import Position
@@ -73,6 +74,7 @@ class Worker:
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
         self.pods = PodDirectory(self.fleet, self.store, approx, DriftAudit(self.store, approx, DriftSettings()))
         self._tasks: set[asyncio.Task[None]] = set()
+        self._lora: dict[EngineConfig, dict[tuple[str, str, str], None]] = {}  # per lane: its events' lora_names
         st = self.store
         self._ops: dict[type, Callable[[Any], Awaitable[Any]]] = {
             ch.Ping: self._ping, ch.AddLane: self._add, ch.RemoveLane: self._remove, ch.Lanes: self._lanes,
@@ -93,13 +95,17 @@ class Worker:
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
         dialect = DIALECTS[engine.dialect]
         s = self.settings
-        return EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
+        seen = self._lora.setdefault(engine, {})
+        lane = EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics,
                           settings=LaneSettings(replay_timeout=s.replay_timeout, rcvhwm=s.rcvhwm,
                                                 store_buffer=s.store_buffer, replay_max_bytes=s.replay_max_bytes,
                                                 max_blocks_per_pod=s.max_blocks_per_pod,
                                                 silent_seconds=s.silent_seconds),
                           burst=self._burst)
+        lane.writer.on_lora = lambda pod, model, names: seen.update(
+            dict.fromkeys((pod, model, n) for n in names if len(seen) < MAX_LEARNED_ADAPTERS))
+        return lane
 
     # -- operations ----------------------------------------------------------------------------
     async def _ping(self, req: ch.Ping) -> int:
@@ -110,7 +116,10 @@ class Worker:
             self.fleet.add(req.key, req.engine)
 
     async def _remove(self, req: ch.RemoveLane) -> bool:
-        return await self.fleet.remove(req.key) is not None
+        lane = await self.fleet.remove(req.key)
+        if lane is not None:
+            self._lora.pop(lane.engine, None)
+        return lane is not None
 
     async def _restart(self, req: ch.Restart) -> ch.Restarted:
         before = await self.store.position(req.stream) or Position()
@@ -121,7 +130,7 @@ class Worker:
         """Per lane: connected, the listener's failure, the models it is behind on."""
         return {key: ch.LaneStatus(lane.state.connected_peers, self.fleet.lane_task_failed(key),
                                    tuple(sorted({st.model for st in lane.state.streams.values()
-                                                 if lane.behind(st.model)})))
+                                                 if lane.behind(st.model)})), tuple(self._lora.get(lane.engine, ())))
                 for key, lane in self.fleet.lanes().items()}
 
     async def _metrics(self, req: ch.Metrics) -> bytes:
