@@ -29,6 +29,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -53,14 +54,14 @@ HERE = Path(__file__).resolve()
 
 
 # -- the index content (the same in every server process) ---------------------------------------
-async def filled_daemon(blocks: int, queries: int, tuned: bool) -> Any:
+async def filled_daemon(blocks: int, queries: int, cache: Path | None = None) -> Any:
     """A Daemon (not started) whose in-memory index holds the workload's events, as lanes apply them."""
     from adapters import DIALECTS
     from kvindex.config import Config
     from kvindex.daemon import Daemon
     from kvindex.ingest.streams import split_topic
 
-    wl = common.workload(REPLICAS, blocks, queries)
+    wl = common.workload(REPLICAS, blocks, queries, cache=cache)
     daemon = Daemon(Config(host="127.0.0.1", port=0))
     await daemon.store.set_block_size(MODEL, BLOCK_SIZE, configured=True)
     decode, index = DIALECTS["vllm"].decoder().decode, daemon.index
@@ -86,6 +87,10 @@ class AdaptedRequest:
     @property
     def body_exists(self) -> bool:
         return bool(self._body)
+
+    def get(self, key: object, default: object = None) -> bytes:
+        """The body read whole (what ``kvindex.http.server.body_bytes`` asks for)."""
+        return self._body
 
     async def read(self) -> bytes:
         return self._body
@@ -152,17 +157,49 @@ def asgi_app(app: dict) -> Any:
     return serve
 
 
+async def handler_times(blocks: int, queries: int, cache: Path | None, calls: int = 2000) -> dict[str, float]:
+    """Each measured handler called in-process (no HTTP at all): its median µs, the floor of every stack."""
+    from kvindex.http.app import SERVICES
+
+    daemon = await filled_daemon(blocks, queries, cache)
+    app, routes, reqs = {SERVICES: daemon.services}, adapter_routes(), bodies(blocks, queries, cache)
+    out = {}
+    for ep in ENDPOINTS:
+        method = "POST" if ep in reqs else "GET"
+        times = []
+        for _ in range(calls):
+            req = AdaptedRequest(app, "application/json", None, reqs.get(ep, b""))
+            t0 = time.perf_counter()
+            await answer(app, routes, method, ep, req)
+            times.append(time.perf_counter() - t0)
+        out[ep] = statistics.median(times) * 1e6
+    return out
+
+
+def baseline_tree(rev: str, tmp: Path) -> Path:
+    """kvindex (and its benchmark helpers) at ``rev``, with this tree's built extensions and this script."""
+    tree = tmp / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(common.ROOT), "archive", rev, "kvindex", "adapters", "benchmarks/common.py",
+                              "benchmarks/gen_workload.py"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    for so in [*common.ROOT.glob("kvindex/*.so"), *common.ROOT.glob("adapters/*.so")]:
+        shutil.copy(so, tree / so.relative_to(common.ROOT))
+    shutil.copy(HERE, tree / "benchmarks" / HERE.name)
+    return tree
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-async def serve(stack: str, blocks: int, queries: int, port_file: Path) -> None:
+async def serve(stack: str, blocks: int, queries: int, port_file: Path, cache: Path | None) -> None:
     """One stack's server on the filled index; writes its port to ``port_file``, then serves until killed."""
     from kvindex.http.app import SERVICES
 
-    daemon = await filled_daemon(blocks, queries, tuned=stack == "aiohttp-tuned")
+    daemon = await filled_daemon(blocks, queries, cache)
     app = {SERVICES: daemon.services}
     if stack.startswith("aiohttp"):
         await daemon.start()
@@ -192,9 +229,9 @@ async def serve(stack: str, blocks: int, queries: int, port_file: Path) -> None:
 
 
 # -- the client side -------------------------------------------------------------------------------
-def bodies(blocks: int, queries: int) -> dict[str, bytes]:
+def bodies(blocks: int, queries: int, cache: Path | None = None) -> dict[str, bytes]:
     """The request body per endpoint: the workload's deepest 8k-token query."""
-    wl = common.workload(REPLICAS, blocks, queries)
+    wl = common.workload(REPLICAS, blocks, queries, cache=cache)
     tokens = common.pick_queries(wl, 1)[0]["token_ids"]
     local = [h - (1 << 64) if h >= 1 << 63 else h for h in K.local_hashes(tokens, BLOCK_SIZE)]
     return {"/query": json.dumps({"token_ids": tokens, "model_name": MODEL}).encode(),
@@ -256,8 +293,10 @@ def measure_stack(stack: str, a: argparse.Namespace, files: dict[str, Path], req
     """Start the stack's server, check its answers, run wrk on every endpoint (sequential, concurrent)."""
     port_file = tmp / f"{stack}.port"
     port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, str(HERE), "serve", "--stack", stack, "--blocks", str(a.blocks),
-                             "--queries", str(a.queries), "--port-file", str(port_file)])
+    script = tmp / "baseline" / "benchmarks" / HERE.name if stack == "aiohttp" else HERE
+    proc = subprocess.Popen([sys.executable, str(script), "serve", "--stack", stack, "--blocks", str(a.blocks),
+                             "--queries", str(a.queries), "--port-file", str(port_file),
+                             "--cache", str(common.RESULTS / "workloads")])
     try:
         deadline = time.monotonic() + 300
         while not (port_file.exists() and port_file.read_text()):
@@ -318,8 +357,10 @@ def run(a: argparse.Namespace) -> None:
         raise SystemExit("--stacks must start with aiohttp (the baseline)")
     reqs = bodies(a.blocks, a.queries)
     rounds: list[dict[str, dict]] = []
+    handlers: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvindex-http-") as d:
         tmp = Path(d)
+        baseline_tree(a.baseline, tmp)
         files = {ep: tmp / f"body{n}.json" for n, ep in enumerate(reqs)}
         for ep, path in files.items():
             path.write_bytes(reqs[ep])
@@ -336,9 +377,15 @@ def run(a: argparse.Namespace) -> None:
                 this[stack] = figures
                 print(f"round {n + 1}: {stack} done", file=sys.stderr)
             rounds.append({s: this[s] for s in stacks})
+            out = subprocess.run([sys.executable, str(HERE), "handlers", "--blocks", str(a.blocks), "--queries",
+                                  str(a.queries)], capture_output=True, text=True, check=True).stdout
+            handlers.append(json.loads(out))
     summary = summarize(rounds, a.connections)
     print_table(summary, a.connections)
-    doc = {"machine": common.machine(), "args": vars(a), "answers_equal": True, "summary": summary, "rounds": rounds,
+    floor = {ep: statistics.median(h[ep] for h in handlers) for ep in ENDPOINTS}
+    print("handler alone, in-process (no HTTP), median µs: " + ", ".join(f"{ep} {v:.0f}" for ep, v in floor.items()))
+    doc = {"machine": common.machine(), "args": {k: str(v) for k, v in vars(a).items()}, "answers_equal": True,
+           "summary": summary, "rounds": rounds, "handler_only_us": handlers,
            "packages": _versions()}
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     out = common.RESULTS / "http_stacks.json"
@@ -360,7 +407,9 @@ def _versions() -> dict[str, str | None]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", nargs="?", choices=["run", "serve"], default="run")
+    p.add_argument("what", nargs="?", choices=["run", "serve", "handlers"], default="run")
+    p.add_argument("--baseline", default="main", help="run: the git revision whose kvindex is the aiohttp baseline")
+    p.add_argument("--cache", type=Path, help="serve/handlers: the workload cache directory")
     p.add_argument("--stack", choices=STACKS, help="serve: which stack")
     p.add_argument("--stacks", default=",".join(STACKS), help="run: the stacks, aiohttp first")
     p.add_argument("--port-file", type=Path)
@@ -372,7 +421,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.what == "serve":
         from kvindex import loops
-        loops.run(serve(a.stack, a.blocks, a.queries, a.port_file), os.environ.get(loops.ENV, "auto"))
+        loops.run(serve(a.stack, a.blocks, a.queries, a.port_file, a.cache), os.environ.get(loops.ENV, "auto"))
+    elif a.what == "handlers":
+        from kvindex import loops
+        print(json.dumps(loops.run(handler_times(a.blocks, a.queries, a.cache), os.environ.get(loops.ENV, "auto"))))
     else:
         run(a)
 
