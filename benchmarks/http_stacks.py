@@ -288,34 +288,29 @@ def server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_stack(stack: str, a: argparse.Namespace, files: dict[str, Path], reqs: dict[str, bytes],
-                  tmp: Path) -> tuple[dict, dict]:
-    """Start the stack's server, check its answers, run wrk on every endpoint (sequential, concurrent)."""
+def start_server(stack: str, a: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen, int]:
+    """The stack's server process (the baseline's from its own tree), once it listens: (process, port)."""
     port_file = tmp / f"{stack}.port"
-    port_file.unlink(missing_ok=True)
     script = tmp / "baseline" / "benchmarks" / HERE.name if stack == "aiohttp" else HERE
     proc = subprocess.Popen([sys.executable, str(script), "serve", "--stack", stack, "--blocks", str(a.blocks),
                              "--queries", str(a.queries), "--port-file", str(port_file),
                              "--cache", str(common.RESULTS / "workloads")])
-    try:
-        deadline = time.monotonic() + 300
-        while not (port_file.exists() and port_file.read_text()):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{stack} server did not start")
-            time.sleep(0.1)
-        port = int(port_file.read_text())
-        got = answers(port, reqs)
-        figures: dict[str, dict] = {}
-        for ep in ENDPOINTS:
-            for mode, conns in (("seq", 1), (f"c{a.connections}", a.connections)):
-                cpu0 = server_cpu(proc.pid)
-                r = wrk(port, ep, files.get(ep), conns, a.seconds)
-                r["server_cpu_us"] = (server_cpu(proc.pid) - cpu0) / max(r["rps"] * a.seconds, 1) * 1e6
-                figures[f"{ep} {mode}"] = r
-        return figures, got
-    finally:
-        proc.kill()
-        proc.wait()
+    deadline = time.monotonic() + 300
+    while not (port_file.exists() and port_file.read_text()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{stack} server did not start")
+        time.sleep(0.1)
+    return proc, int(port_file.read_text())
+
+
+def measure(server: tuple[subprocess.Popen, int], ep: str, body_file: Path | None, conns: int, seconds: int) -> dict:
+    """One wrk run against one server, with the server's CPU µs per request."""
+    proc, port = server
+    cpu0 = server_cpu(proc.pid)
+    r = wrk(port, ep, body_file, conns, seconds)
+    r["server_cpu_us"] = (server_cpu(proc.pid) - cpu0) / max(r["rps"] * seconds, 1) * 1e6
+    return r
 
 
 def summarize(rounds: list[dict[str, dict]], connections: int) -> dict[str, dict]:
@@ -364,19 +359,28 @@ def run(a: argparse.Namespace) -> None:
         files = {ep: tmp / f"body{n}.json" for n, ep in enumerate(reqs)}
         for ep, path in files.items():
             path.write_bytes(reqs[ep])
-        reference = None
-        for n in range(a.rounds):
-            order = stacks[n % len(stacks):] + stacks[:n % len(stacks)]  # interleaved: the order rotates
-            this: dict[str, dict] = {}
-            for stack in order:
-                figures, got = measure_stack(stack, a, files, reqs, tmp)
-                reference = reference if reference is not None or stack != "aiohttp" else got
-                if stack != "aiohttp" and reference is not None and got != reference:
-                    diff = [ep for ep in ENDPOINTS if got[ep] != reference[ep]]
-                    raise SystemExit(f"{stack} answers differ from aiohttp's on {diff}")
-                this[stack] = figures
-                print(f"round {n + 1}: {stack} done", file=sys.stderr)
-            rounds.append({s: this[s] for s in stacks})
+        servers: dict[str, tuple[subprocess.Popen, int]] = {}
+        try:
+            for stack in stacks:  # every server up at once (idle but one): the stacks measured minutes apart
+                servers[stack] = start_server(stack, a, tmp)
+            reference = answers(servers["aiohttp"][1], reqs)
+            for stack in stacks[1:]:
+                if (got := answers(servers[stack][1], reqs)) != reference:
+                    raise SystemExit(f"{stack} answers differ from aiohttp's on {[e for e in ENDPOINTS if got[e] != reference[e]]}")
+            modes = (("seq", 1), (f"c{a.connections}", a.connections))
+            for n in range(a.rounds):
+                this: dict[str, dict] = {stack: {} for stack in stacks}
+                for i, (ep, (mode, conns)) in enumerate((ep, m) for ep in ENDPOINTS for m in modes):
+                    k = (n + i) % len(stacks)  # interleaved: each (endpoint, mode) runs every stack back to back,
+                    for stack in stacks[k:] + stacks[:k]:  # in an order that rotates
+                        this[stack][f"{ep} {mode}"] = measure(servers[stack], ep, files.get(ep), conns, a.seconds)
+                rounds.append(this)
+                print(f"round {n + 1} done", file=sys.stderr)
+        finally:
+            for proc, _ in servers.values():
+                proc.kill()
+                proc.wait()
+        for _ in range(a.rounds):
             out = subprocess.run([sys.executable, str(HERE), "handlers", "--blocks", str(a.blocks), "--queries",
                                   str(a.queries)], capture_output=True, text=True, check=True).stdout
             handlers.append(json.loads(out))
