@@ -272,7 +272,9 @@ def wrk(port: int, endpoint: str, body_file: Path | None, connections: int, seco
     before = os.times()
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     after = os.times()
-    pcts = {p: float(v) * _UNITS[u] for p, v, u in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s)$", out, re.M)}
+    pcts = {p: float(v) * _UNITS[u] for p, v, u in re.findall(r"^\s+(\d+)%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)}
+    if "50" not in pcts or "99" not in pcts:
+        raise RuntimeError(f"wrk printed no latency distribution:\n{out}")
     requests = int(re.search(r"^\s+(\d+) requests in", out, re.M)[1])
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     errors = re.search(r"Socket errors: (.*)$", out, re.M)
@@ -391,8 +393,8 @@ def run(a: argparse.Namespace) -> None:
     doc = {"machine": common.machine(), "args": {k: str(v) for k, v in vars(a).items()}, "answers_equal": True,
            "summary": summary, "rounds": rounds, "handler_only_us": handlers,
            "packages": _versions()}
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
-    out = common.RESULTS / "http_stacks.json"
+    out = a.out or common.RESULTS / "http_stacks.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"full output: {out}")
 
@@ -413,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", nargs="?", choices=["run", "serve", "handlers"], default="run")
     p.add_argument("--baseline", default="main", help="run: the git revision whose kvindex is the aiohttp baseline")
+    p.add_argument("--out", type=Path, help="run: where the full JSON goes (default benchmarks/results/http_stacks.json)")
     p.add_argument("--cache", type=Path, help="serve/handlers: the workload cache directory")
     p.add_argument("--stack", choices=STACKS, help="serve: which stack")
     p.add_argument("--stacks", default=",".join(STACKS), help="run: the stacks, aiohttp first")
