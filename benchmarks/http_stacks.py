@@ -102,7 +102,7 @@ def adapter_routes() -> dict[tuple[str, str], Any]:
             ("POST", "/v1/score"): native.score, ("GET", "/health"): dynamo.health}
 
 
-async def answer(app: dict, routes: dict, method: str, path: str, request: AdaptedRequest) -> tuple[int, str, bytes]:
+async def answer(routes: dict, method: str, path: str, request: AdaptedRequest) -> tuple[int, str, bytes]:
     """(status, content type, body) of the route's handler; refusals in kvindex's shape."""
     from kvindex.answers import QueryError
     from kvindex.http.errors import ApiError
@@ -127,7 +127,7 @@ def rsgi_app(app: dict) -> Any:
         method = scope.method
         body = await proto() if method == "POST" else b""
         req = AdaptedRequest(app, scope.headers.get("content-type") or "", scope.headers.get("authorization"), body)
-        status, ctype, out = await answer(app, routes, method, scope.path, req)
+        status, ctype, out = await answer(routes, method, scope.path, req)
         proto.response_bytes(status, [("content-type", ctype)], out)
     return serve
 
@@ -150,7 +150,7 @@ def asgi_app(app: dict) -> Any:
         auth = headers.get(b"authorization")
         req = AdaptedRequest(app, headers.get(b"content-type", b"").decode("latin-1"),
                              auth.decode("latin-1") if auth else None, b"".join(chunks))
-        status, ctype, out = await answer(app, routes, scope["method"], scope["path"], req)
+        status, ctype, out = await answer(routes, scope["method"], scope["path"], req)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", ctype.encode()), (b"content-length", str(len(out)).encode())]})
         await send({"type": "http.response.body", "body": out})
@@ -170,7 +170,7 @@ async def handler_times(blocks: int, queries: int, cache: Path | None, calls: in
         for _ in range(calls):
             req = AdaptedRequest(app, "application/json", None, reqs.get(ep, b""))
             t0 = time.perf_counter()
-            await answer(app, routes, method, ep, req)
+            await answer(routes, method, ep, req)
             times.append(time.perf_counter() - t0)
         out[ep] = statistics.median(times) * 1e6
     return out
@@ -315,7 +315,7 @@ def measure(server: tuple[subprocess.Popen, int], ep: str, body_file: Path | Non
     return r
 
 
-def summarize(rounds: list[dict[str, dict]], connections: int) -> dict[str, dict]:
+def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict]:
     """Per stack and endpoint/mode: medians and spread over rounds, ratios against aiohttp and /health."""
     out: dict[str, dict] = {}
     keys = rounds[0]["aiohttp"].keys()
@@ -337,7 +337,7 @@ def summarize(rounds: list[dict[str, dict]], connections: int) -> dict[str, dict
     return out
 
 
-def print_table(summary: dict[str, dict], connections: int) -> None:
+def print_table(summary: dict[str, dict]) -> None:
     print(f"{'stack':14} {'endpoint':22} {'p50 µs':>8} {'p99 µs':>8} {'req/s':>8} {'p50 ×a':>7} {'rps ×a':>7} "
           f"{'×health':>7} {'srv µs/req':>10} {'wrk µs/req':>10} {'p50 spread':>16}")
     for stack, rows in summary.items():
@@ -386,8 +386,8 @@ def run(a: argparse.Namespace) -> None:
             out = subprocess.run([sys.executable, str(HERE), "handlers", "--blocks", str(a.blocks), "--queries",
                                   str(a.queries)], capture_output=True, text=True, check=True).stdout
             handlers.append(json.loads(out))
-    summary = summarize(rounds, a.connections)
-    print_table(summary, a.connections)
+    summary = summarize(rounds)
+    print_table(summary)
     floor = {ep: statistics.median(h[ep] for h in handlers) for ep in ENDPOINTS}
     print("handler alone, in-process (no HTTP), median µs: " + ", ".join(f"{ep} {v:.0f}" for ep, v in floor.items()))
     doc = {"machine": common.machine(), "args": {k: str(v) for k, v in vars(a).items()}, "answers_equal": True,
