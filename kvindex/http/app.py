@@ -19,8 +19,8 @@ Invariants:
   never reach through a service into a store.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
 - Every route has a scope (``scope``; a handler without one is ``READ``), checked by
-  ``request_middleware`` before the body is read and the handler runs: ``OPEN`` (the health checks and the static
-  dashboard page) never needs the token; ``WRITE`` (every mutation and the bulk exports
+  ``request_middleware`` before the body is read and the handler runs: ``OPEN`` (the health
+  checks and the static dashboard page) never needs the token; ``WRITE`` (every mutation and the bulk exports
   ``/v1/state`` and ``/dump``, which carry every pod's keys, salted tenants' included) needs it
   whenever one is configured; ``READ`` needs it only with ``auth = "all"``. A caller who may not
   write leaves no trace in what writers read (``authorized``: ``/v1/score`` remembers its answer

@@ -14,8 +14,8 @@ Invariants:
   connection closed after at most ``LINGER_SECONDS`` more (``read_body_within``, run by the
   request middleware before the handler: every handler then reads the body already received,
   ``body_bytes``); a body cut short by the client is a 400 ``body_incomplete``; a body over
-  ``max_body_bytes`` is a 413 (a declared ``Content-Length`` over it: before anything is read). aiohttp's own log of malformed requests is
-  one line per (message, exception type) per 10 s.
+  ``max_body_bytes`` is a 413 (a declared ``Content-Length`` over it: before anything is read).
+  aiohttp's own log of malformed requests is one line per (message, exception type) per 10 s.
 """
 
 from __future__ import annotations
