@@ -1,25 +1,28 @@
-"""The query path's HTTP stacks side by side: the same handlers and index, four servers (issue 16 part 3).
+"""The query path's HTTP stacks side by side: the same handlers and index, five servers (issue 16 part 3).
 
-Stacks (each its own server process, the same index content built from the same workload):
-- ``aiohttp``: kvindex's app as ``kvindex serve`` runs it (``Daemon.start``: middlewares, cap, uvloop);
-- ``aiohttp-tuned``: the same app with the tuning of ``kvindex.http`` switched on (``TUNED``);
-- ``granian-rsgi`` / ``granian-asgi``: granian (Rust HTTP server) embedded in the same uvloop loop,
+Stacks (each its own server process on uvloop, the same index content built from the same workload):
+- ``aiohttp``: kvindex's app as ``kvindex serve`` runs it (``Daemon.start``: middleware, connection
+  cap) at the git revision ``--baseline`` (default ``main``; ``git archive`` into a temporary tree
+  with this tree's built extensions: pass ``$(git merge-base main HEAD)`` once main has moved on);
+- ``aiohttp-tuned``: the same, from this tree (whatever tuning ``kvindex.http`` has here);
+- ``granian-rsgi`` / ``granian-asgi``: granian (Rust HTTP server) embedded in the same loop,
   serving the same handlers through a thin adapter (``AdaptedRequest``, written here);
 - ``uvicorn``: uvicorn + httptools (ASGI) through the same adapter.
 The adapter serves only the measured routes (``/query``, ``/query_by_hash``, ``/v1/score``,
 ``/health``) with kvindex's refusal shape; it is not a port of kvindex's HTTP layer.
 
-Client: ``wrk`` (C, one thread) in its own process, one keep-alive connection (sequential) and
+Client: ``wrk`` (C, one thread) in its own process, one keep-alive connection (``seq``) and
 ``--connections`` concurrent ones, the same pre-built 8k-token body per endpoint. Its own cost is
-reported as its CPU time per request (``client_cpu_us``): far below the server's, it is not the
-bottleneck. Before timing, every stack's answers are checked equal to ``aiohttp``'s.
+reported as its CPU time per request (``client_cpu_us``), the server's as its process CPU time per
+request (``server_cpu_us``, every thread). Before timing, every stack's answers are checked equal
+to ``aiohttp``'s. ``handlers``: each handler called in-process with no HTTP (the floor of any stack).
 
-Figures are ratios in the same run: each stack's p50 against ``aiohttp``'s (1.0), and each
-endpoint against the stack's own ``/health``. Rounds are interleaved (stack order rotates);
-medians and spread (min..max) over rounds are printed. Needs ``pip install granian uvicorn
-httptools`` and ``wrk`` (``apt-get install wrk``).
+Figures are ratios in the same run: each stack against ``aiohttp`` (1.0), and each endpoint
+against the stack's own ``/health``. Every server is up at once; each (endpoint, mode) runs on
+every stack back to back in an order that rotates; medians and spread (min..max) over rounds.
+Needs ``pip install granian uvicorn httptools`` and ``wrk`` (``apt-get install wrk``).
 
-``python benchmarks/http_stacks.py [--rounds 3] [--seconds 3] [--connections 16]``
+``python benchmarks/http_stacks.py [--rounds 3] [--seconds 3] [--connections 16] [--out F]``
 """
 
 from __future__ import annotations
