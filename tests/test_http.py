@@ -316,3 +316,40 @@ async def test_bearer_token_guards_mutating_endpoints(make_harness: Any) -> None
         assert status == 200, path
     status, _ = await h.post("/v1/score", {"model": "m", "token_ids": [1, 2]})
     assert status == 200
+
+
+async def test_a_body_over_the_cap_is_413_before_it_is_sent_when_declared_and_once_past_it_when_chunked(
+        make_harness: Any) -> None:
+    h = await make_harness(Config(max_body_bytes=2048, body_timeout=30))
+    before = await counter(h, "kvindex_http_rejections")
+    json_ct = {"Content-Type": "application/json"}
+    # a declared length over the cap: refused at once, nothing of the body sent (not a 408 after 30 s)
+    reader, writer = await asyncio.open_connection("127.0.0.1", h.daemon.port)
+    writer.write(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100000\r\n\r\n")
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 413"), head
+    writer.close()
+    await writer.wait_closed()
+    # no length declared (chunked): refused once the chunks received pass the cap
+    big = json.dumps({"model": "m", "prompt": "x" * 3000}).encode()
+
+    async def chunks() -> Any:
+        yield big[:1000]
+        yield big[1000:]
+    s, _, body = await raw(h, "POST", "/v1/score", data=chunks(), headers=json_ct)
+    assert s == 413 and json.loads(body) == {"error": "body exceeds 2048 bytes", "field": "body"}, (s, body)
+    # a body of exactly the cap, in chunks: read whole and answered on its merits
+    start = b'{"model": "m", "token_ids": [1], "pad": "'
+    at_cap = start + b"x" * (2048 - len(start) - 2) + b'"}'
+    assert len(at_cap) == 2048
+
+    async def at_cap_chunks() -> Any:
+        yield at_cap[:700]
+        yield at_cap[700:]
+    s, _, body = await raw(h, "POST", "/v1/score", data=at_cap_chunks(), headers=json_ct)
+    assert s == 200 and json.loads(body)["model"] == "m", (s, body)
+    after = await counter(h, "kvindex_http_rejections")
+    key = (("endpoint", "/v1/score"), ("reason", "too_large"))
+    assert after.get(key, 0) - before.get(key, 0) == 2

@@ -19,8 +19,8 @@ Invariants:
   never reach through a service into a store.
 - Pod ids may contain ``/``: routes with a pod take the rest of the path, raw or URL-encoded.
 - Every route has a scope (``scope``; a handler without one is ``READ``), checked by
-  ``auth_middleware`` before the handler runs: ``OPEN`` (the health checks and the static
-  dashboard page) never needs the token; ``WRITE`` (every mutation and the bulk exports
+  ``request_middleware`` before the body is read and the handler runs: ``OPEN`` (the health
+  checks and the static dashboard page) never needs the token; ``WRITE`` (every mutation and the bulk exports
   ``/v1/state`` and ``/dump``, which carry every pod's keys, salted tenants' included) needs it
   whenever one is configured; ``READ`` needs it only with ``auth = "all"``. A caller who may not
   write leaves no trace in what writers read (``authorized``: ``/v1/score`` remembers its answer
@@ -99,12 +99,22 @@ def endpoint_label(request: web.Request) -> str:
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def request_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request's gate, in one frame (each middleware is one more coroutine per request): the
+    loading refusal, then the route's scope (an unmatched path or method is not a route: its
+    404 / 405 needs no token and no body), then the body read whole within ``body_timeout`` and
+    ``max_body_bytes`` (only once the caller passed the auth check: an unauthenticated request is
+    answered unread), then the handler; every refusal answered and counted here."""
     svc = services(request)
     try:
         loading = svc.loading() if svc.loading is not None else None
         if loading is not None and request.path not in OPEN_WHILE_LOADING:
             raise ApiError(loading, status=503, reason="loading")
+        match = request.match_info
+        if match.http_exception is None:
+            if needs_token(svc, route_scope(match.handler)) and not authorized(request):
+                raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
+            await read_body_within(request, svc.config.body_timeout, svc.config.max_body_bytes)
         return await handler(request)
     except QueryError as exc:
         err = ApiError(str(exc), field=exc.field, status=exc.status, reason=exc.reason)
@@ -152,29 +162,10 @@ def needs_token(svc: Services, level: str) -> bool:
     return svc.token is not None and (level == WRITE or (level == READ and svc.config.auth == "all"))
 
 
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The route's scope, checked before its handler runs (an unmatched path or method is not a
-    route: its 404 / 405 needs no token)."""
-    level = route_scope(request.match_info.handler)
-    if request.match_info.http_exception is None and needs_token(services(request), level) and not authorized(request):
-        raise ApiError("missing or wrong bearer token", field="Authorization", status=401, reason="unauthorized")
-    return await handler(request)
-
-
-@web.middleware
-async def body_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A route's body, read whole within ``body_timeout`` before its handler runs; only once the
-    caller passed the auth check (an unauthenticated or unrouted request is answered unread)."""
-    if request.match_info.http_exception is None:
-        await read_body_within(request, services(request).config.body_timeout)
-    return await handler(request)
-
-
 def make_app(svc: Services, routes: Iterable[web.RouteDef]) -> web.Application:
-    """The application: ``routes`` (``native.routes()``, ``dynamo.routes()``) behind the error,
-    auth and body middlewares (in that order), bodies capped at ``max_body_bytes``."""
-    app = web.Application(middlewares=[errors_middleware, auth_middleware, body_middleware],
+    """The application: ``routes`` (``native.routes()``, ``dynamo.routes()``) behind
+    ``request_middleware``, bodies capped at ``max_body_bytes``."""
+    app = web.Application(middlewares=[request_middleware],
                           client_max_size=svc.config.max_body_bytes)
     app[SERVICES] = svc
     app[REFUSALS] = BurstLog(logging.getLogger("kvindex.http"), interval=REFUSAL_LOG_SECONDS)

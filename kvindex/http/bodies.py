@@ -48,6 +48,7 @@ from kvindex.http.fields import (
     Pods,
     Salt,
 )
+from kvindex.http.server import body_bytes
 from kvindex.limits import FIELD_LIMITS, MAX_MODEL_CHARS
 
 MSGPACK = "application/msgpack"
@@ -124,7 +125,7 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
     index renders); otherwise the plain fast decoder (token ids, hashes). Either way the
     top-level field ``u32_field`` (token ids, which nothing renders) comes back as an
     ``array("I")`` when it is a plain u32 array."""
-    raw = await request.read()
+    raw = await body_bytes(request)
     if allow_msgpack and request.content_type == MSGPACK:
         try:
             body = check_depth(msgpack.unpackb(raw, raw=False, strict_map_key=False))

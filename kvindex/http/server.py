@@ -11,10 +11,11 @@ Invariants:
 - A connection that sends no complete request header within ``idle_timeout`` seconds of opening
   (or of its last answer) is closed (aiohttp's keep-alive timer runs from the connection's
   start); a body not received whole within ``body_timeout`` seconds is answered 408 and the
-  connection closed after at most ``LINGER_SECONDS`` more (``read_body_within``, the error
-  middleware's first step: every handler then reads the body already received); a body cut
-  short by the client is a 400 ``body_incomplete``. aiohttp's own log of malformed requests is
-  one line per (message, exception type) per 10 s.
+  connection closed after at most ``LINGER_SECONDS`` more (``read_body_within``, run by the
+  request middleware before the handler: every handler then reads the body already received,
+  ``body_bytes``); a body cut short by the client is a 400 ``body_incomplete``; a body over
+  ``max_body_bytes`` is a 413 (a declared ``Content-Length`` over it: before anything is read).
+  aiohttp's own log of malformed requests is one line per (message, exception type) per 10 s.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import resource
 import socket
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from kvindex.http.errors import ApiError
 from kvindex.logs import burst_logger
@@ -110,17 +111,51 @@ def runner_options(idle_timeout: float) -> dict[str, Any]:
             "lingering_time": LINGER_SECONDS, "logger": burst_logger("kvindex.http.server", log)}
 
 
-async def read_body_within(request: web.Request, timeout: float) -> None:
-    """Read (and keep: ``request.read()`` caches it) a request's body, within ``timeout`` seconds;
-    past it, the 408 ``body_timeout`` refusal and the connection is closed after the answer."""
+BODY = web.RequestKey("kvindex_body", bytes)  # the body read by ``read_body_within``, for ``body_bytes``
+
+
+async def read_body_within(request: web.Request, timeout: float, cap: int) -> None:
+    """Read a request's body whole (kept under ``BODY``, read by ``body_bytes``), within ``timeout``
+    seconds and at most ``cap`` bytes; past the time, the 408 ``body_timeout`` refusal and the
+    connection is closed after the answer; past the cap (a declared ``Content-Length`` before
+    anything is read), the 413 ``too_large``. A body already whole needs no timer."""
     if not request.body_exists:
         return
+    if (declared := request.content_length) is not None and declared > cap:
+        raise too_large(cap)
+    stream = request.content
     try:
+        if stream.is_eof():
+            request[BODY] = await read_capped(stream, cap)
+            return
         async with asyncio.timeout(timeout):
-            await request.read()
+            request[BODY] = await read_capped(stream, cap)
     except TimeoutError:
         raise ApiError(f"request body not received within {timeout:g} s", field="body", status=408,
                        reason="body_timeout") from None
     except ConnectionError:  # the client went away mid-body: nobody to answer, but counted
         raise ApiError("request body incomplete: the connection closed", field="body",
                        reason="body_incomplete") from None
+
+
+async def read_capped(stream: StreamReader, cap: int) -> bytes:
+    """The stream's bytes to its end, at most ``cap`` of them: the chunks as received, joined once
+    (one chunk is returned as it is), not grown in a buffer and copied again as ``request.read()`` does."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await stream.readany():
+        size += len(chunk)
+        if size > cap:
+            raise too_large(cap)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def too_large(cap: int) -> ApiError:
+    return ApiError(f"body exceeds {cap} bytes", field="body", status=413, reason="too_large")
+
+
+async def body_bytes(request: web.Request) -> bytes:
+    """The request's body: what ``read_body_within`` read, else (a request it did not see) read now."""
+    body = request.get(BODY)
+    return body if body is not None else await request.read()
