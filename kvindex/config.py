@@ -39,7 +39,7 @@ from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
 MAX_WORKERS = 64
 AUTH_MODES = ("writes", "all")  # what the bearer token guards (--auth; kvindex.http.app)
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
-TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
+TOKENIZER_NAMES = ("none", "engine", "llmd-sim", "hf", "render")
 # ZeroMQ transports a SUB (and the replay DEALER) socket can use; each needs libzmq built with it
 ZMQ_TRANSPORTS = {"tcp": None, "ipc": "ipc", "inproc": None, "pgm": "pgm", "epgm": "pgm", "tipc": "tipc",
                   "norm": "norm", "vmci": "vmci", "ws": "draft", "wss": "draft"}
@@ -117,14 +117,25 @@ class ModelConfig:
 
     tokenizer: str = "none"
     tokenize_url: str | None = None
+    tokenizer_path: str | None = None  # tokenizer = "hf": the folder of tokenizer.json + tokenizer_config.json
     block_size: int | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size, "model block_size")
         if self.tokenizer not in TOKENIZER_NAMES:
             raise ConfigError(f"tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
-        if self.tokenizer == "engine" and not self.tokenize_url:
-            raise ConfigError('tokenizer = "engine" needs tokenize_url (the engine\'s base URL)')
+        if self.tokenizer in ("engine", "render") and not self.tokenize_url:
+            raise ConfigError(f'tokenizer = "{self.tokenizer}" needs tokenize_url (the engine\'s base URL)')
+        if self.tokenizer == "hf":
+            check_tokenizer_path(self.tokenizer_path)
+
+
+def check_tokenizer_path(path: str | None) -> None:
+    """``tokenizer = "hf"``'s folder holds both files (their content: ``adapters.hf_tokenizer``)."""
+    missing = [n for n in ("tokenizer.json", "tokenizer_config.json") if not (Path(path or "").expanduser() / n).is_file()]
+    if not path or missing:
+        raise ConfigError(f'tokenizer = "hf": tokenizer_path {path!r} must be a folder with tokenizer.json and '
+                          f'tokenizer_config.json (a model repository or Hugging Face snapshot){"" if not path else f"; no {missing[0]} there"}')
 
 
 MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer

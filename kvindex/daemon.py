@@ -48,7 +48,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from adapters import DIALECTS
-from adapters.engine_tokenizer import EngineTokenizer
+from adapters.engine_tokenizer import EngineTokenizer, RenderTokenizer
+from adapters.hf_tokenizer import HFTokenizer
 from adapters.llmd_sim import SimTokenizer
 from kvindex import native
 from kvindex.config import Config, EngineConfig
@@ -124,8 +125,10 @@ class Daemon:
         self.pods: PodsView = (
             ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
-        self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._tokenizers: dict[str, Tokenizer | None] = {  # loaded now: a bad tokenizer_path stops the start
+            name: CachingTokenizer(HFTokenizer.load(mc.tokenizer_path or "", name))
+            for name, mc in config.models.items() if mc.tokenizer == "hf"}
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
                                   behind=self._behind)
         self.registrations = Registrations()
@@ -251,10 +254,10 @@ class Daemon:
             inner: Tokenizer | None = None
             if mc.tokenizer == "llmd-sim":
                 inner = SimTokenizer()
-            elif mc.tokenizer == "engine" and mc.tokenize_url:
+            elif mc.tokenizer in ("engine", "render") and mc.tokenize_url:
                 if self._session is None:
                     self._session = aiohttp.ClientSession()
-                inner = EngineTokenizer(mc.tokenize_url, self._session)
+                inner = (EngineTokenizer if mc.tokenizer == "engine" else RenderTokenizer)(mc.tokenize_url, self._session)
             self._tokenizers[model] = CachingTokenizer(inner) if inner is not None else None
         return self._tokenizers[model]
 
