@@ -96,6 +96,9 @@ WORKER_EXIT_GRACE = 5.0  # seconds between a worker's death and the daemon's exi
 class Daemon:
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None, token: str | None = None) -> None:
         self.config = config
+        self._tokenizers: dict[str, Tokenizer | None] = {  # loaded first: a bad tokenizer_path stops the start
+            name: CachingTokenizer(HFTokenizer.load(mc.tokenizer_path or "", name))
+            for name, mc in config.models.items() if mc.tokenizer == "hf"}
         default_registry = MergedRegistry() if config.workers > 1 else CollectorRegistry()
         self.registry = registry if registry is not None else default_registry
         self.metrics = Metrics(self.registry)
@@ -126,9 +129,6 @@ class Daemon:
             ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
         self._session: aiohttp.ClientSession | None = None
-        self._tokenizers: dict[str, Tokenizer | None] = {  # loaded now: a bad tokenizer_path stops the start
-            name: CachingTokenizer(HFTokenizer.load(mc.tokenizer_path or "", name))
-            for name, mc in config.models.items() if mc.tokenizer == "hf"}
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
                                   behind=self._behind)
         self.registrations = Registrations()
