@@ -15,7 +15,8 @@ Invariants:
   ``add_special_tokens`` default **false** (vLLM's /v1/chat/completions default: the template
   writes BOS itself, so it is never doubled; a body that sets it true gets what vLLM gives it).
 - A body of at most ``INLINE_CHARS`` characters is tokenized on the event loop; a longer one in
-  the loop's default executor, so a long body never stalls the loop (measured in
+  the loop's default executor with ``encode_batch``, which releases the GIL (``encode`` does not:
+  in a thread it would stall the loop as much), so a long body never stalls the loop (measured in
   benchmarks/tokenizer.py).
 - A body that cannot be tokenized raises ``ValueError`` (``ChatTemplateError``), one line.
 """
@@ -151,31 +152,34 @@ class HFTokenizer:
             raise ConfigError(f"{what}: {exc}") from None
         return cls(backend, templates)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``."""
+    def encode(self, text: str, add_special_tokens: bool, release_gil: bool = False) -> list[int]:
+        """Token ids of ``text``. ``tokenizers``' ``encode`` holds the GIL throughout (a thread running
+        it stalls the event loop just the same); ``encode_batch`` releases it: off the loop, use that."""
+        if release_gil:
+            return list(self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def render(self, body: dict[str, Any]) -> str:
         """A chat body's prompt text (``ChatTemplateError`` when the template cannot render it)."""
         return self._templates.render(body)
 
-    def tokenize_now(self, body: dict[str, Any]) -> list[int]:
+    def tokenize_now(self, body: dict[str, Any], release_gil: bool = False) -> list[int]:
         """``body``'s token ids, computed in the calling thread."""
         specials = body.get("add_special_tokens")
         if specials is not None and not isinstance(specials, bool):
             raise ValueError("add_special_tokens must be true or false")
         prompt, messages = body.get("prompt"), body.get("messages")
         if isinstance(prompt, str):
-            return self.encode(prompt, True if specials is None else specials)
+            return self.encode(prompt, True if specials is None else specials, release_gil)
         if isinstance(messages, list):
-            return self.encode(self.render(body), bool(specials))
+            return self.encode(self.render(body), bool(specials), release_gil)
         raise ValueError("request body needs a string 'prompt' or a list 'messages'")
 
     async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]:
         """``Tokenizer`` protocol: long bodies are tokenized off the event loop."""
         if _body_chars(body) <= INLINE_CHARS:
             return self.tokenize_now(body)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenize_now, body)
+        return await asyncio.get_running_loop().run_in_executor(None, self.tokenize_now, body, True)
 
 
 def _body_chars(body: dict[str, Any]) -> int:
