@@ -224,8 +224,10 @@ class ChatTemplates:
         if found is None:
             found = CompiledTemplate(self._env, source)
             if len(self._compiled) >= MAX_COMPILED:  # a body's own template: evict the oldest such
-                self._compiled.pop(next(k for k in self._compiled if k != self._default
-                                        and k not in self._named.values()), None)
+                own = {self._default, *self._named.values()}
+                oldest = next((k for k in self._compiled if k not in own), None)
+                if oldest is not None:
+                    self._compiled.pop(oldest, None)
             self._compiled[source] = found
         return found
 

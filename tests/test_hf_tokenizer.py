@@ -73,7 +73,10 @@ async def test_tokenization_equals_engine_prompt_token_ids(tiny: HFTokenizer) ->
     assert equal == total >= 730 and chats > 300 and salted > 30 and long_bodies > 0
 
 
-SCORED = ["small", "small_bytes_hashes", "reset_restart", "two_engines", "lora"]
+SCORED = ["small", "small_bytes_hashes", "reset_restart", "two_engines", "lora", "report_full", "offload_cpu"]
+# the engine's cached_tokens there needs report-mode re-announcements (i14-report) and the CPU tier
+# (i14-tiers) handled: until then, only "the body scores as the engine's own token ids" is asserted
+INDEX_PENDING = {"report_full", "offload_cpu"}
 
 
 @pytest.mark.parametrize("capture", SCORED)
@@ -88,12 +91,13 @@ async def test_score_from_body_equals_engine_cached_tokens(capture: str, make_ha
     by_body = await _replay(folder, captured, engine, h)
     # the requests the capture's own predictable(): sent with no other in flight to that engine
     alone = {r["i"] for r in _predictable(folder)}
-    base = [r for r in by_body if r.get("model", "tiny") == "tiny"]  # adapter requests: LoRA by name
-    sequential = [r for r in base if r["i"] in alone]
+    sequential = [r for r in by_body if r["i"] in alone]
     agree = sum(r["by_body"] == r["cached_tokens"] for r in sequential)
+    adapter = sum(r.get("model", "tiny") != "tiny" for r in sequential)
     print(f"{capture}: /v1/score by body == engine cached_tokens for {agree} / {len(sequential)} sequential "
-          f"base-model requests ({len(by_body)} requests scored)")
-    assert agree == len(sequential) >= (10 if capture != "two_engines" else 1)
+          f"requests ({adapter} of them an adapter's, scored with lora_name; {len(by_body)} requests scored)")
+    if capture not in INDEX_PENDING:
+        assert agree == len(sequential) >= (10 if capture != "two_engines" else 1)
     for r in by_body:  # every request, sequential or not, adapter or not: the body scores as its token ids
         assert r["by_body"] == r["by_ids"], (capture, r["i"])
 
@@ -113,8 +117,8 @@ async def _replay(folder: Path, captured: list[Any], engine: Any, h: Any) -> lis
         pos = await publish_until(engine, h, captured, pos, r["t_sent"])
         pod = r["server"].split("//")[1]
         body = {**body_of(r), "model": "tiny", "pods": [pod]}
-        if r.get("model", "tiny") != "tiny":
-            body["lora_name"] = r["model"]  # until LoRA-by-served-name lands (i14-lora)
+        if r.get("model", "tiny") != "tiny":  # the adapter's served name: until LoRA by name (i14-lora)
+            body["lora_name"] = r["model"]  # is merged, the base model plus lora_name, as exact
         status, by_body = await h.post("/v1/score", body)
         assert status == 200, by_body
         ids = {k: v for k, v in body.items() if k not in BODY_KEYS} | {"token_ids": r["prompt_token_ids"]}
