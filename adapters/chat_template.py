@@ -9,7 +9,8 @@ Facts carried over (vLLM 0.32 ``renderers/hf.py``, ``renderers/chat_utils.py``; 
 - Variables: ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the special tokens
   (``bos_token``, ``eos_token``, ...), then ``chat_template_kwargs`` filtered to the names the
   template uses; the body's own ``add_generation_prompt`` (default true) / ``continue_final_message``
-  / ``tools`` win over the same names in ``chat_template_kwargs``; ``chat_template`` or ``tokenize``
+  / ``tools`` / ``documents`` / ``reasoning_effort`` (which also sets ``enable_thinking`` unless the
+  kwargs do) win over the same names in ``chat_template_kwargs``; ``chat_template`` or ``tokenize``
   inside ``chat_template_kwargs`` is refused.
 - ``chat_template`` (the config's or the body's) is a template, or the name of one of the model's
   named templates; with named templates and no choice, ``tool_use`` when tools are given, else
@@ -19,6 +20,9 @@ Facts carried over (vLLM 0.32 ``renderers/hf.py``, ``renderers/chat_utils.py``; 
   format), any other template gets one string (text parts joined by newlines, none -> "");
   assistant ``tool_calls`` get their ``arguments`` JSON decoded to an object ({} when empty or
   not an object); an empty ``tool_calls`` is dropped; a tool message's text parts are one string.
+- ``tools`` are given to the template as vLLM's request model dumps them: ``{"type": "function",
+  "function": {"name", "description", "parameters"[, "strict"][, "defer_loading"]}[,
+  "defer_loading"]}``, absent description/parameters as null, other keys dropped.
 - ``continue_final_message`` renders the chat with the final message open: the rendered text is cut
   right after that message's content (a template that trims it: cut and right-stripped).
 - Anything the template or the messages cannot give raises ``ChatTemplateError`` (a ``ValueError``)
@@ -163,6 +167,26 @@ def _tool_calls(calls: list[Any]) -> list[Any]:
     return out
 
 
+def normalise_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A body's ``tools`` as vLLM's ``ChatCompletionToolsParam.model_dump()`` gives them to the template."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatTemplateError("tools must be a list")
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or tool.get("type", "function") != "function":
+            raise ChatTemplateError("every tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+        defer = tool.get("defer_loading")
+        function = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+        for key, value in (("strict", fn.get("strict")), ("defer_loading", fn.get("defer_loading", defer))):
+            if value is not None:
+                function[key] = value
+        out.append({"type": "function", "function": function, **({"defer_loading": defer} if defer is not None else {})})
+    return out
+
+
 def normalise_message(message: Any, wants_parts: bool) -> dict[str, Any]:
     """One OpenAI message as the template sees it (see the module's invariants)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -205,6 +229,14 @@ def _tag_final(messages: list[dict[str, Any]]) -> str:
             part["text"] = text + CONTINUE_TAG
             return text
     raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+
+
+def _request_kwargs(body: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The body's own rendering fields that vLLM merges over ``chat_template_kwargs`` (null = unset)."""
+    out = {k: body[k] for k in ("documents", "reasoning_effort") if body.get(k) not in (None, "auto")}
+    if body.get("reasoning_effort") is not None and "enable_thinking" not in kwargs:
+        out["enable_thinking"] = body["reasoning_effort"] != "none"
+    return out
 
 
 class ChatTemplates:
@@ -250,7 +282,7 @@ class ChatTemplates:
 
     def render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat ``body`` (``messages``, ``tools``, ``chat_template``...)."""
-        messages, tools = body.get("messages"), body.get("tools")
+        messages, tools = body.get("messages"), normalise_tools(body.get("tools"))
         if not isinstance(messages, list) or not messages:
             raise ChatTemplateError("'messages' must be a non-empty list")
         kwargs = body.get("chat_template_kwargs") or {}
@@ -266,9 +298,10 @@ class ChatTemplates:
         chat = [normalise_message(m, template.wants_parts) for m in messages]
         final_text = _tag_final(chat) if continue_final else ""
         variables = dict(self._special)  # a chat_template_kwargs of the same name wins (transformers)
-        variables.update({k: v for k, v in kwargs.items() if k in template.variables})
+        variables.update({k: v for k, v in {**kwargs, **_request_kwargs(body, kwargs)}.items()
+                          if k in template.variables})
         variables.update(messages=chat, tools=tools if tools is not None else kwargs.get("tools"),
-                         documents=kwargs.get("documents"), add_generation_prompt=add_prompt)
+                         documents=variables.get("documents"), add_generation_prompt=add_prompt)
         try:
             rendered = template.template.render(**variables)
         except jinja2.TemplateError as exc:

@@ -201,7 +201,7 @@ def test_named_templates_and_the_body_override(tmp_path: Path) -> None:
     tok = with_template(tmp_path, [{"name": "default", "template": "D{{ messages[0]['content'] }}"},
                                    {"name": "tool_use", "template": "T{{ tools | length }}"}])
     assert tok.render({"messages": HI}) == "Dhi"
-    assert tok.render({"messages": HI, "tools": [{"type": "function"}]}) == "T1"
+    assert tok.render({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}) == "T1"
     assert tok.render({"messages": HI, "chat_template": "tool_use", "tools": []}) == "T0"
     assert tok.render({"messages": HI, "chat_template": "X{{ messages | length }}"}) == "X1"
 
@@ -235,6 +235,25 @@ def test_message_normalisation(tmp_path: Path) -> None:
         == "<s><a><b>"
     with pytest.raises(ValueError, match="image_url"):
         strings.render({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
+
+
+def test_tools_as_vllm_dumps_them(tmp_path: Path) -> None:
+    tok = with_template(tmp_path, "{{ tools | tojson }}")
+    tools = [{"type": "function", "function": {"name": "f", "x": 1}},
+             {"function": {"name": "g", "description": "d", "parameters": {"p": 1}, "strict": True}, "defer_loading": True}]
+    assert json.loads(tok.render({"messages": HI, "tools": tools})) == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}},
+        {"type": "function", "function": {"name": "g", "description": "d", "parameters": {"p": 1}, "strict": True,
+                                          "defer_loading": True}, "defer_loading": True}]
+    with pytest.raises(ValueError, match="every tool"):
+        tok.render({"messages": HI, "tools": [{"type": "function"}]})
+
+
+def test_reasoning_effort_sets_enable_thinking(tmp_path: Path) -> None:
+    tok = with_template(tmp_path, "{{ reasoning_effort }}/{{ enable_thinking }}")
+    assert tok.render({"messages": HI, "reasoning_effort": "none"}) == "none/False"
+    assert tok.render({"messages": HI, "reasoning_effort": "high",
+                       "chat_template_kwargs": {"enable_thinking": "kw"}}) == "high/kw"
 
 
 def test_continue_final_message(tiny: HFTokenizer) -> None:
