@@ -23,7 +23,10 @@ Asserted:
   its pod holds only what the new process stored;
 - chat bodies (tenants' system prompts, growing conversations) scored by body alone through the
   ``hf`` kvindex and the ``render`` kvindex equal engine a's ``cached_tokens`` for each chat
-  completion; b's render routes answer 403 (what ``tokenizer = "render"`` falls back on).
+  completion; b's render routes answer 403 (what ``tokenizer = "render"`` falls back on);
+- template edge cases (tools, tool calls, content parts, kwargs, continue_final_message,
+  add_special_tokens, raise_exception) tokenized by kvindex's hf tokenizer equal engine a's
+  ``/tokenize`` (a trusts request chat templates), or both refuse.
 
 Needs the venv and model made by ``.ci/vllm_setup.sh`` (``VLLM_VENV``, ``VLLM_MODEL_DIR``); fails,
 never skips, when they are missing. Selected with ``-m e2e`` (the default run deselects it).
@@ -344,7 +347,8 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     kv_port, kv_hf_port = ports[6], ports[7]
     for e in engines:
         (ARTIFACTS / f"engine-{e.name}.log").unlink(missing_ok=True)
-        e.setup(ARTIFACTS / f"engine-{e.name}.log", *(["--enable-scale-out"] if e.name == "a" else []))
+        e.setup(ARTIFACTS / f"engine-{e.name}.log",
+                *(["--enable-scale-out", "--trust-request-chat-template"] if e.name == "a" else []))
     a, b = engines
 
     kvindex = kvindex_proc("kvindex", kv_port, engines, f'tokenizer = "render"\ntokenize_url = "{a.url}"')
@@ -439,6 +443,11 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         status, off = http("POST", b.url + "/v1/chat/completions/render", {"model": MODEL, "messages": CHAT_HI})
         assert status == 403, (status, off)  # b runs without --enable-scale-out: render falls back to /tokenize
 
+        # 7. the template conventions, body by body: kvindex's hf tokenizer vs engine a's /tokenize
+        differ = template_differential(a)
+        summary.update(template_cases=len(TEMPLATE_CASES), template_cases_equal=len(TEMPLATE_CASES) - len(differ))
+        assert not differ, differ
+
         # every routed request: kvindex's precise prediction == the engine's cached_tokens
         wrong = [(r.i, r.pod, r.prompt_tokens, r.predicted, r.cached) for r in router.log
                  if r.decision_precise is not None and r.predicted != r.cached]
@@ -510,6 +519,57 @@ def chat_round(router: Router, kv_hf: str, engine: Engine, work: Workload, n: in
         if len(messages) > 9:
             convos.pop(tenant)
     return out
+
+
+# a string-content template using tools, tool calls, kwargs, raise_exception; one looping over content parts
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}\n  {% if m.role == 'assistant' and m.tool_calls is defined %}<|assistant|>"
+    "{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}<|end|>"
+    "{% elif m.role == 'tool' %}<|user|>result {{ m.tool_call_id }}: {{ m.content }}<|end|>"
+    "{% else %}<|{{ m.role }}|>{{ m.content | trim }}<|end|>{% endif %}\n{% endfor %}"
+    "{% if flavour is defined %}[{{ flavour }}]{% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PARTS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+                  "{{ p['text'] }}{% endif %}{% endfor %}<|end|>{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "größe", "n": 2}'}}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+CONVO = [{"role": "system", "content": "  be brief  "}, {"role": "user", "content": "find it"},
+         {"role": "assistant", "content": None, "tool_calls": [CALL]},
+         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}, {"type": "text", "text": "ok"}]}]
+TEMPLATE_CASES: list[dict[str, Any]] = [
+    {"messages": CONVO[:2], "add_generation_prompt": False},
+    {"messages": [*CONVO[:2], {"role": "assistant", "content": "Sure"}], "add_generation_prompt": False,
+     "continue_final_message": True},
+    {"messages": CONVO[:2], "add_special_tokens": True},
+    {"messages": CONVO, "tools": [TOOL], "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"flavour": "ü"}},
+    {"messages": CONVO[:2], "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"unused": 1}},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                  {"role": "user", "content": "plain"}], "chat_template": PARTS_TEMPLATE},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+    {"prompt": "Document: the cat sat", "add_special_tokens": False},
+    {"prompt": "Document: the cat sat"},
+    {"messages": CONVO[:2], "chat_template": "{{ raise_exception('no system messages') }}"},
+]
+
+
+def template_differential(engine: Engine) -> list[Any]:
+    """Bodies whose ids from kvindex's hf tokenizer differ from the engine's /tokenize (both refusing agrees)."""
+    sys.path.insert(0, str(ROOT))
+    from adapters.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer.load(VLLM_MODEL_DIR, MODEL)
+    differ = []
+    for i, body in enumerate(TEMPLATE_CASES):
+        status, answer = http("POST", engine.url + "/tokenize", {"model": MODEL, **body})
+        try:
+            ours: Any = tok.tokenize_now(body)
+        except ValueError as exc:
+            ours = f"refused: {exc}"
+        theirs = answer.get("tokens") if status == 200 else f"HTTP {status}"
+        if (ours != theirs) and not (status == 400 and isinstance(ours, str)):
+            differ.append((i, ours, theirs, answer if status != 200 else None))
+    return differ
 
 
 def metric(kv: str, name: str, labels: str | None = None) -> float:
