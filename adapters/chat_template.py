@@ -19,7 +19,9 @@ Facts carried over (vLLM 0.32 ``renderers/hf.py``, ``renderers/chat_utils.py``; 
   ``content`` gets content as a list of ``{"type": "text", "text": ...}`` parts ("openai"
   format), any other template gets one string (text parts joined by newlines, none -> "");
   assistant ``tool_calls`` get their ``arguments`` JSON decoded to an object ({} when empty or
-  not an object); an empty ``tool_calls`` is dropped; a tool message's text parts are one string.
+  not an object); an empty ``tool_calls`` is dropped; a tool message's text parts are one string;
+  with a template that never names the "developer" role, developer messages become system ones
+  and all system messages are merged into the first (joined by blank lines).
 - ``tools`` are given to the template as vLLM's request model dumps them: ``{"type": "function",
   "function": {"name", "description", "parameters"[, "strict"][, "defer_loading"]}[,
   "defer_loading"]}``, absent description/parameters as null, other keys dropped.
@@ -122,6 +124,7 @@ class CompiledTemplate:
             raise ChatTemplateError(f"chat template does not compile: {one_line(str(exc))}") from None
         self.source = source
         self.wants_parts = _loops_over_content(tree)
+        self.names_developer = '"developer"' in source or "'developer'" in source
 
 
 def _text_parts(role: str, content: Any) -> list[str]:
@@ -204,7 +207,26 @@ def normalise_message(message: Any, wants_parts: bool) -> dict[str, Any]:
             out["tool_calls"] = _tool_calls(calls)
         if message.get("reasoning") is not None:
             out["reasoning"] = out["reasoning_content"] = message["reasoning"]
+    if role == "developer":
+        out["tools"] = message.get("tools")
     return out
+
+
+def developer_as_system(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's rewrite for a template that never names the developer role: developer messages become
+    system ones, then every system message is merged into one first (texts joined by blank lines)."""
+    chat = [{k: v for k, v in m.items() if k != "tools"} | {"role": "system"} if m["role"] == "developer" else m
+            for m in chat]
+    systems = [i for i, m in enumerate(chat) if m["role"] == "system"]
+    if not systems or systems == [0]:
+        return chat
+    texts = []
+    for i in systems:
+        content = chat[i].get("content")
+        text = "\n".join(p.get("text", "") for p in content) if isinstance(content, list) else content
+        if text:
+            texts.append(text)
+    return [{"role": "system", "content": "\n\n".join(texts)}, *(m for m in chat if m["role"] != "system")]
 
 
 def _continued(rendered: str, final_text: str) -> str:
@@ -296,6 +318,8 @@ class ChatTemplates:
         if add_prompt and continue_final:
             raise ChatTemplateError("continue_final_message needs add_generation_prompt false")
         chat = [normalise_message(m, template.wants_parts) for m in messages]
+        if any(m["role"] == "developer" for m in chat) and not template.names_developer:
+            chat = developer_as_system(chat)
         final_text = _tag_final(chat) if continue_final else ""
         variables = dict(self._special)  # a chat_template_kwargs of the same name wins (transformers)
         variables.update({k: v for k, v in {**kwargs, **_request_kwargs(body, kwargs)}.items()

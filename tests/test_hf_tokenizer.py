@@ -256,6 +256,15 @@ def test_reasoning_effort_sets_enable_thinking(tmp_path: Path) -> None:
                        "chat_template_kwargs": {"enable_thinking": "kw"}}) == "high/kw"
 
 
+def test_developer_role_without_template_support(tiny: HFTokenizer, tmp_path: Path) -> None:
+    messages = [{"role": "system", "content": "s"}, {"role": "developer", "content": [{"type": "text", "text": "d"}]},
+                {"role": "developer", "content": ""}, {"role": "user", "content": "u"}]
+    assert tiny.render({"messages": messages}) == "<|system|>s\n\nd<|end|><|user|>u<|end|><|assistant|>"
+    assert tiny.render({"messages": messages[1:2]}) == "<|system|>d<|end|><|assistant|>"  # first: no merge
+    named = with_template(tmp_path, "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{% endfor %}")
+    assert named.render({"messages": messages}) == "DD"  # a template naming the role gets it unchanged
+
+
 def test_continue_final_message(tiny: HFTokenizer) -> None:
     body = {"messages": [*HI, {"role": "assistant", "content": "Sure, "}], "continue_final_message": True,
             "add_generation_prompt": False}

@@ -25,8 +25,9 @@ Asserted:
   ``hf`` kvindex and the ``render`` kvindex equal engine a's ``cached_tokens`` for each chat
   completion; b's render routes answer 403 (what ``tokenizer = "render"`` falls back on);
 - template edge cases (tools, tool calls, content parts, kwargs, continue_final_message,
-  add_special_tokens, raise_exception) tokenized by kvindex's hf tokenizer equal engine a's
-  ``/tokenize`` (a trusts request chat templates), or both refuse.
+  add_special_tokens, developer role, reasoning_effort, documents, raise_exception) tokenized by
+  kvindex's hf tokenizer equal engine a's render endpoints (a trusts request chat templates), or
+  both refuse.
 
 Needs the venv and model made by ``.ci/vllm_setup.sh`` (``VLLM_VENV``, ``VLLM_MODEL_DIR``); fails,
 never skips, when they are missing. Selected with ``-m e2e`` (the default run deselects it).
@@ -542,7 +543,8 @@ TEMPLATE_CASES: list[dict[str, Any]] = [
     {"messages": [*CONVO[:2], {"role": "assistant", "content": "Sure"}], "add_generation_prompt": False,
      "continue_final_message": True},
     {"messages": CONVO[:2], "add_special_tokens": True},
-    {"messages": CONVO, "tools": [TOOL], "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"flavour": "ü"}},
+    {"messages": CONVO, "tools": [TOOL], "tool_choice": "none",  # "auto" needs --enable-auto-tool-choice
+     "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"flavour": "ü"}},
     {"messages": CONVO[:2], "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"unused": 1}},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
                   {"role": "user", "content": "plain"}], "chat_template": PARTS_TEMPLATE},
@@ -550,25 +552,43 @@ TEMPLATE_CASES: list[dict[str, Any]] = [
     {"prompt": "Document: the cat sat", "add_special_tokens": False},
     {"prompt": "Document: the cat sat"},
     {"messages": CONVO[:2], "chat_template": "{{ raise_exception('no system messages') }}"},
+    {"messages": [{"role": "system", "content": "s"}, {"role": "developer", "content": [{"type": "text", "text": "d"}]},
+                  {"role": "developer", "content": ""}, {"role": "user", "content": "u", "name": "bob"}]},
+    {"messages": [{"role": "developer", "content": "d"}, *CONVO[1:2]],
+     "chat_template": "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{{ m.content }}{% endfor %}"},
+    {"messages": CONVO[1:2], "reasoning_effort": "low", "documents": [{"title": "t", "text": "x"}],
+     "chat_template": "{{ reasoning_effort }}|{{ enable_thinking }}|{{ documents | tojson }}|{{ messages[0].content }}"},
+    {"messages": [*CONVO[1:2], {"role": "assistant", "content": "a", "tool_calls": []},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "x", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}],
+     "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"add_generation_prompt": False}},
 ]
 
 
 def template_differential(engine: Engine) -> list[Any]:
-    """Bodies whose ids from kvindex's hf tokenizer differ from the engine's /tokenize (both refusing agrees)."""
+    """Bodies whose ids from kvindex's hf tokenizer differ from what the engine's chat and completions
+    endpoints compute (their render endpoints: ``/tokenize`` ignores ``documents`` and
+    ``reasoning_effort``); both refusing agrees, and only the raise_exception case may be refused."""
     sys.path.insert(0, str(ROOT))
     from adapters.hf_tokenizer import HFTokenizer
 
     tok = HFTokenizer.load(VLLM_MODEL_DIR, MODEL)
-    differ = []
+    differ, refused = [], []
     for i, body in enumerate(TEMPLATE_CASES):
-        status, answer = http("POST", engine.url + "/tokenize", {"model": MODEL, **body})
+        path = "/v1/chat/completions/render" if "messages" in body else "/v1/completions/render"
+        status, answer = http("POST", engine.url + path, {"model": MODEL, **body})
         try:
             ours: Any = tok.tokenize_now(body)
         except ValueError as exc:
             ours = f"refused: {exc}"
-        theirs = answer.get("tokens") if status == 200 else f"HTTP {status}"
+        if status == 200:
+            theirs = (answer if "messages" in body else answer[0])["token_ids"]
+        else:
+            theirs, _ = f"HTTP {status}", refused.append(i)
         if (ours != theirs) and not (status == 400 and isinstance(ours, str)):
             differ.append((i, ours, theirs, answer if status != 200 else None))
+    if refused != [9]:
+        differ.append(("refused by the engine", refused))
     return differ
 
 
