@@ -40,7 +40,7 @@ from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
 MAX_WORKERS = 64
 AUTH_MODES = ("writes", "all")  # what the bearer token guards (--auth; kvindex.http.app)
 DIALECT_NAMES = ("vllm", "sglang", "llmd-sim")
-TOKENIZER_NAMES = ("none", "engine", "llmd-sim")
+TOKENIZER_NAMES = ("none", "engine", "llmd-sim", "hf", "render")
 # ZeroMQ transports a SUB (and the replay DEALER) socket can use; each needs libzmq built with it
 ZMQ_TRANSPORTS = {"tcp": None, "ipc": "ipc", "inproc": None, "pgm": "pgm", "epgm": "pgm", "tipc": "tipc",
                   "norm": "norm", "vmci": "vmci", "ws": "draft", "wss": "draft"}
@@ -120,6 +120,7 @@ class ModelConfig:
 
     tokenizer: str = "none"
     tokenize_url: str | None = None
+    tokenizer_path: str | None = None  # tokenizer = "hf": the folder of tokenizer.json + tokenizer_config.json
     block_size: int | None = None
     base_model: str | None = None
     models_url: str | None = None
@@ -128,8 +129,10 @@ class ModelConfig:
         check_block_size(self.block_size, "model block_size")
         if self.tokenizer not in TOKENIZER_NAMES:
             raise ConfigError(f"tokenizer {self.tokenizer!r}: expected one of {', '.join(TOKENIZER_NAMES)}")
-        if self.tokenizer == "engine" and not self.tokenize_url:
-            raise ConfigError('tokenizer = "engine" needs tokenize_url (the engine\'s base URL)')
+        if self.tokenizer in ("engine", "render") and not self.tokenize_url:
+            raise ConfigError(f'tokenizer = "{self.tokenizer}" needs tokenize_url (the engine\'s base URL)')
+        if self.tokenizer == "hf":
+            check_tokenizer_path(self.tokenizer_path)
         if self.base_model is not None and (not self.base_model or self.block_size is not None):
             raise ConfigError("base_model must name the adapter's base model, and an adapter has no block_size of "
                               "its own (its blocks are its base model's)")
@@ -140,6 +143,14 @@ class ModelConfig:
     def adapters_url(self) -> str | None:
         """Where this table's engine lists its LoRA adapters (``GET <url>/v1/models``), if anywhere."""
         return (self.models_url if self.models_url is not None else self.tokenize_url) or None
+
+
+def check_tokenizer_path(path: str | None) -> None:
+    """``tokenizer = "hf"``'s folder holds both files (their content: ``adapters.hf_tokenizer``)."""
+    missing = [n for n in ("tokenizer.json", "tokenizer_config.json") if not (Path(path or "").expanduser() / n).is_file()]
+    if not path or missing:
+        raise ConfigError(f'tokenizer = "hf": tokenizer_path {path!r} must be a folder with tokenizer.json and '
+                          f'tokenizer_config.json (a model repository or Hugging Face snapshot){"" if not path else f"; no {missing[0]} there"}')
 
 
 MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer

@@ -49,7 +49,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from adapters import DIALECTS
 from adapters.engine_models import EnginePollers
-from adapters.engine_tokenizer import EngineTokenizer
+from adapters.engine_tokenizer import EngineTokenizer, RenderTokenizer
+from adapters.hf_tokenizer import HFTokenizer
 from adapters.llmd_sim import SimTokenizer
 from kvindex import native
 from kvindex.config import Config, EngineConfig
@@ -97,6 +98,9 @@ WORKER_EXIT_GRACE = 5.0  # seconds between a worker's death and the daemon's exi
 class Daemon:
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None, token: str | None = None) -> None:
         self.config = config
+        self._tokenizers: dict[str, Tokenizer | None] = {  # loaded first: a bad tokenizer_path stops the start
+            name: CachingTokenizer(HFTokenizer.load(mc.tokenizer_path or "", name))
+            for name, mc in config.models.items() if mc.tokenizer == "hf"}
         default_registry = MergedRegistry() if config.workers > 1 else CollectorRegistry()
         self.registry = registry if registry is not None else default_registry
         self.metrics = Metrics(self.registry)
@@ -126,7 +130,6 @@ class Daemon:
         self.pods: PodsView = (
             ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
-        self._tokenizers: dict[str, Tokenizer | None] = {}
         self._session: aiohttp.ClientSession | None = None
         self.lora = LoraAdapters(checked_adapters({m: mc.base_model for m, mc in config.models.items()}), self.metrics,
                                  bases=[m for m, mc in config.models.items() if mc.base_model is None and m != "*"]
@@ -262,10 +265,10 @@ class Daemon:
             inner: Tokenizer | None = None
             if mc.tokenizer == "llmd-sim":
                 inner = SimTokenizer()
-            elif mc.tokenizer == "engine" and mc.tokenize_url:
+            elif mc.tokenizer in ("engine", "render") and mc.tokenize_url:
                 if self._session is None:
                     self._session = aiohttp.ClientSession()
-                inner = EngineTokenizer(mc.tokenize_url, self._session)
+                inner = (EngineTokenizer if mc.tokenizer == "engine" else RenderTokenizer)(mc.tokenize_url, self._session)
             self._tokenizers[model] = CachingTokenizer(inner) if inner is not None else None
         return self._tokenizers[model]
 

