@@ -84,7 +84,8 @@ async def test_score_from_body_equals_engine_cached_tokens(capture: str, make_ha
                                                            tmp_path: Path) -> None:
     folder = FIXTURES / capture if (FIXTURES / capture).is_dir() else CONFIGS / capture
     captured = load_capture(folder / "events.jsonl")
-    models = {"tiny": ModelConfig(tokenizer="hf", tokenizer_path=str(TINY))}
+    # the adapter is configured: its first request comes before its first block (events would teach it later)
+    models = {"tiny": ModelConfig(tokenizer="hf", tokenizer_path=str(TINY)), "tinylora": ModelConfig(base_model="tiny")}
     engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
     h = await make_harness(Config(engines=(engine_config(engine),), models=models))
     await h.wait_connected()
@@ -95,7 +96,7 @@ async def test_score_from_body_equals_engine_cached_tokens(capture: str, make_ha
     agree = sum(r["by_body"] == r["cached_tokens"] for r in sequential)
     adapter = sum(r.get("model", "tiny") != "tiny" for r in sequential)
     print(f"{capture}: /v1/score by body == engine cached_tokens for {agree} / {len(sequential)} sequential "
-          f"requests ({adapter} of them an adapter's, scored with lora_name; {len(by_body)} requests scored)")
+          f"requests ({adapter} of them an adapter's, by its served name; {len(by_body)} requests scored)")
     if capture not in INDEX_PENDING:
         assert agree == len(sequential) >= (10 if capture != "two_engines" else 1)
     for r in by_body:  # every request, sequential or not, adapter or not: the body scores as its token ids
@@ -116,9 +117,7 @@ async def _replay(folder: Path, captured: list[Any], engine: Any, h: Any) -> lis
     for r in reqs:
         pos = await publish_until(engine, h, captured, pos, r["t_sent"])
         pod = r["server"].split("//")[1]
-        body = {**body_of(r), "model": "tiny", "pods": [pod]}
-        if r.get("model", "tiny") != "tiny":  # the adapter's served name: until LoRA by name (i14-lora)
-            body["lora_name"] = r["model"]  # is merged, the base model plus lora_name, as exact
+        body = {**body_of(r), "model": r.get("model", "tiny"), "pods": [pod]}  # an adapter's by its served name
         status, by_body = await h.post("/v1/score", body)
         assert status == 200, by_body
         ids = {k: v for k, v in body.items() if k not in BODY_KEYS} | {"token_ids": r["prompt_token_ids"]}
