@@ -429,6 +429,8 @@ async def test_tier_stores_leave_block_sizes_alone(store: PreciseStore, feed: Fe
     assert await store.block_size("fresh") is None
     await feed("a", 0, sized([2], TOKENS[:8], 8), model="fresh")  # the device's first store sets it
     assert await store.block_size("fresh") == 8
+    await feed("b", 0, placeholder(1), model="fresher")
+    assert await store.set_block_size("fresher", 16) == 16  # its tier copies hold no size
 
 
 async def test_a_keyless_copy_learns_its_key_later(store: PreciseStore, feed: Feed) -> None:

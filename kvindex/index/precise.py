@@ -64,7 +64,7 @@ class PreciseIndex:
 
     # -- configuration (block sizes follow the engines' lives: reference.py) --------------------
     def set_block_size(self, model: str, block_size: int) -> int:
-        if not self._held(model):
+        if model not in self._block_size or not self._held(model):  # no size: nothing held (tier copies)
             self._block_size[model] = block_size
         return self._block_size[model]
 
