@@ -249,10 +249,11 @@ static PyObject *opt_int(Buf *b) {
     return NULL;
 }
 
-/* A block size: a positive int of at most MAX_BLOCK_SIZE tokens (adapters/vllm.py's bound). */
+/* A block size: an int of at most MAX_BLOCK_SIZE tokens (adapters/vllm.py's bound); 0 only for a
+   tier placeholder, which make_stored checks once the medium and token ids are known. */
 static PyObject *block_size(Buf *b) {
     Item it;
-    if (next(b, &it) < 0 || it.kind != K_UINT || it.u == 0 || it.u > MAX_BLOCK_SIZE) return NULL;
+    if (next(b, &it) < 0 || it.kind != K_UINT || it.u > MAX_BLOCK_SIZE) return NULL;
     return PyLong_FromUnsignedLongLong(it.u);
 }
 
@@ -347,7 +348,7 @@ static int stored_defaults(Stored *s, const Kinds *k) {
     if (s->lora_name == NULL) s->lora_name = Py_NewRef(Py_None);
     if (s->salt == NULL) s->salt = Py_NewRef(Py_None);
     if (s->group == NULL) s->group = Py_NewRef(Py_None);
-    return s->hashes != NULL && s->block_size != NULL ? 0 : -1; /* required; block_size 0 is refused */
+    return s->hashes != NULL && s->block_size != NULL ? 0 : -1; /* required */
 }
 
 /* The typed path's BlockStored: medium upper-cased, group_idx ``or 0``. */
@@ -355,6 +356,12 @@ static PyObject *make_stored(Stored *s, const Kinds *k) {
     if (stored_defaults(s, k) < 0) return NULL;
     PyObject *medium = medium_of(s->medium, k->gpu);
     if (medium == NULL) return NULL;
+    /* block size 0: a tier placeholder (is_tier_placeholder: not on GPU, no token ids), else declined */
+    int zero = PyObject_IsTrue(s->block_size) == 0;
+    if (zero && (PyObject_RichCompareBool(medium, k->gpu, Py_EQ) != 0 || PyObject_Length(s->tokens) != 0)) {
+        Py_DECREF(medium);
+        return NULL;
+    }
     PyObject *group = s->group == Py_None ? PyLong_FromLong(0) : Py_NewRef(s->group);
     PyObject *ev = group ? PyObject_CallFunctionObjArgs(k->stored, s->hashes, s->parent, s->tokens, s->block_size,
                                                         medium, s->lora_name, s->salt, group, NULL) : NULL;

@@ -13,7 +13,8 @@ Wire format (reference: vllm/distributed/kv_events.py):
 Invariants: ``decode`` raises only ``DecodeError``; an event it cannot read is skipped and named in
 ``EventBatch.skipped`` (one reason per skipped event or field), never fatal for the batch.
 Adjacent BlockRemoved events of one medium and group are merged into one (vLLM sends one hash per
-event; applied in order, the effect is the same).
+event; applied in order, the effect is the same). A BlockStored's block size is 1..MAX_BLOCK_SIZE,
+or 0 for a tier placeholder (``is_tier_placeholder``: not on GPU, no token ids), else bad_block_size.
 
 Three paths, one result: the C twin of the typed path (``adapters/_vllm.c``: token ids straight
 into an ``array("I")``, no Python int per token) takes the batches engines really send; a typed msgspec decoder (the structs below state the wire format; C-level
@@ -72,7 +73,7 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
     token_ids: list[int] = []
-    block_size: int = 0
+    block_size: int = -1  # absent: refused (0 is a tier placeholder's)
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
@@ -93,7 +94,7 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
     block_hashes: list[Hash]
     parent_block_hash: Hash | None = None
     token_ids: list[int] = []
-    block_size: int = 0
+    block_size: int = -1  # absent: refused (0 is a tier placeholder's)
     lora_id: Any = None
     medium: str | None = None
     lora_name: str | None = None
@@ -229,7 +230,9 @@ class VllmDecoder:
         parent = f.get("parent_block_hash")
         parent_hash = None if parent is None or parent == 0 else self._hash(parent)
         block_size = f.get("block_size")
-        if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE:
+        medium = _medium(f.get("medium"))
+        if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE \
+                and not is_tier_placeholder(block_size, medium, f.get("token_ids")):
             raise _Skip("bad_block_size")
         lora_name = f.get("lora_name")
         extra = f.get("extra_keys")
@@ -243,7 +246,7 @@ class VllmDecoder:
             parent_hash=parent_hash,
             token_ids=tokens,
             block_size=block_size,
-            medium=_medium(f.get("medium")),
+            medium=medium,
             lora_name=lora_name,
             cache_salt=_cache_salt(extra, lora_name),
             group_idx=_small_int(f.get("group_idx"), 0),
@@ -275,7 +278,10 @@ def _plain_hashes(values: list[Any]) -> tuple[int, ...] | None:
 def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
     hashes = _plain_hashes(w.block_hashes)
     parent = w.parent_block_hash
-    if not hashes or not 0 < w.block_size <= MAX_BLOCK_SIZE or not (parent is None or type(parent) is int and 0 <= parent <= MASK64):
+    if not hashes or not (parent is None or type(parent) is int and 0 <= parent <= MASK64):
+        return None
+    medium = _medium(w.medium)
+    if not 0 < w.block_size <= MAX_BLOCK_SIZE and not is_tier_placeholder(w.block_size, medium, w.token_ids):
         return None
     try:
         tokens = array("I", w.token_ids)
@@ -287,7 +293,7 @@ def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
         parent_hash=parent or None,
         token_ids=tokens,
         block_size=w.block_size,
-        medium=_medium(w.medium),
+        medium=medium,
         lora_name=w.lora_name,
         cache_salt=_cache_salt(extra, w.lora_name) if extra else None,
         group_idx=w.group_idx or 0,
@@ -337,6 +343,13 @@ def _tokens(value: Any, skipped: list[str]) -> array:
     if value is not None:
         skipped.append("unsupported_token_ids")
     return array("I")
+
+
+def is_tier_placeholder(block_size: int, medium: str, token_ids: Any) -> bool:
+    """A lower tier's copy of a device block as vLLM's offloading connector announces it by
+    default: block size 0, no token ids, a medium other than the device's (the index keys it
+    through the device copy of the same hash). Block size 0 on the device is bad_block_size."""
+    return block_size == 0 and medium != GPU and not token_ids
 
 
 def _medium(value: Any) -> str:

@@ -4,6 +4,12 @@ Plain values, built by ``kvindex.query.QueryService`` and read by the decisions,
 and the HTTP layer (which turns ``QueryError`` into a 4xx naming the field). Invariants: immutable;
 ``ratio`` is a fraction of the prompt's tokens (precise) or of its approximate blocks; ``drift`` is
 the approximate fraction minus the precise one for the same pod.
+
+Tiers in a precise answer (``PodMatch``'s depths are cumulative: gpu, gpu+cpu, any tier):
+``blocks``/``tokens``/``ratio`` are the device's; ``total_blocks``/``total_tokens`` the prefix held
+block by block on any tier (what vLLM's ``cached_tokens`` counts with CPU offloading on: it loads
+those back); ``tier_blocks`` splits the total as Dynamo's tiered answer does (device, then what the
+host tier adds past it, then disk); ``tier_score`` weighs those by ``TierWeights``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvindex.settings import TierWeights
 from kvindex.types import PodMatch
 
 
@@ -62,7 +69,7 @@ class PodAnswer:
     precise: PreciseAnswer | None
     approx: ApproxAnswer | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, weights: TierWeights = TierWeights()) -> dict[str, Any]:
         out: dict[str, Any] = {"precise": None, "approx": None}
         if self.precise is not None:
             p = self.precise
@@ -71,6 +78,7 @@ class PodAnswer:
             m = p.matches.get(self.pod)
             if m is not None and (m.cpu > m.gpu or m.disk > m.gpu):
                 out["precise"].update(cpu_tokens=m.cpu * p.block_size, disk_tokens=m.disk * p.block_size)
+            out["precise"].update(tier_fields(m, p.block_size, weights))
         if self.approx is not None:
             out["approx"] = {"blocks": self.approx.blocks.get(self.pod, 0), "score": self.approx.scores.get(self.pod, 0)}
         out["drift"] = self.drift()
@@ -80,3 +88,11 @@ class PodAnswer:
         if self.precise is None or self.approx is None:
             return None
         return round(self.approx.ratio(self.pod) - self.precise.ratio(self.pod), 6)
+
+
+def tier_fields(m: PodMatch | None, block_size: int, weights: TierWeights) -> dict[str, Any]:
+    """A pod's match over every tier (see the module's docstring), for a precise answer."""
+    device, host, total = (m.gpu, m.cpu, m.disk) if m is not None else (0, 0, 0)
+    split = {"device": device, "host": host - device, "disk": total - host}
+    score = weights.device_weight * split["device"] + weights.host_weight * split["host"] + weights.disk_weight * split["disk"]
+    return {"total_blocks": total, "total_tokens": total * block_size, "tier_blocks": split, "tier_score": round(score, 6)}

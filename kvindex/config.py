@@ -34,6 +34,7 @@ from kvindex.settings import (
     ApproxConfig,
     ApproxSettings,
     DriftSettings,
+    TierWeights,
 )
 from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
 
@@ -164,6 +165,7 @@ class Config:
     models: dict[str, ModelConfig] = field(default_factory=dict)
     approx: ApproxConfig = field(default_factory=lambda: ApproxConfig(ApproxSettings(), {}))
     drift: DriftSettings = field(default_factory=DriftSettings)
+    tiers: TierWeights = field(default_factory=TierWeights)  # [tiers]: /v1/score's tier_score weights
     max_body_bytes: int = 8 << 20
     max_token_ids: int = 1 << 20
     replay_timeout: float = 2.0  # seconds an engine has to deliver one whole replay answer (--replay-timeout)
@@ -222,6 +224,7 @@ class Config:
             checked_adapters({m: mc.base_model for m, mc in self.models.items()}, [(e.name, e.model) for e in self.engines])
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        _check_tiers(self.tiers)
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex or Dynamo indexer")
 
@@ -300,6 +303,7 @@ class ConfigFile(_Table, frozen=True):
     models: dict[str, ModelConfig] = {}
     approx: ApproxTable = ApproxTable()
     drift: DriftSettings = msgspec.field(default_factory=DriftSettings)
+    tiers: TierWeights = msgspec.field(default_factory=TierWeights)
     state: StateTable = StateTable()
 
 
@@ -367,7 +371,7 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
             state_dir = state.pop("dir")
             state["state_dir"] = Path(state_dir) if state_dir else None
         return Config(**f.server.given(), **state, engines=unique_endpoints(tuple(f.engines)), models=f.models,
-                      approx=approx, drift=_checked_drift(f.drift))
+                      approx=approx, drift=_checked_drift(f.drift), tiers=f.tiers)
     except (ConfigError, strict.Refused) as exc:
         raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
 
@@ -405,3 +409,10 @@ def _checked_drift(d: DriftSettings) -> DriftSettings:
     if d.sample_size < 1 or d.recheck_seconds <= 0 or not 0 < d.threshold <= 1 or d.history < 1:
         raise ConfigError("[drift]: sample_size and history must be >= 1, recheck_seconds > 0, 0 < threshold <= 1")
     return d
+
+
+def _check_tiers(t: TierWeights) -> None:
+    for name in ("device_weight", "host_weight", "disk_weight"):
+        value = getattr(t, name)
+        if type(value) not in (int, float) or not 0 <= value <= 1e6:
+            raise ConfigError(f"[tiers] {name} must be a number from 0 to 1e6 (what a matched block on that tier is worth)")

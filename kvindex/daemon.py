@@ -143,7 +143,8 @@ class Daemon:
         self.registrations = Registrations()
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics,
-                                                     pod_census(self.fleet, self.store, self.approx_store)),
+                                                     pod_census(self.fleet, self.store, self.approx_store),
+                                                     tier_weights=config.tiers),
                                  drift=self.drift, token=token,
                                  engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,

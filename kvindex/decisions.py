@@ -35,6 +35,7 @@ from kvindex.answers import (
 )
 from kvindex.drift import Decision, DriftAudit
 from kvindex.metrics import Metrics
+from kvindex.settings import TierWeights
 
 MAX_BATCH = 1024  # decisions in one request
 MAX_DECISION_PODS = 256  # pods known only from decisions (no engine stream, no precise state)
@@ -96,8 +97,9 @@ class Predictor(Protocol):
 
 class Decisions:
     def __init__(self, query: Predictor, drift: DriftAudit, metrics: Metrics, census: Census | None = None,
-                 max_pods: int = MAX_DECISION_PODS) -> None:
+                 max_pods: int = MAX_DECISION_PODS, tier_weights: TierWeights = TierWeights()) -> None:
         self._query = query
+        self._tier_weights = tier_weights  # [tiers]: the answer's tier_score, as /v1/score gives it
         self._drift = drift
         self._metrics = metrics
         self._census = census
@@ -142,7 +144,7 @@ class Decisions:
             precise, scored = (recalled, True) if recalled is not None else (precise, False)
         approx = await q.approx_match(r.model, r.hashes, [pod]) if r.hashes is not None else None
         prompt_tokens = r.prompt_tokens if r.prompt_tokens is not None else precise.prompt_tokens if precise else None
-        answer = PodAnswer(pod, precise, approx).to_json()
+        answer = PodAnswer(pod, precise, approx).to_json(self._tier_weights)
         cached = r.cached_tokens
         actual = min(cached / prompt_tokens, 1.0) if cached is not None and prompt_tokens else None
         decision = Decision(

@@ -1,4 +1,5 @@
-"""Settings value types of the stages above: the approximate index's, the drift audit's, the WAL's.
+"""Settings value types of the stages above: the approximate index's, the drift audit's, the WAL's,
+the tier weights of ``/v1/score``.
 
 Vocabulary: imports nothing of kvindex, so ``kvindex.config`` (which builds them from the command
 line and the TOML file) and the stages that use them (``kvindex.index.approx``, ``kvindex.drift``,
@@ -135,3 +136,15 @@ class DriftSettings:
     window_seconds: float = 300.0
     threshold: float = 0.5
     history: int = 720
+
+
+@dataclass(frozen=True, slots=True)
+class TierWeights:
+    """What one matched block is worth per tier in ``/v1/score``'s ``tier_score`` ([tiers] in the
+    TOML; checked by kvindex.config). Defaults as Dynamo's router (``KvRouterConfig``:
+    ``overlap_score_credit`` 1.0 for the device, ``host_cache_hit_weight`` 0.75,
+    ``disk_cache_hit_weight`` 0.25): a block loaded back from a slower tier saves less prefill."""
+
+    device_weight: float = 1.0
+    host_weight: float = 0.75
+    disk_weight: float = 0.25

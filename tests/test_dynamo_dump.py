@@ -137,10 +137,11 @@ async def test_tiered_answer_has_lower_tiers(make_harness: Any, make_engine: Any
     assert status == 201, got
     await h.wait_connected()
     tokens = list(range(1, 17))  # 4 blocks of 4: 2 on the GPU, 3 in CPU memory (the first two in both)
-    gpu = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None, "token_ids": tokens[:8],
+    gpu = {"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None, "token_ids": tokens[:12],
            "block_size": 4}
-    cpu = {**gpu, "block_hashes": [1, 2, 3], "token_ids": tokens[:12], "medium": "CPU"}
-    await engine.publish([b"kv@x@tiny", (0).to_bytes(8, "big"), msgpack.packb([1.0, [gpu, cpu], 0])])
+    cpu = {**gpu, "medium": "CPU"}  # offloaded copies of device blocks, then the third leaves the device
+    evicted = {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}
+    await engine.publish([b"kv@x@tiny", (0).to_bytes(8, "big"), msgpack.packb([1.0, [gpu, cpu, evicted], 0])])
     await h.wait_seq("7", 0)
     lh = K.local_hashes(tokens, 4)
     status, q = await h.post("/query_tiered_by_hash", {"block_hashes": [x - (1 << 64) if x >= 1 << 63 else x for x in lh],

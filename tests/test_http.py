@@ -160,7 +160,10 @@ async def test_score_with_token_ids_matches_engine_cached_tokens(make_harness: A
         assert s["model"] == "tiny" and s["prompt_tokens"] == n
         assert set(s["pods"]) == {POD}
         p = s["pods"][POD]
-        assert p["precise"] == {"blocks": cached // BS, "tokens": cached, "ratio": round(cached / n, 6)}, r["i"]
+        assert p["precise"] == {"blocks": cached // BS, "tokens": cached, "ratio": round(cached / n, 6),
+                                "total_blocks": cached // BS, "total_tokens": cached,  # no offload tier here
+                                "tier_blocks": {"device": cached // BS, "host": 0, "disk": 0},
+                                "tier_score": float(cached // BS)}, r["i"]
         assert p["approx"] == {"blocks": 0, "score": 0}  # the router has recorded nothing
         assert p["drift"] == round(0 - cached / n, 6)
 
@@ -226,7 +229,10 @@ async def test_score_prompt_with_llmd_sim_tokenizer(make_harness: Any, make_engi
     assert s["prompt_tokens"] == len(ids) == 35
     cached = (len(ids) - 1) // sim_bs  # the last token's block is never a hit
     assert s["pods"]["sim-0"]["precise"] == {"blocks": cached, "tokens": cached * sim_bs,
-                                             "ratio": round(cached * sim_bs / len(ids), 6)}
+                                             "ratio": round(cached * sim_bs / len(ids), 6),
+                                             "total_blocks": cached, "total_tokens": cached * sim_bs,
+                                             "tier_blocks": {"device": cached, "host": 0, "disk": 0},
+                                             "tier_score": float(cached)}
     assert s["pods"]["sim-0"]["approx"] == {"blocks": 0, "score": 0}
 
     # chat: rendered "### user: Hi\n" -> "#" "#" "# " "user" ": " "Hi\n"

@@ -101,6 +101,8 @@ class Workload:
             medium = "CPU"
         self.held.setdefault((pod, rank, medium), []).extend(hashes)
         size = BS if rnd.random() > 0.01 else BS * 2  # rarely the wrong block size
+        if medium != GPU and not body and x < 0.03:
+            size, parent = 0, None  # a tier placeholder (vLLM's default offload events): block size 0
         lora = "lora-a" if rnd.random() < 0.1 else None
         return BlockStored(hashes, parent, array("I", body), size, medium, lora)
 

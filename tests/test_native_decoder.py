@@ -21,7 +21,7 @@ from kvindex import native
 from kvindex.events import DecodeError, EventBatch
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
 from kvindex.tools.workload import Workload
-from tests.conftest import FIXTURES, need_native
+from tests.conftest import CONFIGS, FIXTURES, need_native
 from tests.test_decoder import A, B, C
 
 _fast = native.load("adapters._vllm")
@@ -161,6 +161,11 @@ def _batch(ts: object = 1.0, rank: object = 0, **fields: object) -> bytes:
     (_batch(rank=65535), True), (_batch(rank=65536), False), (_batch(rank=-1), False),
     (_batch(ts=1 << 53), False), (_batch(ts=(1 << 53) + 1), False), (_batch(ts=True), False),
     (_batch(block_hashes=[]), False), (_batch(block_size=0), False), (_batch(block_size=1 << 16), True),
+    # a tier placeholder (vLLM's offloading connector): block size 0, no tokens, not on GPU
+    (_batch(block_size=0, token_ids=[], medium="CPU", parent_block_hash=None), True),
+    (_batch(block_size=0, token_ids=[], medium="cpu"), True), (_batch(block_size=0, medium="CPU"), False),
+    (_batch(block_size=0, token_ids=[], medium="GPU"), False), (_batch(block_size=0, token_ids=[], medium=None), False),
+    (_batch(block_size=0, token_ids=[], medium="gpu"), False),
     (_batch(block_size=(1 << 16) + 1), False), (_batch(block_size=1 << 62), False),
     # vLLM's cache_salt: the last string of the first extra keys that is not the LoRA name
     (_batch(lora_name="sql", extra_keys=[["s1", "sql"]]), True), (_batch(extra_keys=[["s1", 7, None, "s2"]]), True),
@@ -181,3 +186,30 @@ def test_invalid_utf8_in_extra_keys_is_declined() -> None:
 def test_block_sizes_past_the_bound_are_skipped_as_bad_block_size() -> None:
     batch = VllmDecoder().decode(_batch(block_size=1 << 62))
     assert batch.events == () and batch.skipped == ("bad_block_size",)
+
+
+@pytest.mark.parametrize("path", ["python", "c"])
+def test_a_tier_placeholder_is_taken_and_block_size_0_elsewhere_is_bad(path: str) -> None:
+    """vLLM's CPU-tier stores are placeholders (offload_cpu capture): taken, with block size 0 and
+    no tokens; block size 0 on the device tier, or with token ids, stays bad_block_size."""
+    if path == "c":
+        need_native(_fast, "adapters._vllm")
+    dec = VllmDecoder(fast=None) if path == "python" else VllmDecoder()
+    placeholder = {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "medium": "CPU", "group_idx": 0}
+    batch = dec.decode(msgpack.packb([1.0, [placeholder], 0]))
+    assert batch.skipped == () and len(batch.events) == 1
+    ev = batch.events[0]
+    assert (ev.block_hashes, ev.block_size, list(ev.token_ids), ev.medium, ev.parent_hash) == ((9,), 0, [], "CPU", None)
+    for bad in ({"medium": "GPU"}, {"medium": None}, {"token_ids": [1, 2]}):
+        batch = dec.decode(msgpack.packb([1.0, [{**placeholder, **bad}], 0]))
+        assert batch.events == () and batch.skipped == ("bad_block_size",), bad
+
+
+def test_every_offload_cpu_payload_is_taken_and_equal() -> None:
+    """The CPU-offload capture (placeholders on the CPU tier): C takes every batch, as Python decodes it."""
+    path = CONFIGS / "offload_cpu" / "events.jsonl"
+    payloads = [base64.b64decode(json.loads(line)["frames"][-1]) for line in path.read_text().splitlines()]
+    assert len(payloads) == 331
+    assert all(check(p) for p in payloads)
+    assert all(_python.decode(p).skipped == () for p in payloads)

@@ -126,9 +126,10 @@ def test_dp_ranks_reported_separately(idx: Index) -> None:
 
 
 def test_tiers_are_cumulative_through_the_device(idx: Index) -> None:
-    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
-    idx.apply("a", "m", 0, stored([3], 2, TOKENS[8:12], medium="CPU"))
-    idx.apply("a", "m", 0, stored([4], 3, TOKENS[12:16], medium="DISK"))
+    idx.apply("a", "m", 0, stored([1, 2, 3, 4], None, TOKENS))
+    idx.apply("a", "m", 0, stored([3], 2, TOKENS[8:12], medium="CPU"))  # offloaded, then evicted from the device
+    idx.apply("a", "m", 0, stored([4], None, [], medium="DISK"))
+    idx.apply("a", "m", 0, BlockRemoved((4, 3)))
     m = idx.match(keys_of(TOKENS))["a"]
     assert (m.gpu, m.cpu, m.disk) == (2, 3, 4)
     # an offloaded copy without tokens (vLLM's offload connector) finds its key through the hash

@@ -59,6 +59,11 @@ def keys_of(tokens: list[int], model: str = "m", lora: str | None = None, salt: 
     return K.prompt_keys(K.root_key(model, lora, salt), tokens, BS)
 
 
+def placeholder(h: int, medium: str = "CPU") -> BlockStored:
+    """A lower tier's copy of device block ``h`` as vLLM's OffloadingConnector announces it by default."""
+    return BlockStored(block_hashes=(h,), parent_hash=None, token_ids=array("I"), block_size=0, medium=medium)
+
+
 async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseStore:
     client = aioredis.Redis.from_url(url)
     clients.append(client)
@@ -350,9 +355,10 @@ async def test_dp_ranks_reported_separately(store: PreciseStore, feed: Feed) -> 
 
 
 async def test_tiers_are_cumulative_through_the_device(store: PreciseStore, feed: Feed) -> None:
-    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
-    await feed("a", 0, stored([3], 2, TOKENS[8:12], medium="CPU"))
-    await feed("a", 0, stored([4], 3, TOKENS[12:16], medium="DISK"))
+    await feed("a", 0, stored([1, 2, 3, 4], None, TOKENS))
+    await feed("a", 0, stored([3], 2, TOKENS[8:12], medium="CPU"))  # offloaded, then evicted from the device
+    await feed("a", 0, stored([4], None, [], medium="DISK"))
+    await feed("a", 0, BlockRemoved((4, 3)))
     m = (await store.match(keys_of(TOKENS), model="m"))["a"]
     assert (m.gpu, m.cpu, m.disk) == (2, 3, 4)
     await feed("a", 0, stored([1], None, [], medium="CPU"))
@@ -367,6 +373,64 @@ async def test_salts_and_loras_never_match_each_other(store: PreciseStore, feed:
     assert await depth(store, "a", keys_of(TOKENS, salt="tenant-1")) == 1
     assert await depth(store, "a", keys_of(TOKENS, lora="sql")) == 1
     assert await depth(store, "a", keys_of(TOKENS, model="other")) == 0
+
+
+async def test_a_tier_placeholder_is_keyed_through_its_device_copy(store: PreciseStore, feed: Feed) -> None:
+    """vLLM's default CPU-tier events (block size 0, no tokens, no parent, the device hash): each
+    copy takes the key of the worker's device copy of that hash, salt and LoRA included."""
+    await feed("a", 0, stored([1, 2, 3, 4], None, TOKENS, cache_salt="t1"))
+    done = await feed("a", 0, placeholder(1), placeholder(2), placeholder(3, "DISK"))
+    assert (done.orphans, done.tier_unkeyed) == (0, 0)
+    await feed("a", 0, BlockRemoved((4, 3, 2)))
+    m = (await store.match(keys_of(TOKENS, salt="t1"), model="m"))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (1, 2, 3)
+    assert await store.match(keys_of(TOKENS), model="m") == {}  # no other identity, on any tier
+    assert await store.match(keys_of(TOKENS, salt="t2"), model="m") == {}
+    assert await store.block_size("m") == BS  # block size 0 is not the model's
+    assert await store.blocks_held("a") == {"gpu": 1, "cpu": 2, "disk": 1, "orphans": 0}
+    await feed("a", 0, BlockRemoved((1, 2), medium="CPU"), BlockRemoved((3,), medium="DISK"))
+    assert await store.blocks_held("a") == {"gpu": 1, "cpu": 0, "disk": 0, "orphans": 0}
+
+
+async def test_a_self_describing_tier_copy_inherits_its_device_copys_identity(store: PreciseStore, feed: Feed) -> None:
+    """With ``self_describing_kv_events`` CPU stores carry tokens and parents but no extra_keys: a
+    salted or LoRA block's copy must not be filed under the plain prompt's key."""
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8], cache_salt="t1"))
+    await feed("a", 0, stored([5, 6], None, TOKENS[:8], lora_name="sql"))
+    done = await feed("a", 0, stored([1], None, TOKENS[:4], medium="CPU"), stored([2], 1, TOKENS[4:8], medium="CPU"),
+                      stored([5, 6], None, TOKENS[:8], medium="CPU"))
+    assert (done.orphans, done.tier_unkeyed) == (0, 0)
+    await feed("a", 0, BlockRemoved((2, 1, 6, 5)))
+    assert await store.match(keys_of(TOKENS), model="m") == {}  # the plain prompt: nothing, on any tier
+    m = (await store.match(keys_of(TOKENS, salt="t1"), model="m"))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (0, 2, 2)
+    m = (await store.match(keys_of(TOKENS, lora="sql"), model="m"))["a"]
+    assert (m.gpu, m.cpu, m.disk) == (0, 2, 2)
+
+
+async def test_a_tier_copy_with_no_identity_is_counted_and_never_matches(store: PreciseStore, feed: Feed) -> None:
+    """A tier copy of a hash the worker holds keyed nowhere (its device copy unseen, or gone): its
+    own tokens would key it as the plain prompt; it is kept keyless (removals find it), counted."""
+    done = await feed("a", 0, stored([1, 2], None, TOKENS[:8], medium="CPU"), placeholder(3))
+    assert (done.orphans, done.tier_unkeyed) == (3, 3)
+    assert await store.match(keys_of(TOKENS), model="m") == {}
+    assert await store.blocks_held("a") == {"gpu": 0, "cpu": 3, "disk": 0, "orphans": 3}
+    await feed("a", 0, stored([1], None, TOKENS[:4], cache_salt="t1"))  # the device copy: its identity
+    await feed("a", 0, BlockRemoved((1,)))
+    assert await store.match(keys_of(TOKENS), model="m") == {}
+    assert (await store.match(keys_of(TOKENS, salt="t1"), model="m"))["a"].cpu == 1
+    await feed("a", 0, BlockRemoved((1, 2, 3), medium="CPU"))
+    assert await store.pods() == []
+
+
+async def test_tier_stores_leave_block_sizes_alone(store: PreciseStore, feed: Feed) -> None:
+    done = await feed("a", 0, placeholder(1), model="fresh")
+    assert done.tier_unkeyed == 1 and done.block_size_mismatch == 0
+    assert await store.block_size("fresh") is None
+    await feed("a", 0, sized([2], TOKENS[:8], 8), model="fresh")  # the device's first store sets it
+    assert await store.block_size("fresh") == 8
+    await feed("b", 0, placeholder(1), model="fresher")
+    assert await store.set_block_size("fresher", 16) == 16  # its tier copies hold no size
 
 
 async def test_a_keyless_copy_learns_its_key_later(store: PreciseStore, feed: Feed) -> None:
@@ -622,8 +686,9 @@ async def test_many_workers_over_several_bitmap_bytes(store: PreciseStore, feed:
         depth = i % 7 + (3 if i >= 14 else 0)
         hashes = list(range(100 * i + 1, 100 * i + 1 + depth))
         await feed(f"p{i:02d}", 0, stored(hashes, None, tokens[:depth * BS]))
-        if i % 5 == 4:  # one more block, offloaded to CPU: the cpu tier reaches one deeper
-            await feed(f"p{i:02d}", 0, stored([100 * i + 50], hashes[-1] if hashes else None, tokens[depth * BS:(depth + 1) * BS], medium="CPU"))
+        if i % 5 == 4:  # one more block, offloaded to CPU then evicted from the device: the cpu tier reaches one deeper
+            more = stored([100 * i + 50], hashes[-1] if hashes else None, tokens[depth * BS:(depth + 1) * BS])
+            await feed(f"p{i:02d}", 0, more, placeholder(100 * i + 50), BlockRemoved((100 * i + 50,)))
     await feed("p20", 1, stored([7, 8], None, tokens[:2 * BS]))
     await feed("p03", 0, BlockRemoved((303,)))  # p03 now holds 2
     got = await store.match(ks, model="m")
@@ -688,12 +753,13 @@ async def test_real_vllm_captures_give_equal_answers(capture: str, pair: Any) ->
 
 class RandomFleet:
     """A seeded random event source: stores chained on held hashes (or unknown parents), tokenless
-    offload copies, duplicates, removals child-first as vLLM evicts, clears, block-size strays."""
+    offload copies, tier placeholders (block size 0), salted and LoRA stores, duplicates, removals child-first as vLLM evicts, clears, block-size strays."""
 
     MEDIA = ("GPU", "GPU", "GPU", "CPU", "DISK")
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.tier_rng = random.Random(-seed)
         self.held: dict[tuple[str, int], list[tuple[str, int]]] = {}  # worker -> [(medium, hash)] in store order
         self.next_hash = 1
 
@@ -737,8 +803,12 @@ class RandomFleet:
         tokens = [] if rng.random() < 0.15 else self.tokens(n if rng.random() < 0.8 else n - 1)
         held.extend((medium, h) for h in hashes)
         bs = BS if rng.random() < 0.95 else 2 * BS
+        lora = "l" if rng.random() < 0.05 else None
+        tier = self.tier_rng  # its own draws: the stream above is the one it always was
+        if medium != "GPU" and tier.random() < 0.4:  # a tier placeholder (vLLM's default offload events)
+            parent, tokens, bs = None, [], 0
         return BlockStored(block_hashes=tuple(hashes), parent_hash=parent, token_ids=array("I", tokens),
-                           block_size=bs, medium=medium, lora_name="l" if rng.random() < 0.05 else None)
+                           block_size=bs, medium=medium, lora_name=lora, cache_salt="s" if tier.random() < 0.1 else None)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -758,7 +828,7 @@ async def test_random_workload_gives_equal_state_after_every_batch(seed: int, pa
         events = fleet.batch((pod, rank))
         for ev in events:
             if type(ev) is BlockStored and len(ev.token_ids) and ev.block_size == BS and ev.parent_hash is None:
-                prompts.append(K.prompt_keys(K.root_key(model, ev.lora_name), list(ev.token_ids) + fleet.tokens(2), BS))
+                prompts.append(K.prompt_keys(K.root_key(model, ev.lora_name, ev.cache_salt), list(ev.token_ids) + fleet.tokens(2), BS))
         a = await mem.apply(stream, seq, 0, rank, events)
         b = await (r1 if step % 2 else r2).apply(stream, seq, 0, rank, events)
         assert (a.outcome, a.position, a.applied) == (b.outcome, b.position, b.applied), (step, events)

@@ -142,7 +142,7 @@ async def score(request: web.Request) -> web.Response:
         "prompt_tokens": precise.prompt_tokens if precise else None,
         "block_size": precise.block_size if precise else None,
         "precise_reason": None if precise else q.no_precise_reason(model),  # why every pod's precise is null
-        "pods": {pod: PodAnswer(pod, precise, approx).to_json() for pod in candidates},
+        "pods": {pod: PodAnswer(pod, precise, approx).to_json(svc.config.tiers) for pod in candidates},
     }
     svc.metrics.query_seconds.labels("/v1/score").observe(time.perf_counter() - t0)
     return json_response(answer)

@@ -31,7 +31,7 @@ from operator import itemgetter
 from types import ModuleType
 
 from kvindex import keys as K
-from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index import holders as H
 from kvindex.index import walk
 from kvindex.index.entries import Where, runs_by_table, table_sizes
@@ -64,7 +64,7 @@ class PreciseIndex:
 
     # -- configuration (block sizes follow the engines' lives: reference.py) --------------------
     def set_block_size(self, model: str, block_size: int) -> int:
-        if not self._held(model):
+        if model not in self._block_size or not self._held(model):  # no size: nothing held (tier copies)
             self._block_size[model] = block_size
         return self._block_size[model]
 
@@ -122,12 +122,14 @@ class PreciseIndex:
         return w
 
     def _event_keys(self, w: Worker, model: str, ev: BlockStored) -> tuple[list[int], bool]:
-        """Keys for the event's blocks (shorter than its hashes where tokens run out)."""
-        bs = ev.block_size
-        if self._block_size.get(model) != bs and not self._held(model):
+        """Keys for the event's blocks (shorter than its hashes where tokens run out; none on a lower tier)."""
+        bs, size, device = ev.block_size, self._block_size.get(model), ev.medium == GPU
+        if device and size != bs and (size is None or not self._held(model)):
             self._block_size[model] = bs  # nobody holds the old size (or none): follow the engine
         self._model_of[w.ident] = model  # after the check: the store does not make its worker a holder
         self._loaded_with.pop(w.ident, None)
+        if not device:
+            return [], False  # a tier store: each hash takes the worker's key for it (reference.py)
         if self._block_size[model] != bs:
             return [], True
         parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
@@ -153,6 +155,7 @@ class PreciseIndex:
         done.stored_events += 1
         done.stored += len(hashes)
         done.orphans += orphans
+        done.tier_unkeyed += orphans if medium != GPU else 0
         done.block_size_mismatch += mismatch
 
     def _store_c(self, w: Worker, medium: str, tier: str, t: Table, hashes: Sequence[int], keys: list[int]) -> int:
@@ -375,12 +378,8 @@ class PreciseIndex:
         return walk.match(keys, self._inv.tiers, allowed, self._members_of, self._slots)
 
     def _mask_of(self, pods: Iterable[str]) -> int:
-        wanted = set(pods)
-        mask = 0
-        for (pod, _), w in self._workers.items():
-            if pod in wanted:
-                mask |= w.bit
-        return mask
+        wanted = set(pods)  # each worker has its own bit: their sum is their union
+        return sum(w.bit for (pod, _), w in self._workers.items() if pod in wanted)
 
     def _members_of(self, mask: int) -> list[tuple[str, int]]:
         """(pod, rank) of each set bit of ``mask``, lowest slot first (cached)."""

@@ -13,6 +13,14 @@ The rules, once:
   parent's key: the root key of (model, lora, salt) when the event has no parent hash, else the
   key the worker holds for the parent hash (its GPU entry's if it has one, else the first medium's
   holding it). Blocks past the tokens' end take the key the worker already holds for their hash.
+- A store on a lower tier (any medium but GPU: vLLM's offloading connector copying device blocks
+  out) never keys its blocks itself: each of its hashes takes the key the worker already holds
+  for that hash (``key_of``: its device copy's, else another medium's), whatever tokens, parent or
+  block size the event carries. A placeholder (block size 0, no tokens) carries nothing to key;
+  a self-describing one carries tokens but no extra_keys, so its own key would be unsalted and
+  LoRA-less: another identity's. A tier copy whose hash the worker holds keyed nowhere is kept
+  keyless (an orphan, counted ``tier_unkeyed``), never matched, until a store of the hash with a
+  key gives it one (below). Tier stores leave block sizes alone (the worker's model is the event's).
 - A store whose key cannot be computed (unknown or keyless parent, tokens missing, a block size
   other than the model's) is an *orphan*: kept keyless, so a later removal finds it, but it never
   matches.
@@ -85,7 +93,7 @@ class ReferenceIndex:
 
     # -- configuration -------------------------------------------------------------------------
     def set_block_size(self, model: str, block_size: int) -> int:
-        if not self._held(model):
+        if model not in self._block_size or not self._held(model):  # no size: nothing held (tier copies)
             self._block_size[model] = block_size
         return self._block_size[model]
 
@@ -137,16 +145,30 @@ class ReferenceIndex:
         return K.prompt_keys(parent, ev.token_ids, ev.block_size, limit=len(ev.block_hashes))
 
     def _store(self, wid: tuple[str, int], w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
-        if self._block_size.get(model) != ev.block_size and not self._held(model):
+        size = self._block_size.get(model)
+        if ev.medium == GPU and size != ev.block_size and (size is None or not self._held(model)):
             self._block_size[model] = ev.block_size  # nobody holds the old size (or none): follow the engine
         self._model_of[wid] = model  # after the check: the store does not make its worker a holder
         self._loaded_with.pop(wid, None)
+        if ev.medium != GPU:
+            self._store_tier(w, ev, done)
+            return
         done.block_size_mismatch += self._block_size[model] != ev.block_size
         keys = self._keys(w, model, ev)
         held = w.media.setdefault(ev.medium, {})
         for i, h in enumerate(ev.block_hashes):
             key = keys[i] if i < len(keys) else w.key_of(h)
             done.orphans += self._store_copy(w, ev.medium, held, h, key)
+        done.stored_events += 1
+        done.stored += len(ev.block_hashes)
+
+    def _store_tier(self, w: Worker, ev: BlockStored, done: Applied) -> None:
+        """Lower-tier copies of device blocks: each hash keyed through the worker's copy of it."""
+        held = w.media.setdefault(ev.medium, {})
+        for h in ev.block_hashes:
+            keyless = self._store_copy(w, ev.medium, held, h, w.key_of(h))
+            done.orphans += keyless
+            done.tier_unkeyed += keyless
         done.stored_events += 1
         done.stored += len(ev.block_hashes)
 

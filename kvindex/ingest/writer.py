@@ -129,6 +129,11 @@ class StreamWriter:
             self.reject(st.pod, reason, "skipped an event or field")
         if done is not None:
             st.counters.add(done)
+            if done.tier_unkeyed:  # lower-tier copies of hashes held keyed nowhere: never matched
+                self._metrics.decode_errors.labels(st.pod, "tier_unkeyed").inc(done.tier_unkeyed)
+                self._burst.warning((st.pod, "tier_unkeyed"), "pod %s: %d lower-tier block cop(ies) of hashes the pod "
+                                    "holds on no device: kept without identity, never matched: tier_unkeyed",
+                                    st.pod, done.tier_unkeyed)
         st.last_seq = seq
         st.batches += 1
         now = time.time()
