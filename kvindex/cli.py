@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from kvindex import loops
-from kvindex.config import AUTH_MODES, Config, ConfigError, load_file, with_overrides
+from kvindex.config import AUTH_MODES, Config, ConfigError
+from kvindex.configfile import load_file, with_overrides
 from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
 from kvindex.logs import one_line_logs
 from kvindex.storeurl import describe

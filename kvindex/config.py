@@ -3,30 +3,19 @@
 Invariants:
 - Everything is validated here, once; a bad value raises ``ConfigError`` naming the key and
   where it is (``kvindex.toml: [[engines]] #2 block_size must be an integer, got 'x'``).
-- Nothing is silently ignored: the TOML document is decoded through ``ConfigFile`` (msgspec
-  Structs and the dataclasses below, every table's keys checked by ``kvindex.strict``), so an
-  unknown or misspelled key or table is an error naming it and the closest known name.
+- Nothing is silently ignored: ``kvindex.configfile`` decodes the TOML file and the command line
+  into these values (an unknown or misspelled key is an error naming it).
 - Nothing downstream reads the environment or a dict of options: it gets these objects.
 - An engine endpoint (and replay endpoint) is a ZeroMQ address kvindex can use
   (``check_zmq_endpoint``): ``http://...`` and the like are refused with the reason.
-- Engine spec syntax on the command line: ``--engine ENDPOINT`` or
-  ``--engine key=value,key=value`` with the keys of an ``[[engines]]`` TOML table
-  (``endpoint`` required; ``pod``, ``model``, ``replay``, ``bind``, ``dialect``, ``block_size``,
-  ``dp_rank``).
 - Vocabulary: imports only the standard library, msgspec and other vocabulary modules.
 """
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import msgspec
-from msgspec import UNSET, UnsetType
-
-from kvindex import strict
 from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.lora import checked_adapters
 from kvindex.settings import (
@@ -248,167 +237,6 @@ class Config:
 
     def model(self, name: str) -> ModelConfig:
         return self.models.get(name) or self.models.get("*") or ModelConfig()
-
-
-class _Table(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """A TOML table whose keys are all optional: an omitted key stays UNSET and ``Config`` defaults it."""
-
-    def given(self) -> dict[str, Any]:
-        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not UNSET}
-
-
-class ServerTable(_Table, frozen=True):
-    host: str | UnsetType = UNSET
-    port: int | UnsetType = UNSET
-    max_message_bytes: int | UnsetType = UNSET
-    store: str | UnsetType = UNSET
-    store_buffer: int | UnsetType = UNSET
-    workers: int | UnsetType = UNSET
-    auth: str | UnsetType = UNSET
-    max_connections: int | UnsetType = UNSET
-    idle_timeout: float | UnsetType = UNSET
-    body_timeout: float | UnsetType = UNSET
-    max_blocks_per_pod: int | UnsetType = UNSET
-    engine_silent_seconds: float | UnsetType = UNSET
-    dynamo_dump: bool | UnsetType = UNSET
-
-
-class StateTable(_Table, frozen=True):
-    dir: str | UnsetType = UNSET  # "" as omitted: state in memory only
-    snapshot_seconds: float | UnsetType = UNSET
-    fsync: str | UnsetType = UNSET
-    peer: str | UnsetType = UNSET
-
-
-class ApproxModelTable(_Table, frozen=True):
-    """[approx] and [approx.models."<model>"]: Kthena's argument names (``KTHENA_KEYS``); the values
-    are taken as written and checked by ``ApproxSettings.from_toml`` (Kthena's defaulting)."""
-
-    personality: Any = UNSET
-    block_size_to_hash: Any = msgspec.field(default=UNSET, name="blockSizeToHash")
-    max_blocks_to_match: Any = msgspec.field(default=UNSET, name="maxBlocksToMatch")
-    max_hash_cache_size: Any = msgspec.field(default=UNSET, name="maxHashCacheSize")
-    top_k_matches: Any = msgspec.field(default=UNSET, name="topKMatches")
-
-
-class ApproxTable(ApproxModelTable, frozen=True):
-    models: dict[str, ApproxModelTable] = {}
-
-
-class ConfigFile(_Table, frozen=True):
-    """The whole TOML file: every table kvindex reads, and nothing else."""
-
-    server: ServerTable = ServerTable()
-    engines: list[EngineConfig] = []
-    models: dict[str, ModelConfig] = {}
-    approx: ApproxTable = ApproxTable()
-    drift: DriftSettings = msgspec.field(default_factory=DriftSettings)
-    tiers: TierWeights = msgspec.field(default_factory=TierWeights)
-    state: StateTable = StateTable()
-
-
-def unique_endpoints(engines: tuple[EngineConfig, ...]) -> tuple[EngineConfig, ...]:
-    seen: set[str] = set()
-    for e in engines:
-        if e.endpoint in seen:
-            raise ConfigError(f"engine endpoint {e.endpoint} is configured twice (one SUB socket per endpoint)")
-        seen.add(e.endpoint)
-    return engines
-
-
-def parse_engine_spec(spec: str) -> EngineConfig:
-    """``tcp://host:5557`` or ``endpoint=tcp://host:5557,pod=vllm-0,replay=tcp://host:5558``."""
-    if "=" not in spec.split("://", 1)[0]:
-        return EngineConfig(endpoint=spec)
-    table: dict[str, Any] = {}
-    for part in spec.split(","):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise ConfigError(f"--engine {spec}: part {part!r} is not key=value")
-        if key.strip() in table:
-            raise ConfigError(f"--engine {spec}: {key.strip()} is given twice")
-        table[key.strip()] = value.strip()
-    try:
-        return strict.decode(_bind_yes_no(table), EngineConfig, label=f"--engine {spec}")
-    except strict.Refused as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def load_toml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
-
-
-def load_file(path: Path) -> Config:
-    """The ``--config`` file as a ``Config``; errors start with the file's name."""
-    return config_from_toml(load_toml(path), source=str(path))
-
-
-def _bind_yes_no(table: Any) -> Any:
-    """An engine table whose ``bind`` may also be "yes" / "no" (accepted as ever, besides
-    true/false and 1/0), with that word as a bool; anything else as it is."""
-    if isinstance(table, dict) and str(table.get("bind")).lower() in ("yes", "no"):
-        return {**table, "bind": str(table["bind"]).lower() == "yes"}
-    return table
-
-
-def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
-    try:
-        if isinstance(doc.get("engines"), list):
-            doc = {**doc, "engines": [_bind_yes_no(t) for t in doc["engines"]]}
-        f = strict.decode(doc, ConfigFile)
-        try:
-            approx = ApproxConfig.from_toml(msgspec.to_builtins(f.approx))
-        except ValueError as exc:
-            raise ConfigError(f"[approx]: {exc}") from None
-        state = f.state.given()
-        if "dir" in state:
-            state_dir = state.pop("dir")
-            state["state_dir"] = Path(state_dir) if state_dir else None
-        return Config(**f.server.given(), **state, engines=unique_endpoints(tuple(f.engines)), models=f.models,
-                      approx=approx, drift=_checked_drift(f.drift), tiers=f.tiers)
-    except (ConfigError, strict.Refused) as exc:
-        raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
-
-
-def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
-                   state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
-                   peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
-                   workers: int | None = None, replay_timeout: float | None = None,
-                   replay_max_bytes: int | None = None, auth: str | None = None,
-                   max_connections: int | None = None,
-                   max_blocks_per_pod: int | None = None, dynamo_dump: bool | None = None) -> Config:
-    extra = tuple(parse_engine_spec(s) for s in engines)
-    return replace(
-        cfg,
-        host=host if host is not None else cfg.host,
-        port=port if port is not None else cfg.port,
-        engines=unique_endpoints(cfg.engines + extra),
-        state_dir=state_dir if state_dir is not None else cfg.state_dir,
-        snapshot_seconds=snapshot_seconds if snapshot_seconds is not None else cfg.snapshot_seconds,
-        fsync=fsync if fsync is not None else cfg.fsync,
-        peer=peer if peer is not None else cfg.peer,
-        store=store if store is not None else cfg.store,
-        store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
-        workers=workers if workers is not None else cfg.workers,
-        auth=auth if auth is not None else cfg.auth,
-        replay_timeout=replay_timeout if replay_timeout is not None else cfg.replay_timeout,
-        replay_max_bytes=replay_max_bytes if replay_max_bytes is not None else cfg.replay_max_bytes,
-        max_connections=max_connections if max_connections is not None else cfg.max_connections,
-        max_blocks_per_pod=max_blocks_per_pod if max_blocks_per_pod is not None else cfg.max_blocks_per_pod,
-        dynamo_dump=dynamo_dump if dynamo_dump is not None else cfg.dynamo_dump,
-    )
-
-
-def _checked_drift(d: DriftSettings) -> DriftSettings:
-    if d.sample_size < 1 or d.recheck_seconds <= 0 or not 0 < d.threshold <= 1 or d.history < 1:
-        raise ConfigError("[drift]: sample_size and history must be >= 1, recheck_seconds > 0, 0 < threshold <= 1")
-    return d
 
 
 def _check_tiers(t: TierWeights) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvindex.config import Config, ConfigError, config_from_toml, with_overrides
+from kvindex.config import Config, ConfigError
+from kvindex.configfile import config_from_toml, with_overrides
 from kvindex.tools.engine_sim import block_stored, encode_batch
 from tests.conftest import engine_config, ipc_endpoint
 

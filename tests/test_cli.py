@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from kvindex import native
-from kvindex.config import ConfigError, config_from_toml, parse_engine_spec
+from kvindex.config import ConfigError
+from kvindex.configfile import config_from_toml, parse_engine_spec
 from tests.conftest import FIXTURES
 
 KVINDEX = [sys.executable, "-m", "kvindex"]
@@ -125,7 +126,8 @@ def test_record_writes_the_fixture_format(tmp_path: Path) -> None:
 
 
 def test_ranks_of_one_pod_are_separate_engines_and_endpoints_are_unique() -> None:
-    from kvindex.config import Config, with_overrides
+    from kvindex.config import Config
+    from kvindex.configfile import with_overrides
 
     cfg = with_overrides(Config(), host=None, port=None, engines=[
         "endpoint=tcp://h:5557,pod=p,dp_rank=0", "endpoint=tcp://h:5558,pod=p,dp_rank=1"])

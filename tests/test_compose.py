@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvindex.cli import build_parser
-from kvindex.config import Config, config_from_toml, load_toml
+from kvindex.config import Config
+from kvindex.configfile import config_from_toml, load_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -12,16 +12,13 @@ from pathlib import Path
 import msgspec.inspect as mi
 import pytest
 
-from kvindex.config import (
+from kvindex.config import ConfigError, EngineConfig, ModelConfig, check_zmq_endpoint
+from kvindex.configfile import (
     ApproxModelTable,
     ApproxTable,
-    ConfigError,
     ConfigFile,
-    EngineConfig,
-    ModelConfig,
     ServerTable,
     StateTable,
-    check_zmq_endpoint,
     config_from_toml,
     load_file,
     parse_engine_spec,

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from adapters.hf_tokenizer import HFTokenizer
-from kvindex.config import Config, ConfigError, ModelConfig, config_from_toml
+from kvindex.config import Config, ConfigError, ModelConfig
+from kvindex.configfile import config_from_toml
 from kvindex.daemon import Daemon
 from kvindex.tokenize import CachingTokenizer
 from kvindex.tools.capture import load_capture

@@ -22,13 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvindex.config import (
-    ConfigError,
-    EngineConfig,
-    config_from_toml,
-    load_file,
-    parse_engine_spec,
-)
+from kvindex.config import ConfigError, EngineConfig
+from kvindex.configfile import config_from_toml, load_file, parse_engine_spec
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
 from tests.faultkit import (
     KVINDEX,

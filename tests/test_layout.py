@@ -32,7 +32,7 @@ MAX_CHAIN = 9
 # higher one. An entry is a module or a package (then every module under it); the longest entry
 # that contains a module decides its layer ("kvindex" is only the package's __init__).
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: ("kvindex", "kvindex.config", "kvindex.events", "kvindex.keys", "kvindex.native", "kvindex.logs",
+    0: ("kvindex", "kvindex.config", "kvindex.configfile", "kvindex.events", "kvindex.keys", "kvindex.native", "kvindex.logs",
         "kvindex.loops", "kvindex.sequence", "kvindex.tokenize", "kvindex.metrics", "kvindex.settings",
         "kvindex.storeurl", "kvindex.strict", "kvindex.views", "kvindex.types", "kvindex.budget",
         "kvindex.limits", "kvindex.lora",

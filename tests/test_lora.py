@@ -256,7 +256,8 @@ async def test_config_declares_an_adapter_and_outranks_events(make_harness: Any,
 def test_config_base_model_is_validated() -> None:
     import pytest
 
-    from kvindex.config import ConfigError, config_from_toml
+    from kvindex.config import ConfigError
+    from kvindex.configfile import config_from_toml
     ok = config_from_toml({"models": {ADAPTER: {"base_model": BASE}, BASE: {"block_size": 32}}})
     assert ok.models[ADAPTER].base_model == BASE
     assert config_from_toml({"models": {ADAPTER: {"base_model": "not-configured"}}})  # a base as written

@@ -20,7 +20,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvindex.config import Config, ConfigError, config_from_toml
+from kvindex.config import Config, ConfigError
+from kvindex.configfile import config_from_toml
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import WorkerSettings, owner_of
