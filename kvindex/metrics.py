@@ -69,6 +69,8 @@ class Metrics:
         self.models = KnownNames()  # model ids likewise
         self.events_applied = Counter("kvindex_events_applied", "KV events applied, by pod and type", ["pod", "type"], registry=r)
         self.blocks_stored = Counter("kvindex_blocks_stored", "Block copies stored by BlockStored events", ["pod"], registry=r)
+        self.blocks_reannounced = Counter("kvindex_blocks_reannounced", "Blocks of BlockStored events re-announcing "
+                                          "held hashes (vLLM kv_cache_report_mode full): no copy added", ["pod"], registry=r)
         self.blocks_removed = Counter("kvindex_blocks_removed", "Block copies removed by BlockRemoved events", ["pod"], registry=r)
         self.decode_errors = Counter("kvindex_decode_errors", "Messages, events or fields that could not be used, by reason", ["pod", "reason"], registry=r)
         self.seq_gaps = Counter("kvindex_seq_gaps", "Sequence gaps detected on an engine stream", ["pod"], registry=r)
