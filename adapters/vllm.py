@@ -13,7 +13,8 @@ Wire format (reference: vllm/distributed/kv_events.py):
 Invariants: ``decode`` raises only ``DecodeError``; an event it cannot read is skipped and named in
 ``EventBatch.skipped`` (one reason per skipped event or field), never fatal for the batch.
 Adjacent BlockRemoved events of one medium and group are merged into one (vLLM sends one hash per
-event; applied in order, the effect is the same).
+event; applied in order, the effect is the same). Only the prefix group's events are kept
+(adapters/vllm_groups.py: ``groups``, shared with the C twin, which declines what it would skip).
 
 Three paths, one result: the C twin of the typed path (``adapters/_vllm.c``: token ids straight
 into an ``array("I")``, no Python int per token) takes the batches engines really send; a typed msgspec decoder (the structs below state the wire format; C-level
@@ -24,12 +25,13 @@ through the tolerant generic path, which knows how to skip and name what is wron
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
 import msgspec
 
+from adapters import vllm_groups as G
 from kvindex import native
 from kvindex.events import (
     GPU,
@@ -45,7 +47,7 @@ from kvindex.events import (
 MASK64 = (1 << 64) - 1
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                 "medium", "lora_name", "extra_keys", "group_idx")
+                 "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
@@ -77,6 +79,7 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
@@ -125,6 +128,7 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     data_parallel_rank: int | None = None
 
 
+_STORES = (_MapStored, _ArrayStored)
 _TYPED: tuple[msgspec.msgpack.Decoder[Any], ...] = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
 _KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU)  # what adapters._vllm builds
 
@@ -136,9 +140,10 @@ class VllmDecoder:
         self._bytes_hash = bytes_hash
         self._typed = list(_TYPED)  # the dialect that worked last is tried first
         self._fast = fast  # the C twin of the typed path (None: not built, or pure Python)
+        self.groups: list[int | None] = [None]  # the stream's prefix group, once known (vllm_groups)
 
     def decode(self, payload: bytes) -> EventBatch:
-        if self._fast is not None and (batch := self._fast.decode(payload, _KINDS)) is not None:
+        if self._fast is not None and (batch := self._fast.decode(payload, _KINDS, self.groups)) is not None:
             return batch
         return self.decode_python(payload)
 
@@ -165,10 +170,16 @@ class VllmDecoder:
         removed: list[Any] = []  # a run of removals of one (medium, group), merged into one event
         where: tuple[str, int] = (GPU, 0)
         raw_where: tuple[Any, Any] | None = None  # (medium, group_idx) as sent, for ``where``
+        prefix, skipped = self.groups[0], []
+        if prefix is None:
+            prefix = G.first_prefix_group((w.group_idx or 0, w.kv_cache_spec_kind) for w in wire.events if type(w) in _STORES)
         for w in wire.events:
             if type(w) is _MapRemoved or type(w) is _ArrayRemoved:  # vLLM: one event per block
                 if not w.block_hashes:
                     return None
+                if not G.removed_indexed(prefix, w.group_idx or 0):
+                    skipped.append(G.NON_PREFIX_GROUP)
+                    continue
                 raw = (w.medium, w.group_idx)
                 if raw != raw_where:
                     here = (_medium(w.medium), w.group_idx or 0)
@@ -180,12 +191,16 @@ class VllmDecoder:
                     where, raw_where = here, raw
                 removed.extend(w.block_hashes)  # checked once per run, below
                 continue
+            stored = type(w) in _STORES
+            if stored and not G.stored_indexed(prefix, w.group_idx or 0, w.kv_cache_spec_kind):  # type: ignore[union-attr]
+                skipped.append(G.NON_PREFIX_GROUP)
+                continue
             if removed:
                 if (hashes := _plain_hashes(removed)) is None:
                     return None
                 events.append(BlockRemoved(hashes, *where))
                 removed = []
-            ev = _typed_stored(w) if type(w) is _MapStored or type(w) is _ArrayStored else AllBlocksCleared()
+            ev = _typed_stored(w) if stored else AllBlocksCleared()  # type: ignore[arg-type]
             if ev is None:
                 return None
             events.append(ev)
@@ -193,7 +208,8 @@ class VllmDecoder:
             if (hashes := _plain_hashes(removed)) is None:
                 return None
             events.append(BlockRemoved(hashes, *where))
-        return EventBatch(ts=wire.ts, events=tuple(events), dp_rank=rank)
+        self.groups[0] = prefix
+        return EventBatch(ts=wire.ts, events=tuple(events), dp_rank=rank, skipped=tuple(skipped))
 
     def _decode_generic(self, payload: bytes) -> EventBatch:
         try:
@@ -203,23 +219,25 @@ class VllmDecoder:
         ts, raw_events, rank = _batch_parts(obj)
         events: list[KVEvent] = []
         skipped: list[str] = []
+        prefix = self.groups[0] if self.groups[0] is not None else G.first_prefix_group(_stores(raw_events))
         for raw in raw_events:
             try:
-                events.append(self._event(raw, skipped))
+                events.append(self._event(raw, skipped, prefix))
             except _Skip as skip:
                 skipped.append(skip.reason)
+        self.groups[0] = prefix
         return EventBatch(ts=ts, events=tuple(events), dp_rank=rank, skipped=tuple(skipped))
 
-    def _event(self, raw: Any, skipped: list[str]) -> KVEvent:
+    def _event(self, raw: Any, skipped: list[str], prefix: int | None) -> KVEvent:
         tag, fields = _tag_and_fields(raw)
         if tag == "BlockStored":
+            if not G.stored_indexed(prefix, _small_int(fields.get("group_idx"), 0), fields.get("kv_cache_spec_kind")):
+                raise _Skip(G.NON_PREFIX_GROUP)
             return self._stored(fields, skipped)
         if tag == "BlockRemoved":
-            return BlockRemoved(
-                block_hashes=self._hashes(fields.get("block_hashes")),
-                medium=_medium(fields.get("medium")),
-                group_idx=_small_int(fields.get("group_idx"), 0),
-            )
+            if not G.removed_indexed(prefix, group := _small_int(fields.get("group_idx"), 0)):
+                raise _Skip(G.NON_PREFIX_GROUP)
+            return BlockRemoved(self._hashes(fields.get("block_hashes")), _medium(fields.get("medium")), group)
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
         raise _Skip("unknown_event_type")
@@ -261,6 +279,17 @@ class VllmDecoder:
         elif isinstance(value, bytes) and value:
             return self._bytes_hash(value)
         raise _Skip("bad_hash")
+
+
+def _stores(raw_events: list[Any]) -> Iterable[tuple[int, Any]]:
+    """(group, kind) of each readable BlockStored of a batch, for the prefix group's look-ahead."""
+    for raw in raw_events:
+        try:
+            tag, f = _tag_and_fields(raw)
+            if tag == "BlockStored":
+                yield _small_int(f.get("group_idx"), 0), f.get("kv_cache_spec_kind")
+        except _Skip:
+            pass
 
 
 def _plain_hashes(values: list[Any]) -> tuple[int, ...] | None:

@@ -25,26 +25,34 @@ from tests.conftest import FIXTURES, need_native
 from tests.test_decoder import A, B, C
 
 _fast = native.load("adapters._vllm")
-_python = VllmDecoder(fast=None)
 
 
-def _reference(payload: bytes) -> object:
+def _reference(payload: bytes, groups: list[int | None]) -> tuple[object, list[int | None]]:
+    """What a pure-Python decoder whose prefix group was ``groups`` decodes, and its groups after."""
+    python = VllmDecoder(fast=None)
+    python.groups = list(groups)
     try:
-        return _python.decode(payload)
+        return python.decode(payload), python.groups
     except DecodeError as exc:
-        return exc
+        return exc, python.groups
 
 
-def check(payload: bytes) -> bool:
-    """The C result equals the reference or is None; True when C took it."""
+def check(payload: bytes, groups: list[int | None] | None = None) -> bool:
+    """The C result equals the reference or is None; True when C took it. ``groups``: a decoder's
+    prefix group (adapters/vllm_groups.py) before the payload, left as the decoder leaves it (C
+    may only change it when it takes the payload, to what Python would); None: a new decoder's."""
     need_native(_fast, "adapters._vllm")
-    got = _fast.decode(payload, _KINDS)
+    before = [None] if groups is None else list(groups)
+    got = _fast.decode(payload, _KINDS) if groups is None else _fast.decode(payload, _KINDS, groups)
+    ref, after = _reference(payload, before)
     if got is not None:
-        ref = _reference(payload)
         if isinstance(ref, EventBatch) and math.isnan(ref.ts):  # NaN != NaN: compare the rest
             assert math.isnan(got.ts) and (got.events, got.dp_rank, got.skipped) == (ref.events, ref.dp_rank, ref.skipped)
         else:
             assert got == ref, payload.hex()
+    if groups is not None:
+        assert groups == (after if got is not None else before), payload.hex()
+        groups[:] = after  # the decoder's Python path learns what C declined
     return got is not None
 
 
@@ -61,20 +69,23 @@ def test_every_recorded_vllm_payload_is_taken_and_equal() -> None:
     payloads = fixture_payloads()
     assert len(payloads) >= 4
     for name, batch in payloads.items():
-        taken = [check(p) for p in batch]
+        groups: list[int | None] = [None]  # one decoder per capture, as one engine lane has
+        taken = [check(p, groups) for p in batch]
         if name == "small_bytes_hashes":  # 32-byte hashes: the Python path's job
             assert not any(taken)
-        else:
-            assert all(taken), name
+        else:  # all but batches of removals before the first store (the prefix group is not known)
+            assert all(taken[next(i for i, t in enumerate(taken) if t):]), name
+            assert groups == [0], name
 
 
 def test_reference_bytes_and_simulated_engines_in_both_dialects() -> None:
     assert all(check(p) for p in (A, B, C))
     for dialect in ("map", "array"):
         cache, wl = SimulatedCache(num_blocks=64, block_size=4), Workload(3, tenants=3, system_tokens=40)
+        groups: list[int | None] = [None]
         for i, req in enumerate(wl.take(200)):
             events = cache.admit(req.token_ids).events
-            assert check(encode_batch(events, ts=float(i), dp_rank=i % 3, dialect=dialect))
+            assert check(encode_batch(events, ts=float(i), dp_rank=i % 3, dialect=dialect), groups) or groups == [None]
 
 
 _u64 = st.integers(0, (1 << 64) - 1)
