@@ -18,7 +18,8 @@
  *   ...] (missing trailing fields are nil, extra ones ignored) or a map with "type" (unknown keys
  *   ignored, the last of duplicate keys wins).
  * - Adjacent BlockRemoved events of one (medium, group) are merged into one, as in Python.
- * - Hybrid models (adapters/vllm_groups.py): every event taken is of the prefix group, learned from
+ * - Hybrid models (adapters/vllm_groups.py; only maps carry kv_cache_spec_kind, an array's trailing
+ *   fields are ignored): every event taken is of the prefix group, learned from
  *   the batch's first store when ``groups`` holds None; a batch with an event Python would skip
  *   (another group, a kind that is not full attention) or a removal before the prefix group is
  *   known (Python looks ahead for it) is declined. ``groups`` changes only when a batch is taken.
@@ -463,7 +464,7 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
         if (*tag == E_REMOVED && i <= 3) {
             rc = i == 1 ? set_field(&r->hashes, hashes(b))
                : i == 2 ? set_field(&r->medium, opt_medium(b, k->gpu)) : set_field(&r->group, opt_int(b));
-        } else if (*tag == E_STORED && i <= 10 && i != 5) {
+        } else if (*tag == E_STORED && i <= 9 && i != 5) {
             switch (i) {
             case 1: rc = set_field(&s->hashes, hashes(b)); break;
             case 2: rc = set_field(&s->parent, parent(b)); break;
@@ -476,7 +477,6 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
                 rc = cache_salt(b, s->lora_name, &s->salt);
                 break;
             case 9: rc = set_field(&s->group, opt_int(b)); break;
-            case 10: rc = spec_kind(b, &s->other_kind); break;
             }
         } else {
             known = 0;

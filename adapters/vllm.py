@@ -47,7 +47,7 @@ from kvindex.events import (
 MASK64 = (1 << 64) - 1
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                 "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
+                 "medium", "lora_name", "extra_keys", "group_idx")  # arrays carry no kind (vllm_groups)
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
@@ -101,9 +101,7 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
+    group_idx: int | None = None  # later fields (kv_cache_spec_kind, ...) ignored, as msgspec ignores them
 
 
 class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
@@ -172,7 +170,8 @@ class VllmDecoder:
         raw_where: tuple[Any, Any] | None = None  # (medium, group_idx) as sent, for ``where``
         prefix, skipped = self.groups[0], []
         if prefix is None:
-            prefix = G.first_prefix_group((w.group_idx or 0, w.kv_cache_spec_kind) for w in wire.events if type(w) in _STORES)
+            prefix = G.first_prefix_group((w.group_idx or 0, getattr(w, "kv_cache_spec_kind", None))
+                                          for w in wire.events if type(w) in _STORES)
         for w in wire.events:
             if type(w) is _MapRemoved or type(w) is _ArrayRemoved:  # vLLM: one event per block
                 if not w.block_hashes:
@@ -192,7 +191,8 @@ class VllmDecoder:
                 removed.extend(w.block_hashes)  # checked once per run, below
                 continue
             stored = type(w) in _STORES
-            if stored and not G.stored_indexed(prefix, w.group_idx or 0, w.kv_cache_spec_kind):  # type: ignore[union-attr]
+            if stored and not G.stored_indexed(prefix, w.group_idx or 0,  # type: ignore[union-attr]
+                                               getattr(w, "kv_cache_spec_kind", None)):
                 skipped.append(G.NON_PREFIX_GROUP)
                 continue
             if removed:

@@ -10,7 +10,8 @@ applied they would add and take copies of the full-attention blocks with the sam
 The rule, once (adapters/vllm.py applies it on both of its paths; its C twin declines what it
 would have to skip):
 - A *full-attention kind* is one of ``FULL_ATTENTION_KINDS`` (vLLM's ``FullAttentionSpec`` and its
-  subclasses), or no kind at all (engines that do not say: SGLang, older vLLM).
+  subclasses), or no kind at all (engines that do not say: SGLang, older vLLM, and the array
+  dialect, whose fields past ``group_idx`` are ignored).
 - A stream's *prefix group* is the group of its first BlockStored of a full-attention kind (vLLM
   looks prefix hits up in its first full-attention group, ``full_attention_group_id``), looked
   for first in the batch being decoded, then kept by the decoder for the following batches.
