@@ -1,7 +1,7 @@
 /* adapters._vllm: the vLLM KV-event payload decoded in C, for the batches engines really send.
  *
  * decode(payload, kinds, groups=None) -> EventBatch | None
- *   kinds = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array_type, GPU)
+ *   kinds = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array_type, GPU, NON_PREFIX_GROUP)
  *   groups = the decoder's [prefix group or None] (adapters/vllm_groups.py), set when learned
  *
  * adapters/vllm.py is the reference: VllmDecoder's typed path (msgspec structs, then
@@ -19,10 +19,11 @@
  *   ignored, the last of duplicate keys wins).
  * - Adjacent BlockRemoved events of one (medium, group) are merged into one, as in Python.
  * - Hybrid models (adapters/vllm_groups.py; only maps carry kv_cache_spec_kind, an array's trailing
- *   fields are ignored): every event taken is of the prefix group, learned from
- *   the batch's first store when ``groups`` holds None; a batch with an event Python would skip
- *   (another group, a kind that is not full attention) or a removal before the prefix group is
- *   known (Python looks ahead for it) is declined. ``groups`` changes only when a batch is taken.
+ *   fields are ignored): the prefix group is learned from the batch's first store when ``groups``
+ *   holds None (a removal or another kind before it is declined: Python looks ahead); once known,
+ *   another group's event, or a store of a kind that is not full attention, is skipped as Python
+ *   skips it (named in ``skipped``; runs of removals go on across it). ``groups`` changes only
+ *   when a batch is taken.
  * Bounds: every read is checked against the end of the payload; counts are checked against the
  * bytes left before anything is allocated; nesting deeper than MAX_DEPTH is declined.
  */
@@ -49,7 +50,7 @@ typedef struct {
 } Item;
 
 typedef struct {
-    PyObject *stored, *removed, *cleared, *batch, *array_type, *gpu;
+    PyObject *stored, *removed, *cleared, *batch, *array_type, *gpu, *non_prefix;
 } Kinds;
 
 static int take(Buf *b, size_t n, const uint8_t **out) {
@@ -537,7 +538,7 @@ typedef struct {
 } Prefix;
 
 /* Whether an event of ``group`` (NULL or None: 0) is the prefix group's; a store of a full-attention
-   kind teaches it when it is not known. 0 yes, -1 declined (Python skips it, or looks ahead). */
+   kind teaches it when it is not known. 0 yes, 1 skipped, -1 declined (Python looks ahead). */
 static int prefix_event(Prefix *pre, PyObject *group, int stored, int other_kind) {
     long long g = 0;
     if (group != NULL && group != Py_None) {
@@ -550,11 +551,11 @@ static int prefix_event(Prefix *pre, PyObject *group, int stored, int other_kind
         pre->known = 1;
         pre->group = g;
     }
-    return g == pre->group && !(stored && other_kind) ? 0 : -1;
+    return g == pre->group && !(stored && other_kind) ? 0 : 1;
 }
 
 /* One event of the batch, appended to ``events`` (removals through ``run``). 0 ok, -1 declined. */
-static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run *run, Prefix *pre) {
+static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run *run, Prefix *pre, Py_ssize_t *skipped) {
     Item it;
     if (next(b, &it) < 0 || (it.kind != K_ARRAY && it.kind != K_MAP)) return -1;
     if (*dialect == -1) *dialect = it.kind;
@@ -565,7 +566,10 @@ static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run
     int rc = it.kind == K_MAP ? map_event(b, it.n, k, &tag, &s, &r) : array_event(b, it.n, k, &tag, &s, &r);
     if (rc == 0 && tag != E_CLEARED)
         rc = tag == E_STORED ? prefix_event(pre, s.group, 1, s.other_kind) : prefix_event(pre, r.group, 0, 0);
-    if (rc == 0 && tag == E_REMOVED) {
+    if (rc == 1) { /* skipped, once its required fields are there (else Python's typed path refuses it) */
+        rc = (tag == E_STORED ? s.hashes != NULL && s.block_size != NULL : r.hashes != NULL) ? 0 : -1;
+        *skipped += rc == 0;
+    } else if (rc == 0 && tag == E_REMOVED) {
         rc = add_removal(run, &r, events, k);
     } else if (rc == 0) {
         PyObject *ev = NULL;
@@ -579,11 +583,11 @@ static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run
     return rc;
 }
 
-static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k, Prefix *pre) {
+static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k, Prefix *pre, Py_ssize_t *skipped) {
     PyObject *events = PyList_New(0);
     Run run = {0};
     int dialect = -1, ok = events != NULL;
-    for (uint32_t i = 0; ok && i < n; i++) ok = one_event(b, k, &dialect, events, &run, pre) == 0;
+    for (uint32_t i = 0; ok && i < n; i++) ok = one_event(b, k, &dialect, events, &run, pre, skipped) == 0;
     ok = ok && flush(&run, events, k) == 0;
     Py_XDECREF(run.hashes);
     Py_XDECREF(run.medium);
@@ -598,9 +602,9 @@ static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k, Prefix *pre) {
 }
 
 static int parse_kinds(PyObject *obj, Kinds *k) {
-    return PyArg_ParseTuple(obj, "OOOOOU;kinds must be (BlockStored, BlockRemoved, AllBlocksCleared, "
-                            "EventBatch, array type, GPU)", &k->stored, &k->removed, &k->cleared, &k->batch,
-                            &k->array_type, &k->gpu);
+    return PyArg_ParseTuple(obj, "OOOOOUU;kinds must be (BlockStored, BlockRemoved, AllBlocksCleared, "
+                            "EventBatch, array type, GPU, NON_PREFIX_GROUP)", &k->stored, &k->removed, &k->cleared,
+                            &k->batch, &k->array_type, &k->gpu, &k->non_prefix);
 }
 
 /* [ts, events, dp_rank?] with a numeric ts and a small rank; NULL (no error set) to decline. */
@@ -614,7 +618,8 @@ static PyObject *batch(Buf *b, const Kinds *k, Prefix *pre) {
     else if (ts.kind == K_INT && (int64_t)ts.u > -(1LL << 53)) when = (double)(int64_t)ts.u;
     else return NULL;
     if (next(b, &evs) < 0 || evs.kind != K_ARRAY) return NULL;
-    PyObject *events = events_of(b, evs.n, k, pre);
+    Py_ssize_t skipped = 0;
+    PyObject *events = events_of(b, evs.n, k, pre, &skipped);
     if (events == NULL) return NULL;
     long dp = 0;
     if (top.n == 3) {
@@ -628,10 +633,12 @@ static PyObject *batch(Buf *b, const Kinds *k, Prefix *pre) {
         Py_DECREF(events);
         return NULL;
     }
-    PyObject *pts = PyFloat_FromDouble(when), *prank = PyLong_FromLong(dp);
-    PyObject *out = pts && prank ? PyObject_CallFunctionObjArgs(k->batch, pts, events, prank, NULL) : NULL;
+    PyObject *pts = PyFloat_FromDouble(when), *prank = PyLong_FromLong(dp), *pskipped = PyTuple_New(skipped);
+    for (Py_ssize_t i = 0; pskipped != NULL && i < skipped; i++) PyTuple_SET_ITEM(pskipped, i, Py_NewRef(k->non_prefix));
+    PyObject *out = pts && prank && pskipped ? PyObject_CallFunctionObjArgs(k->batch, pts, events, prank, pskipped, NULL) : NULL;
     Py_XDECREF(pts);
     Py_XDECREF(prank);
+    Py_XDECREF(pskipped);
     Py_DECREF(events);
     return out;
 }
@@ -640,7 +647,7 @@ PyDoc_STRVAR(decode_doc,
 "decode(payload, kinds, groups=None) -> EventBatch | None\n\n"
 "The payload's events, as adapters.vllm.VllmDecoder would decode them; None when it is not the\n"
 "common case (then decode it in Python). kinds: (BlockStored, BlockRemoved, AllBlocksCleared,\n"
-"EventBatch, array type, GPU); groups: the decoder's [prefix group or None], set when learned.");
+"EventBatch, array type, GPU, NON_PREFIX_GROUP); groups: the decoder's [prefix group or None], set when learned.");
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer payload;

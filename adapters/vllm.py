@@ -14,7 +14,7 @@ Invariants: ``decode`` raises only ``DecodeError``; an event it cannot read is s
 ``EventBatch.skipped`` (one reason per skipped event or field), never fatal for the batch.
 Adjacent BlockRemoved events of one medium and group are merged into one (vLLM sends one hash per
 event; applied in order, the effect is the same). Only the prefix group's events are kept
-(adapters/vllm_groups.py: ``groups``, shared with the C twin, which declines what it would skip).
+(adapters/vllm_groups.py: ``groups``, the prefix group learned, shared with the C twin).
 
 Three paths, one result: the C twin of the typed path (``adapters/_vllm.c``: token ids straight
 into an ``array("I")``, no Python int per token) takes the batches engines really send; a typed msgspec decoder (the structs below state the wire format; C-level
@@ -128,7 +128,7 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 _STORES = (_MapStored, _ArrayStored)
 _TYPED: tuple[msgspec.msgpack.Decoder[Any], ...] = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
-_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU)  # what adapters._vllm builds
+_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU, G.NON_PREFIX_GROUP)  # what adapters._vllm builds
 
 
 class VllmDecoder:

@@ -113,7 +113,8 @@ _good_stored = st.fixed_dictionaries({
     "block_size": st.integers(1, 8), "medium": _medium, "lora_name": st.sampled_from([None, "sql"]),
     "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.sampled_from(["sql", "s1", 7, None]),
                                                                                    max_size=3)), max_size=2)),
-    "group_idx": st.one_of(st.none(), st.integers(0, 2))}, optional={"lora_id": st.none(), "kv_cache_spec_kind": st.text(max_size=3)})
+    "group_idx": st.one_of(st.none(), st.integers(0, 2))}, optional={"lora_id": st.none(), "kv_cache_spec_kind": st.one_of(
+        st.text(max_size=3), st.sampled_from(["full_attention", "mla_attention", "sliding_window", "mamba"]))})
 _good_removed = st.fixed_dictionaries({"type": st.just("BlockRemoved"), "block_hashes": st.lists(_u64, min_size=1, max_size=3)},
                                       optional={"medium": _medium, "group_idx": st.one_of(st.none(), st.integers(0, 2))})
 _event = st.one_of(_stored, _removed, _cleared, _good_stored, _good_stored, _good_removed, _good_removed)
@@ -141,6 +142,7 @@ def test_generated_payloads_equal_or_declined(events, dialect, keep, rank, ts, t
         evs = [as_array(e, keep) if i % 2 else e for i, e in enumerate(events)]
     payload = msgpack.packb([ts, evs, rank] if three else [ts, evs])
     check(payload)
+    check(payload, [data.draw(st.sampled_from([None, 0, 1, 2]))])  # a decoder that knows its prefix group (or not)
     cut = data.draw(st.integers(0, len(payload)))  # truncated, one byte changed, trailing bytes
     check(payload[:cut])
     i = data.draw(st.integers(0, len(payload) - 1))
