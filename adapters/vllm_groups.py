@@ -7,8 +7,8 @@ one group per kind of layer and publishes a store, and later a removal, per grou
 block hashes: a sliding window's or a Mamba state's blocks are no prefix of the prompt, and if
 applied they would add and take copies of the full-attention blocks with the same hashes.
 
-The rule, once (adapters/vllm.py applies it on both of its paths; its C twin declines what it
-would have to skip):
+The rule, once (adapters/vllm.py applies it on both of its paths, adapters/_vllm.c in C, held
+equal by tests/test_native_decoder.py and tests/test_hybrid_groups.py):
 - A *full-attention kind* is one of ``FULL_ATTENTION_KINDS`` (vLLM's ``FullAttentionSpec`` and its
   subclasses), or no kind at all (engines that do not say: SGLang, older vLLM, and the array
   dialect, whose fields past ``group_idx`` are ignored).
