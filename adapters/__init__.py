@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from adapters.vllm import VllmDecoder, first8_signed, last8_be
+from adapters.vllm import VllmDecoder
+from adapters.vllm_fields import first8_signed, last8_be
 from kvindex.events import Decoder
 
 

@@ -1,7 +1,8 @@
 /* adapters._vllm: the vLLM KV-event payload decoded in C, for the batches engines really send.
  *
- * decode(payload, kinds) -> EventBatch | None
- *   kinds = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array_type, GPU)
+ * decode(payload, kinds, groups=None) -> EventBatch | None
+ *   kinds = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array_type, GPU, NON_PREFIX_GROUP)
+ *   groups = the decoder's [prefix group or None] (adapters/vllm_groups.py), set when learned
  *
  * adapters/vllm.py is the reference: VllmDecoder's typed path (msgspec structs, then
  * ``_from_typed``). This twin parses the msgpack bytes itself and builds the same kvindex events,
@@ -17,6 +18,12 @@
  *   ...] (missing trailing fields are nil, extra ones ignored) or a map with "type" (unknown keys
  *   ignored, the last of duplicate keys wins).
  * - Adjacent BlockRemoved events of one (medium, group) are merged into one, as in Python.
+ * - Hybrid models (adapters/vllm_groups.py; only maps carry kv_cache_spec_kind, an array's trailing
+ *   fields are ignored): the prefix group is learned from the batch's first store when ``groups``
+ *   holds None (a removal or another kind before it is declined: Python looks ahead); once known,
+ *   another group's event, or a store of a kind that is not full attention, is skipped as Python
+ *   skips it (named in ``skipped``; runs of removals go on across it). ``groups`` changes only
+ *   when a batch is taken.
  * Bounds: every read is checked against the end of the payload; counts are checked against the
  * bytes left before anything is allocated; nesting deeper than MAX_DEPTH is declined.
  */
@@ -43,7 +50,7 @@ typedef struct {
 } Item;
 
 typedef struct {
-    PyObject *stored, *removed, *cleared, *batch, *array_type, *gpu;
+    PyObject *stored, *removed, *cleared, *batch, *array_type, *gpu, *non_prefix;
 } Kinds;
 
 static int take(Buf *b, size_t n, const uint8_t **out) {
@@ -333,7 +340,18 @@ static int cache_salt(Buf *b, PyObject *lora_name, PyObject **salt) {
 
 typedef struct {
     PyObject *hashes, *parent, *tokens, *block_size, *medium, *lora_name, *salt, *group;
+    int other_kind; /* kv_cache_spec_kind is a string other than a full-attention kind */
 } Stored;
+
+/* kv_cache_spec_kind: nil or a string (vllm_groups.FULL_ATTENTION_KINDS, else *other = 1); -1 otherwise. */
+static int spec_kind(Buf *b, int *other) {
+    Item it;
+    if (next(b, &it) < 0) return -1;
+    if (it.kind == K_NIL) return *other = 0;
+    if (it.kind != K_STR || !valid_utf8(it.s, it.n)) return -1;
+    *other = !(str_is(&it, "full_attention") || str_is(&it, "mla_attention") || str_is(&it, "sink_full_attention"));
+    return 0;
+}
 
 static void stored_clear(Stored *s) {
     Py_CLEAR(s->hashes); Py_CLEAR(s->parent); Py_CLEAR(s->tokens); Py_CLEAR(s->block_size);
@@ -425,6 +443,7 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
             else if (str_is(&key, "medium")) rc = set_field(&s->medium, opt_medium(&fb, k->gpu));
             else if (str_is(&key, "lora_name")) rc = set_field(&s->lora_name, opt_str(&fb));
             else if (str_is(&key, "group_idx")) rc = set_field(&s->group, opt_int(&fb));
+            else if (str_is(&key, "kv_cache_spec_kind")) rc = spec_kind(&fb, &s->other_kind);
             else if (str_is(&key, "extra_keys")) { extra = fb.p; known = 0; }
             else known = 0;
         }
@@ -519,8 +538,31 @@ done:
     return rc;
 }
 
+/* The stream's prefix group as far as the batch has learned it (vllm_groups). */
+typedef struct {
+    int known;
+    long long group;
+} Prefix;
+
+/* Whether an event of ``group`` (NULL or None: 0) is the prefix group's; a store of a full-attention
+   kind teaches it when it is not known. 0 yes, 1 skipped, -1 declined (Python looks ahead). */
+static int prefix_event(Prefix *pre, PyObject *group, int stored, int other_kind) {
+    long long g = 0;
+    if (group != NULL && group != Py_None) {
+        int overflow = 0;
+        g = PyLong_AsLongLongAndOverflow(group, &overflow);
+        if (overflow || (g == -1 && PyErr_Occurred())) return -1;
+    }
+    if (!pre->known) {
+        if (!stored || other_kind) return -1;
+        pre->known = 1;
+        pre->group = g;
+    }
+    return g == pre->group && !(stored && other_kind) ? 0 : 1;
+}
+
 /* One event of the batch, appended to ``events`` (removals through ``run``). 0 ok, -1 declined. */
-static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run *run) {
+static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run *run, Prefix *pre, Py_ssize_t *skipped) {
     Item it;
     if (next(b, &it) < 0 || (it.kind != K_ARRAY && it.kind != K_MAP)) return -1;
     if (*dialect == -1) *dialect = it.kind;
@@ -529,7 +571,12 @@ static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run
     Stored s = {0};
     Removed r = {0};
     int rc = it.kind == K_MAP ? map_event(b, it.n, k, &tag, &s, &r) : array_event(b, it.n, k, &tag, &s, &r);
-    if (rc == 0 && tag == E_REMOVED) {
+    if (rc == 0 && tag != E_CLEARED)
+        rc = tag == E_STORED ? prefix_event(pre, s.group, 1, s.other_kind) : prefix_event(pre, r.group, 0, 0);
+    if (rc == 1) { /* skipped, once its required fields are there (else Python's typed path refuses it) */
+        rc = (tag == E_STORED ? s.hashes != NULL && s.block_size != NULL : r.hashes != NULL) ? 0 : -1;
+        *skipped += rc == 0;
+    } else if (rc == 0 && tag == E_REMOVED) {
         rc = add_removal(run, &r, events, k);
     } else if (rc == 0) {
         PyObject *ev = NULL;
@@ -543,11 +590,11 @@ static int one_event(Buf *b, const Kinds *k, int *dialect, PyObject *events, Run
     return rc;
 }
 
-static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k) {
+static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k, Prefix *pre, Py_ssize_t *skipped) {
     PyObject *events = PyList_New(0);
     Run run = {0};
     int dialect = -1, ok = events != NULL;
-    for (uint32_t i = 0; ok && i < n; i++) ok = one_event(b, k, &dialect, events, &run) == 0;
+    for (uint32_t i = 0; ok && i < n; i++) ok = one_event(b, k, &dialect, events, &run, pre, skipped) == 0;
     ok = ok && flush(&run, events, k) == 0;
     Py_XDECREF(run.hashes);
     Py_XDECREF(run.medium);
@@ -562,13 +609,13 @@ static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k) {
 }
 
 static int parse_kinds(PyObject *obj, Kinds *k) {
-    return PyArg_ParseTuple(obj, "OOOOOU;kinds must be (BlockStored, BlockRemoved, AllBlocksCleared, "
-                            "EventBatch, array type, GPU)", &k->stored, &k->removed, &k->cleared, &k->batch,
-                            &k->array_type, &k->gpu);
+    return PyArg_ParseTuple(obj, "OOOOOUU;kinds must be (BlockStored, BlockRemoved, AllBlocksCleared, "
+                            "EventBatch, array type, GPU, NON_PREFIX_GROUP)", &k->stored, &k->removed, &k->cleared,
+                            &k->batch, &k->array_type, &k->gpu, &k->non_prefix);
 }
 
 /* [ts, events, dp_rank?] with a numeric ts and a small rank; NULL (no error set) to decline. */
-static PyObject *batch(Buf *b, const Kinds *k) {
+static PyObject *batch(Buf *b, const Kinds *k, Prefix *pre) {
     Item top, ts, evs, rank;
     if (next(b, &top) < 0 || top.kind != K_ARRAY || (top.n != 2 && top.n != 3)) return NULL;
     if (next(b, &ts) < 0) return NULL;
@@ -578,7 +625,8 @@ static PyObject *batch(Buf *b, const Kinds *k) {
     else if (ts.kind == K_INT && (int64_t)ts.u > -(1LL << 53)) when = (double)(int64_t)ts.u;
     else return NULL;
     if (next(b, &evs) < 0 || evs.kind != K_ARRAY) return NULL;
-    PyObject *events = events_of(b, evs.n, k);
+    Py_ssize_t skipped = 0;
+    PyObject *events = events_of(b, evs.n, k, pre, &skipped);
     if (events == NULL) return NULL;
     long dp = 0;
     if (top.n == 3) {
@@ -592,32 +640,55 @@ static PyObject *batch(Buf *b, const Kinds *k) {
         Py_DECREF(events);
         return NULL;
     }
-    PyObject *pts = PyFloat_FromDouble(when), *prank = PyLong_FromLong(dp);
-    PyObject *out = pts && prank ? PyObject_CallFunctionObjArgs(k->batch, pts, events, prank, NULL) : NULL;
+    PyObject *pts = PyFloat_FromDouble(when), *prank = PyLong_FromLong(dp), *pskipped = PyTuple_New(skipped);
+    for (Py_ssize_t i = 0; pskipped != NULL && i < skipped; i++) PyTuple_SET_ITEM(pskipped, i, Py_NewRef(k->non_prefix));
+    PyObject *out = pts && prank && pskipped ? PyObject_CallFunctionObjArgs(k->batch, pts, events, prank, pskipped, NULL) : NULL;
     Py_XDECREF(pts);
     Py_XDECREF(prank);
+    Py_XDECREF(pskipped);
     Py_DECREF(events);
     return out;
 }
 
 PyDoc_STRVAR(decode_doc,
-"decode(payload, kinds) -> EventBatch | None\n\n"
+"decode(payload, kinds, groups=None) -> EventBatch | None\n\n"
 "The payload's events, as adapters.vllm.VllmDecoder would decode them; None when it is not the\n"
 "common case (then decode it in Python). kinds: (BlockStored, BlockRemoved, AllBlocksCleared,\n"
-"EventBatch, array type, GPU).");
+"EventBatch, array type, GPU, NON_PREFIX_GROUP); groups: the decoder's [prefix group or None], set when learned.");
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer payload;
-    PyObject *kinds_obj;
+    PyObject *kinds_obj, *groups = NULL;
     Kinds k;
-    if (!PyArg_ParseTuple(args, "y*O!", &payload, &PyTuple_Type, &kinds_obj)) return NULL;
-    if (!parse_kinds(kinds_obj, &k)) {
+    Prefix pre = {0, 0};
+    if (!PyArg_ParseTuple(args, "y*O!|O!", &payload, &PyTuple_Type, &kinds_obj, &PyList_Type, &groups)) return NULL;
+    if (!parse_kinds(kinds_obj, &k) || (groups != NULL && PyList_GET_SIZE(groups) != 1)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "groups must be a list of one element");
         PyBuffer_Release(&payload);
         return NULL;
     }
+    PyObject *known = groups != NULL ? PyList_GET_ITEM(groups, 0) : Py_None;
+    if (known != Py_None) {
+        int overflow = 0;
+        if (!PyLong_Check(known) || ((pre.group = PyLong_AsLongLongAndOverflow(known, &overflow)) == -1 && PyErr_Occurred())
+            || overflow) {
+            PyErr_Clear();
+            PyBuffer_Release(&payload);
+            Py_RETURN_NONE; /* a prefix group C cannot hold: Python's */
+        }
+        pre.known = 1;
+    }
     Buf b = {payload.buf, (const uint8_t *)payload.buf + payload.len};
-    PyObject *out = batch(&b, &k);
+    PyObject *out = batch(&b, &k, &pre);
     PyBuffer_Release(&payload);
+    if (out != NULL && groups != NULL && pre.known && known == Py_None) {
+        PyObject *g = PyLong_FromLongLong(pre.group);
+        if (g == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SetItem(groups, 0, g); /* steals g */
+    }
     if (out == NULL) {
         /* declined, or a value the constructors refused: the Python path decides. MemoryError
            and what is not an Exception (KeyboardInterrupt, SystemExit) propagate. */

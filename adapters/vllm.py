@@ -15,6 +15,8 @@ Invariants: ``decode`` raises only ``DecodeError``; an event it cannot read is s
 Adjacent BlockRemoved events of one medium and group are merged into one (vLLM sends one hash per
 event; applied in order, the effect is the same). A BlockStored's block size is 1..MAX_BLOCK_SIZE,
 or 0 for a tier placeholder (``is_tier_placeholder``: not on GPU, no token ids), else bad_block_size.
+Only the prefix group's events are kept (adapters/vllm_groups.py: ``groups``, the prefix group
+learned, shared with the C twin).
 
 Three paths, one result: the C twin of the typed path (``adapters/_vllm.c``: token ids straight
 into an ``array("I")``, no Python int per token) takes the batches engines really send; a typed msgspec decoder (the structs below state the wire format; C-level
@@ -25,12 +27,23 @@ through the tolerant generic path, which knows how to skip and name what is wron
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
 import msgspec
 
+from adapters import vllm_groups as G
+from adapters.vllm_fields import (
+    MASK64,
+    Skip,
+    cache_salt_of,
+    is_tier_placeholder,
+    last8_be,
+    medium_of,
+    small_int,
+    token_array,
+)
 from kvindex import native
 from kvindex.events import (
     GPU,
@@ -43,27 +56,9 @@ from kvindex.events import (
     KVEvent,
 )
 
-MASK64 = (1 << 64) - 1
-
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                 "medium", "lora_name", "extra_keys", "group_idx")
+                 "medium", "lora_name", "extra_keys", "group_idx")  # arrays carry no kind (vllm_groups)
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
-
-
-class _Skip(Exception):
-    """One event (or one field of it) that cannot be used; ``reason`` is a metric label."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def last8_be(digest: bytes) -> int:
-    return int.from_bytes(digest[-8:], "big")
-
-
-def first8_signed(digest: bytes) -> int:
-    return int.from_bytes(digest[:8], "big", signed=True) & MASK64
 
 
 Hash = int | bytes
@@ -78,6 +73,7 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
@@ -99,9 +95,7 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
+    group_idx: int | None = None  # later fields (kv_cache_spec_kind, ...) ignored, as msgspec ignores them
 
 
 class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
@@ -126,8 +120,9 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     data_parallel_rank: int | None = None
 
 
+_STORES = (_MapStored, _ArrayStored)
 _TYPED: tuple[msgspec.msgpack.Decoder[Any], ...] = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
-_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU)  # what adapters._vllm builds
+_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU, G.NON_PREFIX_GROUP)  # what adapters._vllm builds
 
 
 class VllmDecoder:
@@ -137,9 +132,10 @@ class VllmDecoder:
         self._bytes_hash = bytes_hash
         self._typed = list(_TYPED)  # the dialect that worked last is tried first
         self._fast = fast  # the C twin of the typed path (None: not built, or pure Python)
+        self.groups: list[int | None] = [None]  # the stream's prefix group, once known (vllm_groups)
 
     def decode(self, payload: bytes) -> EventBatch:
-        if self._fast is not None and (batch := self._fast.decode(payload, _KINDS)) is not None:
+        if self._fast is not None and (batch := self._fast.decode(payload, _KINDS, self.groups)) is not None:
             return batch
         return self.decode_python(payload)
 
@@ -166,13 +162,20 @@ class VllmDecoder:
         removed: list[Any] = []  # a run of removals of one (medium, group), merged into one event
         where: tuple[str, int] = (GPU, 0)
         raw_where: tuple[Any, Any] | None = None  # (medium, group_idx) as sent, for ``where``
+        prefix, skipped = self.groups[0], []
+        if prefix is None:
+            prefix = G.first_prefix_group((w.group_idx or 0, getattr(w, "kv_cache_spec_kind", None))
+                                          for w in wire.events if type(w) in _STORES)
         for w in wire.events:
             if type(w) is _MapRemoved or type(w) is _ArrayRemoved:  # vLLM: one event per block
                 if not w.block_hashes:
                     return None
+                if not G.removed_indexed(prefix, w.group_idx or 0):
+                    skipped.append(G.NON_PREFIX_GROUP)
+                    continue
                 raw = (w.medium, w.group_idx)
                 if raw != raw_where:
-                    here = (_medium(w.medium), w.group_idx or 0)
+                    here = (medium_of(w.medium), w.group_idx or 0)
                     if removed and here != where:
                         if (hashes := _plain_hashes(removed)) is None:
                             return None
@@ -181,12 +184,17 @@ class VllmDecoder:
                     where, raw_where = here, raw
                 removed.extend(w.block_hashes)  # checked once per run, below
                 continue
+            stored = type(w) in _STORES
+            if stored and not G.stored_indexed(prefix, w.group_idx or 0,  # type: ignore[union-attr]
+                                               getattr(w, "kv_cache_spec_kind", None)):
+                skipped.append(G.NON_PREFIX_GROUP)
+                continue
             if removed:
                 if (hashes := _plain_hashes(removed)) is None:
                     return None
                 events.append(BlockRemoved(hashes, *where))
                 removed = []
-            ev = _typed_stored(w) if type(w) is _MapStored or type(w) is _ArrayStored else AllBlocksCleared()
+            ev = _typed_stored(w) if stored else AllBlocksCleared()  # type: ignore[arg-type]
             if ev is None:
                 return None
             events.append(ev)
@@ -194,7 +202,8 @@ class VllmDecoder:
             if (hashes := _plain_hashes(removed)) is None:
                 return None
             events.append(BlockRemoved(hashes, *where))
-        return EventBatch(ts=wire.ts, events=tuple(events), dp_rank=rank)
+        self.groups[0] = prefix
+        return EventBatch(ts=wire.ts, events=tuple(events), dp_rank=rank, skipped=tuple(skipped))
 
     def _decode_generic(self, payload: bytes) -> EventBatch:
         try:
@@ -204,43 +213,45 @@ class VllmDecoder:
         ts, raw_events, rank = _batch_parts(obj)
         events: list[KVEvent] = []
         skipped: list[str] = []
+        prefix = self.groups[0] if self.groups[0] is not None else G.first_prefix_group(_stores(raw_events))
         for raw in raw_events:
             try:
-                events.append(self._event(raw, skipped))
-            except _Skip as skip:
+                events.append(self._event(raw, skipped, prefix))
+            except Skip as skip:
                 skipped.append(skip.reason)
+        self.groups[0] = prefix
         return EventBatch(ts=ts, events=tuple(events), dp_rank=rank, skipped=tuple(skipped))
 
-    def _event(self, raw: Any, skipped: list[str]) -> KVEvent:
+    def _event(self, raw: Any, skipped: list[str], prefix: int | None) -> KVEvent:
         tag, fields = _tag_and_fields(raw)
         if tag == "BlockStored":
+            if not G.stored_indexed(prefix, small_int(fields.get("group_idx"), 0), fields.get("kv_cache_spec_kind")):
+                raise Skip(G.NON_PREFIX_GROUP)
             return self._stored(fields, skipped)
         if tag == "BlockRemoved":
-            return BlockRemoved(
-                block_hashes=self._hashes(fields.get("block_hashes")),
-                medium=_medium(fields.get("medium")),
-                group_idx=_small_int(fields.get("group_idx"), 0),
-            )
+            if not G.removed_indexed(prefix, group := small_int(fields.get("group_idx"), 0)):
+                raise Skip(G.NON_PREFIX_GROUP)
+            return BlockRemoved(self._hashes(fields.get("block_hashes")), medium_of(fields.get("medium")), group)
         if tag == "AllBlocksCleared":
             return AllBlocksCleared()
-        raise _Skip("unknown_event_type")
+        raise Skip("unknown_event_type")
 
     def _stored(self, f: dict[str, Any], skipped: list[str]) -> BlockStored:
         hashes = self._hashes(f.get("block_hashes"))
         parent = f.get("parent_block_hash")
         parent_hash = None if parent is None or parent == 0 else self._hash(parent)
         block_size = f.get("block_size")
-        medium = _medium(f.get("medium"))
+        medium = medium_of(f.get("medium"))
         if type(block_size) is not int or not 0 < block_size <= MAX_BLOCK_SIZE \
                 and not is_tier_placeholder(block_size, medium, f.get("token_ids")):
-            raise _Skip("bad_block_size")
+            raise Skip("bad_block_size")
         lora_name = f.get("lora_name")
         extra = f.get("extra_keys")
         if isinstance(lora_name, dict):  # SGLang arrays carry {"cache_salt": ...} in this slot
             lora_name, extra = None, [lora_name]
         if lora_name is not None and not isinstance(lora_name, str):
-            raise _Skip("bad_lora_name")
-        tokens = _tokens(f.get("token_ids"), skipped)
+            raise Skip("bad_lora_name")
+        tokens = token_array(f.get("token_ids"), skipped)
         return BlockStored(
             block_hashes=hashes,
             parent_hash=parent_hash,
@@ -248,13 +259,13 @@ class VllmDecoder:
             block_size=block_size,
             medium=medium,
             lora_name=lora_name,
-            cache_salt=_cache_salt(extra, lora_name),
-            group_idx=_small_int(f.get("group_idx"), 0),
+            cache_salt=cache_salt_of(extra, lora_name),
+            group_idx=small_int(f.get("group_idx"), 0),
         )
 
     def _hashes(self, value: Any) -> tuple[int, ...]:
         if not isinstance(value, list) or not value:
-            raise _Skip("bad_block_hashes")
+            raise Skip("bad_block_hashes")
         return tuple(self._hash(h) for h in value)
 
     def _hash(self, value: Any) -> int:
@@ -263,7 +274,18 @@ class VllmDecoder:
                 return value & MASK64
         elif isinstance(value, bytes) and value:
             return self._bytes_hash(value)
-        raise _Skip("bad_hash")
+        raise Skip("bad_hash")
+
+
+def _stores(raw_events: list[Any]) -> Iterable[tuple[int, Any]]:
+    """(group, kind) of each readable BlockStored of a batch, for the prefix group's look-ahead."""
+    for raw in raw_events:
+        try:
+            tag, f = _tag_and_fields(raw)
+            if tag == "BlockStored":
+                yield small_int(f.get("group_idx"), 0), f.get("kv_cache_spec_kind")
+        except Skip:
+            pass
 
 
 def _plain_hashes(values: list[Any]) -> tuple[int, ...] | None:
@@ -280,7 +302,7 @@ def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
     parent = w.parent_block_hash
     if not hashes or not (parent is None or type(parent) is int and 0 <= parent <= MASK64):
         return None
-    medium = _medium(w.medium)
+    medium = medium_of(w.medium)
     if not 0 < w.block_size <= MAX_BLOCK_SIZE and not is_tier_placeholder(w.block_size, medium, w.token_ids):
         return None
     try:
@@ -295,7 +317,7 @@ def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
         block_size=w.block_size,
         medium=medium,
         lora_name=w.lora_name,
-        cache_salt=_cache_salt(extra, w.lora_name) if extra else None,
+        cache_salt=cache_salt_of(extra, w.lora_name) if extra else None,
         group_idx=w.group_idx or 0,
     )
 
@@ -324,60 +346,10 @@ def _tag_and_fields(raw: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(raw, dict):
         tag = raw.get("type")
         if not isinstance(tag, str):
-            raise _Skip("bad_event")
+            raise Skip("bad_event")
         return tag, raw
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
         names = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
         return tag, dict(zip(names, raw[1:]))
-    raise _Skip("bad_event")
-
-
-def _tokens(value: Any, skipped: list[str]) -> array:
-    """Token ids as u32s; anything else (SGLang bigram pairs, junk) keeps the event keyless."""
-    if isinstance(value, list) and all(type(t) is int for t in value):
-        try:
-            return array("I", value)
-        except OverflowError:
-            pass
-    if value is not None:
-        skipped.append("unsupported_token_ids")
-    return array("I")
-
-
-def is_tier_placeholder(block_size: int, medium: str, token_ids: Any) -> bool:
-    """A lower tier's copy of a device block as vLLM's offloading connector announces it by
-    default: block size 0, no token ids, a medium other than the device's (the index keys it
-    through the device copy of the same hash). Block size 0 on the device is bad_block_size."""
-    return block_size == 0 and medium != GPU and not token_ids
-
-
-def _medium(value: Any) -> str:
-    """Upper-cased medium; nil or "" is the device tier (both decoder paths use this)."""
-    if value is None or value == "":
-        return GPU
-    if not isinstance(value, str) or not value:
-        raise _Skip("bad_medium")
-    return value.upper()
-
-
-def _small_int(value: Any, default: int) -> int:
-    if value is None:
-        return default
-    if type(value) is not int:
-        raise _Skip("bad_field_type")
-    return value
-
-
-def _cache_salt(extra_keys: Any, lora_name: str | None) -> str | None:
-    """vLLM puts cache_salt in the first block's extra keys, after the LoRA name and MM keys."""
-    if not isinstance(extra_keys, list) or not extra_keys:
-        return None
-    first = extra_keys[0]
-    if isinstance(first, dict):  # SGLang's {"cache_salt": ...}
-        salt = first.get("cache_salt")
-        return salt if isinstance(salt, str) else None
-    if not isinstance(first, list):
-        return None
-    strings = [k for k in first if isinstance(k, str) and k != lora_name]
-    return strings[-1] if strings else None
+    raise Skip("bad_event")

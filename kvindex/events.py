@@ -60,6 +60,11 @@ class AllBlocksCleared(msgspec.Struct, frozen=True, gc=False):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+NON_PREFIX_GROUP = "non_prefix_group"
+"""``EventBatch.skipped``'s reason for an event of a KV-cache group that is no prefix identity (a
+hybrid model's sliding-window or Mamba group: adapters/vllm_groups.py). Not an error."""
+
+
 class EventBatch(msgspec.Struct, frozen=True):
     """One decoded payload. ``skipped`` names (by reason) the events the decoder had to skip."""
 

@@ -69,8 +69,12 @@ class Metrics:
         self.models = KnownNames()  # model ids likewise
         self.events_applied = Counter("kvindex_events_applied", "KV events applied, by pod and type", ["pod", "type"], registry=r)
         self.blocks_stored = Counter("kvindex_blocks_stored", "Block copies stored by BlockStored events", ["pod"], registry=r)
+        self.blocks_reannounced = Counter("kvindex_blocks_reannounced", "Blocks of BlockStored events re-announcing "
+                                          "held hashes (vLLM kv_cache_report_mode full): no copy added", ["pod"], registry=r)
         self.blocks_removed = Counter("kvindex_blocks_removed", "Block copies removed by BlockRemoved events", ["pod"], registry=r)
         self.decode_errors = Counter("kvindex_decode_errors", "Messages, events or fields that could not be used, by reason", ["pod", "reason"], registry=r)
+        self.events_skipped = Counter("kvindex_events_skipped", "Well-formed events that never reach the index, by reason "
+                                      "(non_prefix_group: a hybrid model's sliding-window, Mamba, ... group)", ["pod", "reason"], registry=r)
         self.seq_gaps = Counter("kvindex_seq_gaps", "Sequence gaps detected on an engine stream", ["pod"], registry=r)
         self.replays = Counter("kvindex_replays", "Replay requests to an engine's replay endpoint, by outcome: ok, history_lost, failed, or the bound that cut the answer short (replay_timeout, replay_too_large, replay_too_many_frames)", ["pod", "outcome"], registry=r)
         self.restarts = Counter("kvindex_engine_restarts", "Engine restarts detected (seq went back with other bytes, or a watermark the engine no longer holds)", ["pod"], registry=r)

@@ -24,6 +24,7 @@ class Applied:
     stored_events: int = 0
     removed_events: int = 0
     cleared: int = 0  # AllBlocksCleared events
+    reannounced: int = 0  # blocks of re-announcements (stores of held hashes that add no copy)
 
 
 class Entry(NamedTuple):

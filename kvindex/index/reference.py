@@ -9,6 +9,15 @@ The rules, once:
   Per medium ("GPU", "CPU...", anything else) it holds ``engine hash -> key``, and a count of
   the *copies* of each hash: vLLM stores and removes each physical copy separately, so a store
   of a held hash adds a copy and a removal takes one; the hash goes with its last copy.
+- A *re-announcement* adds no copy: a GPU BlockStored with no parent hash all of whose hashes the
+  worker already holds on GPU. vLLM (``kv_cache_report_mode: "full"``) re-publishes the
+  prefix a request hit in that shape, for blocks it holds and will remove once; a new physical
+  copy is published by the store of the block that gained the hash, whose parent is the hash
+  before it. (A request that hit no block of a held prefix, e.g. a prompt of exactly one block,
+  also stores parentless copies of held hashes: taken as a re-announcement, such a copy is one
+  kvindex does not count, never one it invents.) Its keyless hashes learn its keys. Lower tiers
+  always count copies: vLLM's offloading connector re-announces a shared hash once per chunk and
+  asks consumers to reference-count stores and removals.
 - A block's key is kvindex's chained key (kvindex.keys) from the event's token ids and its
   parent's key: the root key of (model, lora, salt) when the event has no parent hash, else the
   key the worker holds for the parent hash (its GPU entry's if it has one, else the first medium's
@@ -156,11 +165,13 @@ class ReferenceIndex:
         done.block_size_mismatch += self._block_size[model] != ev.block_size
         keys = self._keys(w, model, ev)
         held = w.media.setdefault(ev.medium, {})
+        again = ev.parent_hash is None and all(h in held for h in ev.block_hashes)  # a re-announcement
         for i, h in enumerate(ev.block_hashes):
             key = keys[i] if i < len(keys) else w.key_of(h)
-            done.orphans += self._store_copy(w, ev.medium, held, h, key)
+            done.orphans += self._store_copy(w, ev.medium, held, h, key, copies=0 if again else 1)
         done.stored_events += 1
-        done.stored += len(ev.block_hashes)
+        done.stored += 0 if again else len(ev.block_hashes)
+        done.reannounced += len(ev.block_hashes) if again else 0
 
     def _store_tier(self, w: Worker, ev: BlockStored, done: Applied) -> None:
         """Lower-tier copies of device blocks: each hash keyed through the worker's copy of it."""
@@ -172,10 +183,12 @@ class ReferenceIndex:
         done.stored_events += 1
         done.stored += len(ev.block_hashes)
 
-    def _store_copy(self, w: Worker, medium: str, held: dict[int, int | None], h: int, key: int | None) -> int:
-        """One more copy of ``h`` in ``medium``; 1 if it is keyless after the store, else 0."""
+    def _store_copy(self, w: Worker, medium: str, held: dict[int, int | None], h: int, key: int | None,
+                    copies: int = 1) -> int:
+        """``copies`` (1, or 0: re-announced) more of ``h`` in ``medium``; 1 if it is keyless
+        after the store, else 0."""
         if h in held:
-            w.copies[(medium, h)] += 1
+            w.copies[(medium, h)] += copies
             if held[h] is None:
                 held[h] = key  # a keyless hash learns its key (or stays keyless)
             return held[h] is None

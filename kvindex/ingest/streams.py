@@ -39,7 +39,8 @@ class StreamCounters:
     def __init__(self, m: Metrics, pod: str) -> None:
         self._children = (m.events_applied.labels(pod, "BlockStored"), m.events_applied.labels(pod, "BlockRemoved"),
                           m.events_applied.labels(pod, "AllBlocksCleared"), m.blocks_stored.labels(pod),
-                          m.blocks_removed.labels(pod), m.orphan_blocks.labels(pod), m.unknown_removals.labels(pod))
+                          m.blocks_removed.labels(pod), m.orphan_blocks.labels(pod), m.unknown_removals.labels(pod),
+                          m.blocks_reannounced.labels(pod))
         self._pending = [0] * len(self._children)
         self.lag = m.lag_seconds.labels(pod)
         self.lag_seconds: float | None = None  # behind at the last batch applied, not yet in ``lag``
@@ -56,6 +57,7 @@ class StreamCounters:
         p[4] += done.removed
         p[5] += done.orphans
         p[6] += done.unknown_removals
+        p[7] += done.reannounced
 
     def flush(self) -> None:
         for child, n in zip(self._children, self._pending):

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 
 from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
-from kvindex.events import BlockStored, DecodeError, Decoder, EventBatch, Frame
+from kvindex.events import NON_PREFIX_GROUP, BlockStored, DecodeError, Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.capacity import OVER_CAPACITY, PodCapacity
@@ -125,8 +125,8 @@ class StreamWriter:
         st.observe(pos)
 
     def _applied(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, done: Applied | None) -> None:
-        for reason in batch.skipped:
-            self.reject(st.pod, reason, "skipped an event or field")
+        if batch.skipped:
+            self._skipped(st.pod, batch.skipped)
         if done is not None:
             st.counters.add(done)
             if done.tier_unkeyed:  # lower-tier copies of hashes held keyed nowhere: never matched
@@ -148,6 +148,15 @@ class StreamWriter:
             names = {ev.lora_name for ev in batch.events if type(ev) is BlockStored and ev.lora_name is not None}
             if names:
                 self.on_lora(st.pod, st.model, names)
+
+    def _skipped(self, pod: str, reasons: tuple[str, ...]) -> None:
+        """Events the decoder skipped: those of a non-prefix group are counted (no error, no log
+        line: a hybrid model sends them in every batch), every other reason is rejected."""
+        if n := reasons.count(NON_PREFIX_GROUP):
+            self._metrics.events_skipped.labels(pod, NON_PREFIX_GROUP).inc(n)
+        for reason in reasons:
+            if reason != NON_PREFIX_GROUP:
+                self.reject(pod, reason, "skipped an event or field")
 
     async def _mismatch(self, st: Stream, events: Sequence[object], n: int) -> None:
         """BlockStored events whose block size is not the model's: counted, and a warning naming both."""
