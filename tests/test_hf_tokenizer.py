@@ -75,9 +75,6 @@ async def test_tokenization_equals_engine_prompt_token_ids(tiny: HFTokenizer) ->
 
 
 SCORED = ["small", "small_bytes_hashes", "reset_restart", "two_engines", "lora", "report_full", "offload_cpu"]
-# the engine's cached_tokens there needs report-mode re-announcements handled: until then, only "the
-# body scores as the engine's own token ids" is asserted
-INDEX_PENDING = {"report_full"}
 
 
 @pytest.mark.parametrize("capture", SCORED)
@@ -98,8 +95,7 @@ async def test_score_from_body_equals_engine_cached_tokens(capture: str, make_ha
     adapter = sum(r.get("model", "tiny") != "tiny" for r in sequential)
     print(f"{capture}: /v1/score by body == engine cached_tokens for {agree} / {len(sequential)} sequential "
           f"requests ({adapter} of them an adapter's, by its served name; {len(by_body)} requests scored)")
-    if capture not in INDEX_PENDING:
-        assert agree == len(sequential) >= (10 if capture != "two_engines" else 1)
+    assert agree == len(sequential) >= (10 if capture != "two_engines" else 1)
     for r in by_body:  # every request, sequential or not, adapter or not: the body scores as its token ids
         assert r["by_body"] == r["by_ids"], (capture, r["i"])
 
