@@ -18,6 +18,7 @@ import msgpack
 from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES
 from tests.test_precise_fixtures import REPORT_FULL, publish_until, requests_in_order, start
+from tests.test_tiers import IndependentTiers, precise
 
 POD = "127.0.0.1:8000"
 
@@ -71,6 +72,20 @@ async def answers(h: Any, r: dict[str, Any]) -> tuple[int, int]:
     return q["instances"].get(pod, {}).get("longest_matched", 0), s["pods"][pod]["precise"]["tokens"]
 
 
+async def other_identities(h: Any, r: dict[str, Any], truth: IndependentTiers) -> int:
+    """No block answers a query of another identity: asked with each other salt, kvindex holds at
+    most what a plain replay that counts every store as a copy (a superset of what is held) gives
+    that salt, and nothing for a salt no request used. Returns the probes made."""
+    pod, own = r["server"].split("//")[1], r.get("cache_salt")
+    probes = 0
+    for salt in [s for s in (None, "salt-T3", "salt-nobody") if s != own]:
+        got = await precise(h, pod, r["prompt_token_ids"], salt)
+        assert got["total_blocks"] <= truth.depth(r["prompt_token_ids"], salt), (r["i"], salt, got)
+        assert salt != "salt-nobody" or got["total_blocks"] == 0
+        probes += 1
+    return probes
+
+
 async def test_every_answer_equals_engine_cached_tokens(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
     """The capture over real ZeroMQ into a running daemon, each request asked (``/query`` and
     ``/v1/score``, the engine's own ``prompt_token_ids``) when it was sent: all 150 equal the engine's
@@ -80,13 +95,19 @@ async def test_every_answer_equals_engine_cached_tokens(make_harness: Any, make_
     pos = 0
     wrong: list[tuple[int, int, int]] = []
     reqs = requests_in_order(REPORT_FULL)
+    truth, probes, applied = IndependentTiers(), 0, 0
     for r in reqs:
         pos = await publish_until(engine, h, captured, pos, r["t_sent"])
+        for c in captured[applied:pos]:
+            truth.apply(c.frames[2])
+        applied = pos
+        probes += await other_identities(h, r, truth)
         by_query, by_score = await answers(h, r)
         assert by_query == by_score
         if by_query != r["cached_tokens"]:
             wrong.append((r["i"], by_query, r["cached_tokens"]))
     assert len(reqs) == 150 and wrong == []
+    assert probes == 300 and sum(r.get("cache_salt") is not None for r in reqs) == 9
     await publish_until(engine, h, captured, pos, float("inf"))
     status, metrics = await h.get("/metrics")
     assert status == 200
