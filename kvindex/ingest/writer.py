@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 import msgspec
 
 from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
-from kvindex.events import NON_PREFIX_GROUP, BlockStored, DecodeError, Decoder, EventBatch, Frame
+from kvindex.events import GPU, NON_PREFIX_GROUP, BlockStored, DecodeError, Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.capacity import OVER_CAPACITY, PodCapacity
@@ -161,7 +161,8 @@ class StreamWriter:
     async def _mismatch(self, st: Stream, events: Sequence[object], n: int) -> None:
         """BlockStored events whose block size is not the model's: counted, and a warning naming both."""
         model_size = await self._store.block_size(st.model)
-        sizes = sorted({ev.block_size for ev in events if isinstance(ev, BlockStored) and ev.block_size != model_size})
+        sizes = sorted({ev.block_size for ev in events  # (lower tiers' stores carry no size of their own)
+                        if isinstance(ev, BlockStored) and ev.medium == GPU and ev.block_size != model_size})
         self._metrics.decode_errors.labels(st.pod, "block_size_mismatch").inc()
         self._burst.warning((st.pod, "block_size_mismatch"), "pod %s: %d BlockStored event(s) with block size %s, "
                             "but model %s's block size is %s: their blocks are held as orphans (no prompt matches them) "
