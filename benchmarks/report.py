@@ -23,13 +23,14 @@ def _r(a: float | None, b: float | None) -> str:
 
 def _ingest_rows(r: dict) -> list[Row]:
     """In-process and end-to-end ingest rows."""
-    ip, ref, kv = r["ingest_inproc"], r["e2e_reference"], r["e2e_kvindex"]
+    ip, ref, kv = r.get("ingest_inproc"), r["e2e_reference"], r["e2e_kvindex"]
     dyn = r.get("dynamo", {}).get("ingest") if "error" not in r.get("dynamo", {}) else None
     d = dyn["blocks_per_s"] if dyn else None
     gaps = f" gaps={kv['gaps']} unsynced={kv['unsynced']} msgs={kv['messages']}/{kv['expected_messages']}"
-    rows: list[Row] = [
+    rows: list[Row] = [] if ip is None else [
         ("ingest in-process blocks/s", _k(ip["kvindex_blocks_per_s"]), _k(ip["reference_blocks_per_s"]),
-         _r(ip["kvindex_blocks_per_s"], ip["reference_blocks_per_s"]), "-", "-"),
+         _r(ip["kvindex_blocks_per_s"], ip["reference_blocks_per_s"]), "-", "-")]
+    rows += [
         ("ingest e2e ZMQ blocks/s" + gaps, _k(kv["blocks_per_s"]), _k(ref["blocks_per_s"]),
          _r(kv["blocks_per_s"], ref["blocks_per_s"]), _k(d), _r(kv["blocks_per_s"], d)),
     ]
@@ -38,7 +39,7 @@ def _ingest_rows(r: dict) -> list[Row]:
         rows.append((f"ingest e2e ZMQ blocks/s, --workers {w['workers']} (gaps={w['gaps']} "
                      f"msgs={w['messages']}/{w['expected_messages']})", _k(w["blocks_per_s"]), "-", "-", _k(d),
                      _r(w["blocks_per_s"], d)))
-    if "frozen_copy_ms" in ip:  # snapshot capture on the event loop vs copying per-replica dicts
+    if ip is not None and "frozen_copy_ms" in ip:  # snapshot capture on the event loop vs copying per-replica dicts
         rows.append(("snapshot copy on the event loop (frozen_copy) ms", f"{ip['frozen_copy_ms']:,.1f}",
                      f"{ip['reference_copy_ms']:,.1f}", _r(ip["frozen_copy_ms"], ip["reference_copy_ms"]), "-", "-"))
     return rows
@@ -46,8 +47,10 @@ def _ingest_rows(r: dict) -> list[Row]:
 
 def _query_rows(r: dict) -> list[Row]:
     """In-process lookup rows (p50, p99)."""
-    q = r["query_inproc"]
+    q = r.get("query_inproc")
     rows: list[Row] = []
+    if q is None:
+        return rows
     for p in ("p50_us", "p99_us"):
         rows.append((f"lookup in-process 512 blocks {p[:3]} (mismatch={q['depth_mismatches']})",
                      _us(q["kvindex"][p]), _us(q["reference"][p]), _r(q["kvindex"][p], q["reference"][p]), "-", "-"))
@@ -128,6 +131,57 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _trace_section(r: dict) -> str:
+    """The Mooncake trace replay's table (end-to-end figures only), or why it was skipped."""
+    if "skipped" in r:
+        return f"\n== Mooncake trace: skipped ({r['skipped']})"
+    w = r["workload"]
+    lo, mid, hi = w["query_tokens_min_median_max"]
+    head = (f"\n== Mooncake trace: {w['requests']:,} requests on {w['replicas']} replicas ({w['capacity_blocks']:,}-block "
+            f"LRU each, hit rate {w['hit_rate']:.1%}): {w['batches']:,} batches, {w['block_ops']:,} block-ops "
+            f"({w['block_removed']:,} removed), {w['entries_held']:,} entries held; {w['queries']} queries of "
+            f"{lo:,}/{mid:,}/{hi:,} tokens (min/median/max)")
+    dyn = r.get("dynamo", {})
+    fail = [f"Dynamo failed: {dyn['error']}"] if "error" in dyn else []
+    return "\n".join([head, *fail, _table([HEAD, *_ingest_rows(r), *_http_rows(r), *_check_rows(r)])])
+
+
+def _summary_cells(r: dict) -> list[tuple[str, float | None, float | None, str]]:
+    """(metric, kvindex, Dynamo, unit) of one workload's headline figures."""
+    dyn = r.get("dynamo", {}) if "error" not in r.get("dynamo", {}) else {}
+    di, dl = dyn.get("ingest", {}), dyn.get("http", {}).get("latency", {}).get("/query", {})
+    kl = r["http_kvindex"]["latency"]["/query"]
+    w = r.get("e2e_kvindex_workers", {})
+    return [("ingest, end to end over ZeroMQ, one process", r["e2e_kvindex"]["blocks_per_s"], di.get("blocks_per_s"), "k"),
+            ("ingest, `--workers 2`", w.get("blocks_per_s"), di.get("blocks_per_s"), "k"),
+            ("`/query` p50", kl["p50_us"], dl.get("p50_us"), "us"),
+            ("`/query` p99", kl["p99_us"], dl.get("p99_us"), "us"),
+            ("process RSS growth per entry", r["e2e_kvindex"]["rss_bytes_per_entry"], di.get("rss_bytes_per_entry"), "B")]
+
+
+def summary(doc: dict) -> str:
+    """One markdown table: kvindex / Dynamo / ratio for every workload of the run."""
+    runs = {f"{n} replicas (synthetic)": r for n, r in doc["replicas"].items()}
+    if "mooncake" in doc and "skipped" not in doc["mooncake"]:
+        runs[f"Mooncake trace ({doc['mooncake']['workload']['replicas']} replicas)"] = doc["mooncake"]
+    if not runs:
+        return "(no workload measured)"
+    fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
+    lines = ["| | " + " | ".join(f"{name}: kvindex / Dynamo / ratio" for name in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    cells = {name: _summary_cells(r) for name, r in runs.items()}
+    for i, (metric, *_rest) in enumerate(next(iter(cells.values()))):
+        row = [f"{fmt[u](kv)} / {fmt[u](d)} / {_r(kv, d)}" for _m, kv, d, u in (c[i] for c in cells.values())]
+        lines.append(f"| {metric} | " + " | ".join(row) + " |")
+    mism = []
+    for name, r in runs.items():
+        c = r["match_check"]
+        mism.append(" ".join(f"{ep} {v['vs_expected_mismatches']}/{v.get('vs_dynamo_mismatches', '-')}"
+                             for ep, v in c.items() if isinstance(v, dict) and "vs_expected_mismatches" in v))
+    lines.append("| matched tokens: mismatches vs the simulator's truth / vs Dynamo | " + " | ".join(mism) + " |")
+    return "\n".join(lines)
+
+
 def render(doc: dict) -> str:
     """Machine header, then one table per replica count and one for approx/RSS."""
     m = doc["machine"]
@@ -144,8 +198,12 @@ def render(doc: dict) -> str:
         if "error" in dyn:
             out.append(f"Dynamo failed: {dyn['error']}")
         out.append(_table([HEAD, *_ingest_rows(r), *_query_rows(r), *_http_rows(r), *_check_rows(r)]))
-    out.append("\n== approximate index and memory")
-    out.append(_table([HEAD, *_global_rows(doc)]))
+    if "mooncake" in doc:
+        out.append(_trace_section(doc["mooncake"]))
+    if "approx" in doc:
+        out.append("\n== approximate index and memory")
+        out.append(_table([HEAD, *_global_rows(doc)]))
+    out.append("\n== summary (the README's table)\n" + summary(doc))
     out.append(f"\ntotal {doc['seconds']:.0f}s; baselines: plain-Python dict per replica (ingest, lookup, RSS), "
                "pyzmq+msgpack loop (e2e), GET /health (HTTP), XXH64 slices (approx)")
     return "\n".join(out)
