@@ -131,6 +131,14 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _load(doc: dict) -> str:
+    """The 1/5/15-minute load averages before and after the run (the machine may be shared)."""
+    def three(key: str) -> str:
+        return "/".join(f"{x:.1f}" for x in doc.get(key) or ()) or "-"
+    return (f"load average before {three('load_average_before')}, after {three('load_average_after')} "
+            f"({doc['machine']['cores']} cores)")
+
+
 def _trace_section(r: dict) -> str:
     """The Mooncake trace replay's table (end-to-end figures only), or why it was skipped."""
     if "skipped" in r:
@@ -160,25 +168,27 @@ def _summary_cells(r: dict) -> list[tuple[str, float | None, float | None, str]]
 
 
 def summary(doc: dict) -> str:
-    """One markdown table: kvindex / Dynamo / ratio for every workload of the run."""
-    runs = {f"{n} replicas (synthetic)": r for n, r in doc["replicas"].items()}
+    """One markdown table, kvindex / Dynamo / ratio: each headline metric on every workload of the run."""
+    runs = {f"synthetic, {n} replicas": r for n, r in doc["replicas"].items()}
     if "mooncake" in doc and "skipped" not in doc["mooncake"]:
-        runs[f"Mooncake trace ({doc['mooncake']['workload']['replicas']} replicas)"] = doc["mooncake"]
+        runs[f"Mooncake trace, {doc['mooncake']['workload']['replicas']} replicas"] = doc["mooncake"]
     if not runs:
         return "(no workload measured)"
     fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
-    lines = ["| | " + " | ".join(f"{name}: kvindex / Dynamo / ratio" for name in runs) + " |",
-             "|---|" + "---|" * len(runs)]
+    lines = ["| | kvindex | Dynamo | kvindex / Dynamo |", "|---|---|---|---|"]
     cells = {name: _summary_cells(r) for name, r in runs.items()}
     for i, (metric, *_rest) in enumerate(next(iter(cells.values()))):
-        row = [f"{fmt[u](kv)} / {fmt[u](d)} / {_r(kv, d)}" for _m, kv, d, u in (c[i] for c in cells.values())]
-        lines.append(f"| {metric} | " + " | ".join(row) + " |")
-    mism = []
+        for name, c in cells.items():
+            _m, kv, d, unit = c[i]
+            lines.append(f"| {metric} — {name} | {fmt[unit](kv)} | {fmt[unit](d)} | {_r(kv, d)} |")
     for name, r in runs.items():
-        c = r["match_check"]
-        mism.append(" ".join(f"{ep} {v['vs_expected_mismatches']}/{v.get('vs_dynamo_mismatches', '-')}"
-                             for ep, v in c.items() if isinstance(v, dict) and "vs_expected_mismatches" in v))
-    lines.append("| matched tokens: mismatches vs the simulator's truth / vs Dynamo | " + " | ".join(mism) + " |")
+        checks = {ep: v for ep, v in r["match_check"].items() if isinstance(v, dict) and "vs_expected_mismatches" in v}
+        truth = sum(v["vs_expected_mismatches"] for v in checks.values())
+        vs_dyn = [v["vs_dynamo_mismatches"] for v in checks.values() if "vs_dynamo_mismatches" in v]
+        dyn_truth = sum(r["match_check"].get("dynamo_vs_expected", {}).values()) if vs_dyn else None
+        lines.append(f"| matched-token mismatches vs the simulator's truth — {name} | "
+                     f"{truth} | {'-' if dyn_truth is None else dyn_truth} | vs each other: "
+                     f"{sum(vs_dyn) if vs_dyn else '-'} |")
     return "\n".join(lines)
 
 
@@ -189,7 +199,7 @@ def render(doc: dict) -> str:
     g = m.get("git") or {}
     tree = f"git {g.get('commit')}" + (f" + uncommitted {', '.join(g['modified'])}" if g.get("modified") else "")
     out = [f"machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}; {pk}; {tree}",
-           f"Dynamo: {doc['dynamo']['status']}" + (f" ({doc['dynamo'].get('reason')})" if doc["dynamo"].get("reason") else "")]
+           _load(doc), f"Dynamo: {doc['dynamo']['status']}" + (f" ({doc['dynamo'].get('reason')})" if doc["dynamo"].get("reason") else "")]
     for n, r in doc["replicas"].items():
         w = r["workload"]
         out.append(f"\n== {n} replicas: {w['batches']:,} batches, {w['block_ops']:,} block-ops "

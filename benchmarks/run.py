@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     doc: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": common.machine(),
                  "args": {k: v for k, v in vars(args).items() if k != "out"},
                  "dynamo": {"status": "skipped", "reason": dyn_reason} if dyn_reason else {"status": "ran"},
+                 "load_average_before": os.getloadavg(),  # the machine may be shared: say how busy it was
                  "replicas": {}}
     if args.workload in ("synthetic", "all"):
         for n in args.replica_counts:
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.workload in ("synthetic", "all"):
         doc["approx"] = {str(p): inproc.approx(p, args.repeat) for p in (8, 64)}
         doc["rss"] = run_rss(args)
+    doc["load_average_after"] = os.getloadavg()
     doc["seconds"] = time.time() - t0
     out = args.out or common.RESULTS / (time.strftime("%Y%m%dT%H%M%S") + ".json")
     out.write_text(json.dumps(doc, indent=1, default=str))

@@ -15,7 +15,8 @@ and ``hash_ids`` (one id per 512-token prefix block). From it:
   (default 26,000 = 416k tokens, a GPU's worth: the trace's 5.8M distinct 16-token blocks do not
   fit, so evictions happen). Engine hashes are the simulator's xxh3-64 chain (seed 0, the same on
   every replica, as with a shared PYTHONHASHSEED).
-- Placement (the cost rule of a KV-aware router, Dynamo's default with overlap weight 1): a
+- Placement (a KV-aware router's cost rule; Dynamo 1.6.1's ``KvRouterConfig`` defaults are the same
+  shape: prefill load after the cache-hit credit, scale 1.0, plus active blocks, temperature 0): a
   request goes to the replica with the lowest ``blocks to prefill + blocks in flight``, where
   blocks to prefill = prompt blocks minus the prefix that replica holds, and blocks in flight =
   the (input + output) tokens / 16 of its requests still running at the arrival time (a request
