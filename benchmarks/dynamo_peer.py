@@ -54,12 +54,13 @@ def count_events(path: Path) -> int:
     return sum(len(msgpack.unpackb(p)[1]) for _, _, p in read_messages(path))
 
 
-def start_indexer(python: str, port: int, endpoints: list[str], threads: int) -> subprocess.Popen:
-    """``python -m dynamo.indexer`` with worker i+1 subscribed to endpoint i."""
+def start_indexer(python: str, port: int, endpoints: list[str], threads: int, log: Path) -> subprocess.Popen:
+    """``python -m dynamo.indexer`` with worker i+1 subscribed to endpoint i; its output goes to ``log``."""
     workers = ",".join(f"{i + 1}={ep}" for i, ep in enumerate(endpoints))
     cmd = [python, "-m", "dynamo.indexer", "--port", str(port), "--block-size", str(BLOCK_SIZE),
            "--model-name", MODEL, "--workers", workers, "--threads", str(threads)]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_active(port: int, workers: int, timeout: float = 30.0) -> None:
@@ -96,13 +97,21 @@ def applied_or_none(port: int) -> float | None:
         return None
 
 
-def wait_applied(port: int, total: int, timeout: float) -> dict:
+def check_alive(proc: subprocess.Popen, log: Path) -> None:
+    """Raises with the end of the indexer's output if it has exited."""
+    if proc.poll() is not None:
+        tail = log.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"dynamo.indexer exited with code {proc.returncode}: {tail}")
+
+
+def wait_applied(port: int, total: int, timeout: float, proc: subprocess.Popen, log: Path) -> dict:
     """Polls the metric: first event applied (1 ms polls), then ``total`` applied or stalled.
 
     Stalled = no change for 5 s between two answered polls. ``seconds`` ends at the poll that saw
     the last change, so a slow metrics endpoint makes Dynamo's ingest look slower, never faster."""
     deadline = time.monotonic() + timeout
     while not applied_or_none(port):
+        check_alive(proc, log)
         if time.monotonic() > deadline:
             raise TimeoutError("Dynamo applied nothing")
         time.sleep(0.001)
@@ -111,7 +120,9 @@ def wait_applied(port: int, total: int, timeout: float) -> dict:
     while time.monotonic() < deadline:
         n = applied_or_none(port)
         if n is None:
+            check_alive(proc, log)
             skipped += 1
+            time.sleep(0.01)
             continue
         if n != last_n:
             last_n, t_last = n, time.perf_counter()
@@ -128,12 +139,13 @@ def run(wl_path: Path, replicas: int, python: str, port: int, threads: int, quer
     subprocess.run(["ip", "link", "set", "lo", "up"], check=False)
     total = count_events(wl_path)
     pub = Publisher(wl_path)
-    proc = start_indexer(python, port, pub.endpoints, threads)
+    log = queries.with_name(queries.stem + ".dynamo-indexer.log")
+    proc = start_indexer(python, port, pub.endpoints, threads, log)
     try:
         wait_active(port, len(pub.endpoints))
         rss0 = vm_rss(proc.pid)
         pub.go()
-        ingest = wait_applied(port, total, 600.0)
+        ingest = wait_applied(port, total, 600.0, proc, log)
         ingest["rss_delta_bytes"] = vm_rss(proc.pid) - rss0
         ingest["publisher"] = pub.sent()
         http = asyncio.run(http_client_async(f"http://127.0.0.1:{port}", "dynamo", queries, repeat))
