@@ -27,6 +27,8 @@ def _ingest_rows(r: dict) -> list[Row]:
     dyn = r.get("dynamo", {}).get("ingest") if "error" not in r.get("dynamo", {}) else None
     d = dyn["blocks_per_s"] if dyn else None
     gaps = f" gaps={kv['gaps']} unsynced={kv['unsynced']} msgs={kv['messages']}/{kv['expected_messages']}"
+    if dyn and "expected_events" in dyn:  # Dynamo's applied-events count when its timing ended
+        gaps += f" Dynamo events={dyn['events_ok']:.0f}/{dyn['expected_events']}"
     rows: list[Row] = [] if ip is None else [
         ("ingest in-process blocks/s", _k(ip["kvindex_blocks_per_s"]), _k(ip["reference_blocks_per_s"]),
          _r(ip["kvindex_blocks_per_s"], ip["reference_blocks_per_s"]), "-", "-")]
