@@ -83,6 +83,29 @@ def workload(replicas: int, blocks: int, queries: int = 128, cache: Path | None 
     return Workload(path, replicas, list(read_messages(path)), json.loads(side.read_text()))
 
 
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def trace_workload(replicas: int, capacity: int, requests: int | None, queries: int,
+                   cache: Path | None = None) -> Workload:
+    """The Mooncake trace replayed by benchmarks/trace_workload.py (generated once, cached), loaded."""
+    cache = cache or RESULTS / "workloads"
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"mooncake_r{replicas}_c{capacity}_n{requests or 'all'}_q{queries}.bin"
+    side = path.with_name(path.name + ".json")
+    want = {"replicas": replicas, "capacity": capacity, "requests": requests, "queries": queries, "model": MODEL}
+    try:
+        fresh = {k: json.loads(side.read_text())["params"].get(k) for k in want} == want and path.exists()
+    except (OSError, ValueError, KeyError):
+        fresh = False
+    if not fresh:
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "trace_workload.py"), str(path), "--trace", str(TRACE),
+               "--replicas", str(replicas), "--capacity", str(capacity), "--queries", str(queries),
+               "--model", MODEL, "--quiet", *(["--requests", str(requests)] if requests else [])]
+        subprocess.run(cmd, check=True)
+    return Workload(path, replicas, list(read_messages(path)), json.loads(side.read_text()))
+
+
 def _same_params(side: Path, replicas: int, blocks: int, queries: int) -> bool:
     """Whether a cached sidecar was generated with these arguments."""
     try:

@@ -128,7 +128,7 @@ def _queries(args: argparse.Namespace, wl: Workload, caches: list[SimulatedCache
     return out
 
 
-def _replica_state(caches: list[SimulatedCache], topics: list[str]) -> list[dict]:
+def replica_state(caches: list[SimulatedCache], topics: list[str]) -> list[dict]:
     """Per replica: distinct held hashes, physical blocks, and an order-free digest of the set."""
     state = []
     for topic, cache in zip(topics, caches):
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     totals = Totals()
     write_messages(args.out, _messages(args, wl, caches, totals))
     topics = [f"kv@pod-{i}@{args.model}" for i in range(args.replicas)]
-    state = _replica_state(caches, topics)
+    state = replica_state(caches, topics)
     queries = _queries(args, wl, caches)
     doc = _sidecar(args, totals, state, queries)
     elapsed = time.perf_counter() - started

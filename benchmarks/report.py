@@ -23,13 +23,16 @@ def _r(a: float | None, b: float | None) -> str:
 
 def _ingest_rows(r: dict) -> list[Row]:
     """In-process and end-to-end ingest rows."""
-    ip, ref, kv = r["ingest_inproc"], r["e2e_reference"], r["e2e_kvindex"]
+    ip, ref, kv = r.get("ingest_inproc"), r["e2e_reference"], r["e2e_kvindex"]
     dyn = r.get("dynamo", {}).get("ingest") if "error" not in r.get("dynamo", {}) else None
     d = dyn["blocks_per_s"] if dyn else None
     gaps = f" gaps={kv['gaps']} unsynced={kv['unsynced']} msgs={kv['messages']}/{kv['expected_messages']}"
-    rows: list[Row] = [
+    if dyn and "expected_events" in dyn:  # Dynamo's applied-events count when its timing ended
+        gaps += f" Dynamo events={dyn['events_ok']:.0f}/{dyn['expected_events']}"
+    rows: list[Row] = [] if ip is None else [
         ("ingest in-process blocks/s", _k(ip["kvindex_blocks_per_s"]), _k(ip["reference_blocks_per_s"]),
-         _r(ip["kvindex_blocks_per_s"], ip["reference_blocks_per_s"]), "-", "-"),
+         _r(ip["kvindex_blocks_per_s"], ip["reference_blocks_per_s"]), "-", "-")]
+    rows += [
         ("ingest e2e ZMQ blocks/s" + gaps, _k(kv["blocks_per_s"]), _k(ref["blocks_per_s"]),
          _r(kv["blocks_per_s"], ref["blocks_per_s"]), _k(d), _r(kv["blocks_per_s"], d)),
     ]
@@ -38,7 +41,7 @@ def _ingest_rows(r: dict) -> list[Row]:
         rows.append((f"ingest e2e ZMQ blocks/s, --workers {w['workers']} (gaps={w['gaps']} "
                      f"msgs={w['messages']}/{w['expected_messages']})", _k(w["blocks_per_s"]), "-", "-", _k(d),
                      _r(w["blocks_per_s"], d)))
-    if "frozen_copy_ms" in ip:  # snapshot capture on the event loop vs copying per-replica dicts
+    if ip is not None and "frozen_copy_ms" in ip:  # snapshot capture on the event loop vs copying per-replica dicts
         rows.append(("snapshot copy on the event loop (frozen_copy) ms", f"{ip['frozen_copy_ms']:,.1f}",
                      f"{ip['reference_copy_ms']:,.1f}", _r(ip["frozen_copy_ms"], ip["reference_copy_ms"]), "-", "-"))
     return rows
@@ -46,8 +49,10 @@ def _ingest_rows(r: dict) -> list[Row]:
 
 def _query_rows(r: dict) -> list[Row]:
     """In-process lookup rows (p50, p99)."""
-    q = r["query_inproc"]
+    q = r.get("query_inproc")
     rows: list[Row] = []
+    if q is None:
+        return rows
     for p in ("p50_us", "p99_us"):
         rows.append((f"lookup in-process 512 blocks {p[:3]} (mismatch={q['depth_mismatches']})",
                      _us(q["kvindex"][p]), _us(q["reference"][p]), _r(q["kvindex"][p], q["reference"][p]), "-", "-"))
@@ -128,6 +133,67 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _load(doc: dict) -> str:
+    """The 1/5/15-minute load averages before and after the run (the machine may be shared)."""
+    def three(key: str) -> str:
+        return "/".join(f"{x:.1f}" for x in doc.get(key) or ()) or "-"
+    return (f"load average before {three('load_average_before')}, after {three('load_average_after')} "
+            f"({doc['machine']['cores']} cores)")
+
+
+def _trace_section(r: dict) -> str:
+    """The Mooncake trace replay's table (end-to-end figures only), or why it was skipped."""
+    if "skipped" in r:
+        return f"\n== Mooncake trace: skipped ({r['skipped']})"
+    w = r["workload"]
+    lo, mid, hi = w["query_tokens_min_median_max"]
+    head = (f"\n== Mooncake trace: {w['requests']:,} requests on {w['replicas']} replicas ({w['capacity_blocks']:,}-block "
+            f"LRU each, hit rate {w['hit_rate']:.1%}): {w['batches']:,} batches, {w['block_ops']:,} block-ops "
+            f"({w['block_removed']:,} removed), {w['entries_held']:,} entries held; {w['queries']} queries of "
+            f"{lo:,}/{mid:,}/{hi:,} tokens (min/median/max)")
+    dyn = r.get("dynamo", {})
+    fail = [f"Dynamo failed: {dyn['error']}"] if "error" in dyn else []
+    return "\n".join([head, *fail, _table([HEAD, *_ingest_rows(r), *_http_rows(r), *_check_rows(r)])])
+
+
+def _summary_cells(r: dict) -> list[tuple[str, float | None, float | None, str]]:
+    """(metric, kvindex, Dynamo, unit) of one workload's headline figures."""
+    dyn = r.get("dynamo", {}) if "error" not in r.get("dynamo", {}) else {}
+    di, dl = dyn.get("ingest", {}), dyn.get("http", {}).get("latency", {}).get("/query", {})
+    kl = r["http_kvindex"]["latency"]["/query"]
+    w = r.get("e2e_kvindex_workers", {})
+    return [("ingest, end to end over ZeroMQ, one process", r["e2e_kvindex"]["blocks_per_s"], di.get("blocks_per_s"), "k"),
+            ("ingest, `--workers 2`", w.get("blocks_per_s"), di.get("blocks_per_s"), "k"),
+            ("`/query` p50", kl["p50_us"], dl.get("p50_us"), "us"),
+            ("`/query` p99", kl["p99_us"], dl.get("p99_us"), "us"),
+            ("process RSS growth per entry", r["e2e_kvindex"]["rss_bytes_per_entry"], di.get("rss_bytes_per_entry"), "B")]
+
+
+def summary(doc: dict) -> str:
+    """One markdown table, kvindex / Dynamo / ratio: each headline metric on every workload of the run."""
+    runs = {f"synthetic, {n} replicas": r for n, r in doc["replicas"].items()}
+    if "mooncake" in doc and "skipped" not in doc["mooncake"]:
+        runs[f"Mooncake trace, {doc['mooncake']['workload']['replicas']} replicas"] = doc["mooncake"]
+    if not runs:
+        return "(no workload measured)"
+    fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
+    lines = ["| | kvindex | Dynamo | kvindex / Dynamo |", "|---|---|---|---|"]
+    cells = {name: _summary_cells(r) for name, r in runs.items()}
+    for i, (metric, *_rest) in enumerate(next(iter(cells.values()))):
+        for name, c in cells.items():
+            _m, kv, d, unit = c[i]
+            lines.append(f"| {metric} — {name} | {fmt[unit](kv)} | {fmt[unit](d)} | {_r(kv, d)} |")
+    for name, r in runs.items():
+        checks = {ep: v for ep, v in r["match_check"].items() if isinstance(v, dict) and "vs_expected_mismatches" in v}
+        truth = sum(v["vs_expected_mismatches"] for v in checks.values())
+        vs_dyn = [v["vs_dynamo_mismatches"] for v in checks.values() if "vs_dynamo_mismatches" in v]
+        dyn_truth = sum(r["match_check"].get("dynamo_vs_expected", {}).values()) if vs_dyn else None
+        lines.append(f"| matched-token mismatches vs the simulator's truth — {name} | "
+                     f"{truth} | {'-' if dyn_truth is None else dyn_truth} | vs each other: "
+                     f"{sum(vs_dyn) if vs_dyn else '-'} |")
+    return "\n".join(lines)
+
+
 def render(doc: dict) -> str:
     """Machine header, then one table per replica count and one for approx/RSS."""
     m = doc["machine"]
@@ -135,7 +201,7 @@ def render(doc: dict) -> str:
     g = m.get("git") or {}
     tree = f"git {g.get('commit')}" + (f" + uncommitted {', '.join(g['modified'])}" if g.get("modified") else "")
     out = [f"machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}; {pk}; {tree}",
-           f"Dynamo: {doc['dynamo']['status']}" + (f" ({doc['dynamo'].get('reason')})" if doc["dynamo"].get("reason") else "")]
+           _load(doc), f"Dynamo: {doc['dynamo']['status']}" + (f" ({doc['dynamo'].get('reason')})" if doc["dynamo"].get("reason") else "")]
     for n, r in doc["replicas"].items():
         w = r["workload"]
         out.append(f"\n== {n} replicas: {w['batches']:,} batches, {w['block_ops']:,} block-ops "
@@ -144,8 +210,12 @@ def render(doc: dict) -> str:
         if "error" in dyn:
             out.append(f"Dynamo failed: {dyn['error']}")
         out.append(_table([HEAD, *_ingest_rows(r), *_query_rows(r), *_http_rows(r), *_check_rows(r)]))
-    out.append("\n== approximate index and memory")
-    out.append(_table([HEAD, *_global_rows(doc)]))
+    if "mooncake" in doc:
+        out.append(_trace_section(doc["mooncake"]))
+    if "approx" in doc:
+        out.append("\n== approximate index and memory")
+        out.append(_table([HEAD, *_global_rows(doc)]))
+    out.append("\n== summary (the README's table)\n" + summary(doc))
     out.append(f"\ntotal {doc['seconds']:.0f}s; baselines: plain-Python dict per replica (ingest, lookup, RSS), "
                "pyzmq+msgpack loop (e2e), GET /health (HTTP), XXH64 slices (approx)")
     return "\n".join(out)

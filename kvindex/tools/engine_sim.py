@@ -203,6 +203,10 @@ class SimulatedCache:
         hashes = self.hashes(token_ids)
         return len(self._hit_blocks(hashes, len(hashes)))
 
+    def held_prefix(self, hashes: Sequence[int]) -> int:
+        """Leading entries of ``hashes`` (this cache's chain of a prompt) held now, no side effects."""
+        return len(self._hit_blocks(hashes, len(hashes)))  # type: ignore[arg-type]
+
     def held(self) -> set[int]:
         """The distinct block hashes currently cached."""
         return set(self._copies)
@@ -238,10 +242,13 @@ class SimulatedCache:
             else:
                 ids.append(block)
 
-    def admit(self, token_ids: Sequence[int]) -> Admission:
-        """Run one request's prefill and finish it; return its hit and the events of the step."""
+    def admit(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> Admission:
+        """Run one request's prefill and finish it; return its hit and the events of the step.
+
+        ``hashes``, when given, must be ``self.hashes(token_ids)`` (a caller that already has them
+        saves computing the chain twice)."""
         bs = self.block_size
-        hashes = self.hashes(token_ids)
+        hashes = self.hashes(token_ids) if hashes is None else hashes
         hits = self._hit_blocks(hashes, self._max_hit_blocks(len(token_ids)))
         free = self._free
         for block in hits:  # touch: referenced blocks leave the free queue
