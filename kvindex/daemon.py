@@ -42,8 +42,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
-import zmq
-import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
@@ -68,6 +66,7 @@ from kvindex.index.protocol import StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
+from kvindex.ingest.transport import ingest_context
 from kvindex.logs import BurstLog
 from kvindex.lora import LoraAdapters, checked_adapters
 from kvindex.metrics import Metrics, StateCollector
@@ -111,9 +110,7 @@ class Daemon:
         memory = self._wire_stores(config)
         self._gauges: tuple[list[dict[str, Any]], int] = ([], 0)
         self._gauges_at = float("-inf")
-        self.ctx = zmq.asyncio.Context()
-        # the default of every socket made from this context: the lanes' SUB and replay DEALER
-        self.ctx.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
+        self.ctx = ingest_context(config.max_message_bytes)  # the lanes' SUB and replay DEALER sockets
         self.shards = self._wire_shards(config)
         self.failure: str | None = None  # why a worker died (the daemon then exits)
         self._fatal = asyncio.Event()

@@ -4,6 +4,7 @@ its frame cap. Real pyzmq sockets on ipc endpoints; nothing of kvindex is mocked
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kvindex.ingest.transport import (
     ReplayError,
     Subscriber,
     fetch_replay,
+    ingest_context,
 )
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
 from tests.conftest import engine_config, ipc_endpoint, wait_for
@@ -202,3 +204,24 @@ async def test_replay_stops_after_max_frames(ctx: zmq.asyncio.Context, tmp_path:
     finally:
         router.cancel()
         await asyncio.gather(router, return_exceptions=True)
+
+
+async def test_the_ingest_context_holds_more_lanes_than_libzmqs_default(tmp_path: Path) -> None:
+    """libzmq's default of 1,023 sockets per context is 341 lanes (a SUB and its monitor's two ends):
+    the daemon's context takes as many as the process may open files, so 400 engines subscribe."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 4096 and (hard == resource.RLIM_INFINITY or hard >= 4096):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))  # as kvindex.http.server.raise_nofile does
+    ctx = ingest_context(MAX_MESSAGE_BYTES)
+    plain = zmq.asyncio.Context()
+    subs: list[Subscriber] = []
+    try:
+        assert plain.get(zmq.MAX_SOCKETS) == 1023 < ctx.get(zmq.MAX_SOCKETS)
+        for i in range(400):
+            subs.append(Subscriber(ctx, ipc_endpoint(tmp_path, f"e{i}"), bind=False, rcvhwm=1000))
+        assert len(subs) == 400 and all(s.monitor is not None for s in subs)
+    finally:
+        for s in subs:
+            s.close()
+        plain.term()
+        ctx.term()

@@ -26,11 +26,15 @@ Invariants:
   ``replay_too_many_frames``, ``replay_too_large``). A frame that would pass ``max_bytes`` is not
   kept. The reader yields to the event loop every ``YIELD_EVERY`` frames even when the socket
   always has the next one ready, so an endless answer never holds the loop.
+- ``ingest_context`` makes the context every lane's sockets come from, with room for as many
+  sockets as the process may open files (libzmq's default of 1,023 is 341 lanes of three sockets:
+  a SUB and its monitor's two ends).
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -48,6 +52,17 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_REPLAY_FRAMES = 200_000
 MAX_REPLAY_BYTES = 128 << 20
 YIELD_EVERY = 64  # replay frames read between two turns given to the event loop
+
+
+def ingest_context(max_message_bytes: int) -> zmq.asyncio.Context:
+    """The ZeroMQ context of a process's lanes: every socket's ``MAXMSGSIZE`` is ``max_message_bytes``
+    and ``MAX_SOCKETS`` is the hard open-file limit (within libzmq's ``SOCKET_LIMIT``), not 1,023."""
+    ctx = zmq.asyncio.Context()
+    ctx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # the soft limit is raised to it (http.server)
+    files = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    ctx.set(zmq.MAX_SOCKETS, max(ctx.get(zmq.MAX_SOCKETS), min(files, ctx.get(zmq.SOCKET_LIMIT))))
+    return ctx
 
 
 def _limit(ctx: zmq.Context, max_message_bytes: int | None) -> int:

@@ -44,6 +44,7 @@ from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
+from kvindex.ingest.transport import ingest_context
 from kvindex.logs import BurstLog, one_line_logs
 from kvindex.lora import MAX_LEARNED_ADAPTERS
 from kvindex.metrics import Metrics
@@ -67,8 +68,7 @@ class Worker:
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.store = MemoryPreciseStore()
-        self.ctx = zmq.asyncio.Context()
-        self.ctx.setsockopt(zmq.MAXMSGSIZE, settings.max_message_bytes)
+        self.ctx = ingest_context(settings.max_message_bytes)
         self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet = Fleet(self._make_lane)
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
