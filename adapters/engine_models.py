@@ -12,7 +12,11 @@ Invariants:
   ``kvindex_lora_models_poll_failures_total{model}``, logged once until a poll succeeds again
   (then once more: recovered), and retried after a delay doubling from ``retry`` up to ``every``.
 - A card that is not an object with string ``id`` and ``parent`` is skipped; at most
-  ``MAX_CARDS`` cards are read, and at most ``MAX_ANSWER_BYTES`` of an answer.
+  ``MAX_CARDS`` cards are read; an answer is read to its end (however many writes the server
+  made of it), and one over ``MAX_ANSWER_BYTES`` is a failed poll.
+- The poll loop never ends but by cancellation: the backoff's exponent is capped (no overflow
+  however long the engine is down), and any other exception of a poll is counted as a failure,
+  logged with its traceback at most once per ``ERROR_LOG_SECONDS``, and retried like one.
 - ``EnginePollers`` owns its tasks and its HTTP session: ``start`` creates them, ``stop`` cancels
   and awaits them.
 """
@@ -27,6 +31,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from kvindex.logs import BurstLog
 from kvindex.lora import LoraAdapters
 from kvindex.metrics import Metrics
 
@@ -35,6 +40,8 @@ EVERY_SECONDS = 30.0  # between two polls of an engine that answers
 RETRY_SECONDS = 1.0  # the first retry after a failure; doubled per failure up to EVERY_SECONDS
 MAX_CARDS = 4096
 MAX_ANSWER_BYTES = 4 << 20
+MAX_BACKOFF_DOUBLINGS = 30  # retry * 2**30 is past any sane ``every``: the exponent stops growing there
+ERROR_LOG_SECONDS = 60.0  # an unexpected poll error is logged at most this often per URL
 
 
 class PollFailed(Exception):
@@ -68,12 +75,14 @@ class ModelsPoller:
         self._every, self._retry, self._timeout = every, retry, aiohttp.ClientTimeout(total=timeout)
         self.failures = 0  # consecutive
         self.polls = 0  # successful
+        self.errors = 0  # polls that raised something other than PollFailed (a bug or a broken session)
+        self._burst = BurstLog(log, interval=ERROR_LOG_SECONDS)
 
     async def poll_once(self) -> None:
         """One GET; the adapters it lists synced, or ``PollFailed`` with the reason."""
         try:
             async with self._session.get(self.url, timeout=self._timeout) as resp:
-                raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
+                raw = await read_answer(resp.content)
                 if resp.status != 200:
                     raise PollFailed(f"HTTP {resp.status}")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
@@ -87,22 +96,50 @@ class ModelsPoller:
         self._adapters.sync_engine(self._origin, *listed_models(answer))
         self.polls += 1
 
+    def backoff(self) -> float:
+        """Seconds before the next poll after ``failures`` consecutive failures (at least one)."""
+        return min(self._retry * 2.0 ** min(self.failures - 1, MAX_BACKOFF_DOUBLINGS), self._every)
+
     async def run(self) -> None:
         while True:
-            try:
-                await self.poll_once()
-            except PollFailed as exc:
-                self._metrics.lora_poll_failures.labels(self._metrics.models.label(self._model)).inc()
-                if not self.failures:
-                    log.warning("GET %s failed (%s): its LoRA adapters are not learned from it until it answers; "
-                                "retrying with backoff", self.url, exc)
-                self.failures += 1
-                await asyncio.sleep(min(self._retry * 2 ** (self.failures - 1), self._every))
-                continue
-            if self.failures:
-                log.info("GET %s answers again after %d failed poll(s)", self.url, self.failures)
-            self.failures = 0
-            await asyncio.sleep(self._every)
+            await asyncio.sleep(await self._poll_counted())
+
+    async def _poll_counted(self) -> float:
+        """One poll, its outcome counted and logged; the seconds to wait before the next."""
+        try:
+            await self.poll_once()
+        except PollFailed as exc:
+            self._failed()
+            if self.failures == 1:
+                log.warning("GET %s failed (%s): its LoRA adapters are not learned from it until it answers; "
+                            "retrying with backoff", self.url, exc)
+            return self.backoff()
+        except Exception as exc:  # not an engine's fault: never the end of the loop
+            self.errors += 1
+            self._failed()
+            self._burst.log(logging.ERROR, (self.url,), "GET %s: unexpected error polling its LoRA adapters (%s); "
+                            "retrying with backoff", self.url, type(exc).__name__, exc_info=exc)
+            return self.backoff()
+        if self.failures:
+            log.info("GET %s answers again after %d failed poll(s)", self.url, self.failures)
+        self.failures = 0
+        return self._every
+
+    def _failed(self) -> None:
+        self._metrics.lora_poll_failures.labels(self._metrics.models.label(self._model)).inc()
+        self.failures += 1
+
+
+async def read_answer(body: aiohttp.StreamReader) -> bytes:
+    """The whole body (``read(n)`` alone gives what has arrived so far), at most one byte past
+    ``MAX_ANSWER_BYTES`` (the caller refuses such an answer)."""
+    raw = bytearray()
+    while len(raw) <= MAX_ANSWER_BYTES:
+        chunk = await body.read(MAX_ANSWER_BYTES + 1 - len(raw))
+        if not chunk:
+            break
+        raw += chunk
+    return bytes(raw)
 
 
 class EnginePollers:

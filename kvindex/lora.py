@@ -10,7 +10,12 @@ Invariants:
   an adapter (no chains, no cycles): resolving twice is resolving once. A base is a name known as
   one: a configured model or engine model, a stream's model, an engine's card without a parent, or
   an adapter's base; such a name is never learned as an adapter (a stray ``lora_name`` equal to a
-  real model's name must not re-key that model's queries).
+  real model's name must not re-key that model's queries), and a name becoming known as a base
+  forgets an adapter learned (engine, events) under it earlier, counted in
+  ``kvindex_lora_adapters_forgotten_total{source, reason="base_model"}``. Configuration beats all:
+  a configured adapter stays one when a stream or an engine card names it as a base model (that
+  claim is refused, counted as ``kvindex_lora_adapters_refused_total{source, reason="configured"}``,
+  and the name is not recorded as a base).
 - Three sources, by precedence: ``config`` (``[models."<adapter>"] base_model``) over ``engine``
   (an engine's ``/v1/models``: cards with a ``parent``) over ``events`` (a ``BlockStored`` with
   ``lora_name`` L on a stream of base model M). A source replaces what a lower one said, never what
@@ -64,6 +69,7 @@ class Counters(Protocol):
 
     lora_learned: Any
     lora_refused: Any
+    lora_forgotten: Any
 
 
 class AdapterConflict(ValueError):
@@ -121,15 +127,12 @@ class LoraAdapters:
             return True  # known already, as well or better
         reason = self._refusal(name, base, source, have)
         if reason is not None:
-            if (name, base, source) not in self._refused and self._metrics is not None:
-                self._metrics.lora_refused.labels(source, reason).inc()
-            if len(self._refused) < self._max_learned:
-                self._refused.add((name, base, source))
+            self._count_refused((name, base, source), source, reason)
             return False
         if have is None:
             self._learned += 1
         self._by_name[name] = Adapter(name, base, source, origin)
-        self._base(base)
+        self._base(base, source)
         if self._metrics is not None:
             self._metrics.lora_learned.labels(source).inc()
         return True
@@ -147,13 +150,36 @@ class LoraAdapters:
             return "cap"
         return None
 
-    def _base(self, name: str) -> None:
+    def _count_refused(self, key: tuple[str, str, str], source: str, reason: str) -> None:
+        """Counted once per ``key`` (up to ``max_learned`` keys remembered)."""
+        if key not in self._refused and self._metrics is not None:
+            self._metrics.lora_refused.labels(source, reason).inc()
+        if len(self._refused) < self._max_learned:
+            self._refused.add(key)
+
+    def _base(self, name: str, source: str) -> None:
+        """``name`` is known as a base model (said by ``source``): a learned adapter of that name is
+        forgotten (the real model's queries are its own again); a configured one stays (the claim
+        refused)."""
+        have = self._by_name.get(name)
+        if have is not None:
+            if have.source == CONFIG:
+                self._count_refused((name, "", source), source, "configured")
+                return
+            self._forget(name, "base_model")
         if len(self._bases) < MAX_BASE_MODELS:
             self._bases.add(name)
 
+    def _forget(self, name: str, reason: str) -> None:
+        a = self._by_name.pop(name)
+        self._learned -= 1
+        if self._metrics is not None:
+            self._metrics.lora_forgotten.labels(a.source, reason).inc()
+
     def learn_from_events(self, pod: str, base: str, lora_names: Iterable[str]) -> None:
-        """The ``lora_name``s of a stream's BlockStored events (its model ``base``)."""
-        self._base(base)
+        """The ``lora_name``s of a stream's BlockStored events (its model ``base``; none: the
+        stream's first batch, its model known as a base)."""
+        self._base(base, EVENTS)
         for name in lora_names:
             if self._by_name.get(name) is None or self._by_name[name].base != base:
                 self.learn(name, base, EVENTS, pod)
@@ -163,11 +189,10 @@ class LoraAdapters:
         it listed before and no longer lists (unloaded) are forgotten; ``bases``: its cards without
         a parent."""
         for name in bases:
-            self._base(name)
+            self._base(name, ENGINE)
         for name, a in list(self._by_name.items()):
             if a.source == ENGINE and a.origin == origin and name not in listed:
-                del self._by_name[name]
-                self._learned -= 1
+                self._forget(name, "unloaded")
         for name, base in listed.items():
             self.learn(name, base, ENGINE, origin)
 

@@ -104,7 +104,12 @@ class Metrics:
                                     registry=r)
         self.lora_refused = Counter("kvindex_lora_adapters_refused", "LoRA adapters not learned, by source and reason: "
                                     "cap (max learned), conflict (another base from an equal or higher source), self, "
-                                    "chain (an adapter of an adapter), bad_name", ["source", "reason"], registry=r)
+                                    "chain (an adapter of an adapter, or a base model's name), configured (a configured "
+                                    "adapter named as a base model: configuration wins), bad_name", ["source", "reason"], registry=r)
+        self.lora_forgotten = Counter("kvindex_lora_adapters_forgotten", "Learned LoRA adapters forgotten, by the "
+                                      "source that taught them and reason: base_model (the name is known as a base "
+                                      "model: a stream's model, an engine's card without parent), unloaded (its "
+                                      "engine no longer lists it)", ["source", "reason"], registry=r)
         self.lora_poll_failures = Counter("kvindex_lora_models_poll_failures", "Failed polls of an engine's /v1/models "
                                           "(its LoRA adapters), by the model table whose URL it is", ["model"], registry=r)
         self.decisions = Counter("kvindex_decisions", "Routing decisions recorded", ["pod"], registry=r)

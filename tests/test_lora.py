@@ -536,3 +536,158 @@ async def test_a_replica_that_lost_every_race_still_learns_the_adapters() -> Non
             outcomes.append(result.outcome)
     assert Outcome.DUPLICATE in outcomes[1::2] and set(outcomes[::2]) == {Outcome.APPLIED}
     assert heard[0] == heard[1] == {(POD, BASE, ADAPTER)}
+
+
+async def test_an_answer_written_in_several_chunks_is_read_whole() -> None:
+    """A server that writes its model list in pieces (as a big list or a slow proxy does): the
+    poll reads to the end of the body, not what arrived first; one past the cap is a failed poll."""
+    import aiohttp
+    import pytest
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    import adapters.engine_models as em
+    from adapters.engine_models import ModelsPoller, PollFailed
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    cards = [{"id": BASE, "object": "model", "parent": None}]
+    cards += [{"id": f"lora-{i}", "object": "model", "parent": BASE} for i in range(50)]
+    body = json.dumps({"object": "list", "data": cards}).encode()
+
+    async def chunked(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        for i in range(0, len(body), 700):
+            await resp.write(body[i:i + 700])  # awaits the transport (drain() is deprecated)
+            await asyncio.sleep(0.01)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", chunked)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    lora = LoraAdapters({}, Metrics(CollectorRegistry()))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await ModelsPoller(url, BASE, lora, Metrics(CollectorRegistry()), session).poll_once()
+            assert len(lora) == 50 and all(lora.base_of(f"lora-{i}") == BASE for i in range(50))
+            cap, em.MAX_ANSWER_BYTES = em.MAX_ANSWER_BYTES, len(body) - 1
+            try:
+                with pytest.raises(PollFailed, match="answer over"):
+                    await ModelsPoller(url, BASE, lora, Metrics(CollectorRegistry()), session).poll_once()
+            finally:
+                em.MAX_ANSWER_BYTES = cap
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_poll_loop_outlives_a_long_outage_and_unexpected_errors(caplog: Any) -> None:
+    """Past ~1025 failures (9 h of an engine down) the backoff no longer overflows; an error that
+    is not the engine's (here: the session closed under the poller) is counted, logged once with
+    its traceback, and the loop goes on."""
+    import logging
+
+    import aiohttp
+    from prometheus_client import CollectorRegistry
+
+    from adapters.engine_models import ModelsPoller
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    from tests.conftest import wait_for
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    metrics.known(None, BASE)
+    lora = LoraAdapters({}, metrics)
+    caplog.set_level(logging.INFO, logger="kvindex.lora")
+    session = aiohttp.ClientSession()
+    poller = ModelsPoller("http://127.0.0.1:9", BASE, lora, metrics, session, every=0.01, retry=0.001)
+    poller.failures = 5000  # an engine down for days
+    task = asyncio.create_task(poller.run())
+    try:
+        await wait_for(lambda: poller.failures >= 5003 or task.done(), what="three more failed polls")
+        assert not task.done() and poller.backoff() == 0.01
+        await session.close()  # aiohttp raises RuntimeError, not a ClientError: not an engine's answer
+        await wait_for(lambda: poller.errors >= 3 or task.done(), what="three unexpected errors")
+        assert not task.done()
+        errors = [rec for rec in caplog.records if rec.levelno == logging.ERROR]
+        assert len(errors) == 1 and errors[0].exc_info is not None and "RuntimeError" in errors[0].getMessage()
+        assert registry.get_sample_value("kvindex_lora_models_poll_failures_total", {"model": BASE}) >= 6
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await session.close()
+
+
+def test_a_name_known_as_a_base_model_forgets_the_adapter_learned_under_it() -> None:
+    """A stray ``lora_name`` equal to a real model's name, learned before that model was seen, is
+    forgotten once the model is known as a base (a stream of it, an engine's card without parent):
+    its queries are keyed by the model again. A configured adapter stays (configuration beats all)."""
+    from prometheus_client import CollectorRegistry
+
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    registry = CollectorRegistry()
+    lora = LoraAdapters({"cfg": BASE}, Metrics(registry))
+    lora.learn_from_events("p1", "tiny", ["qwen"])
+    assert lora.resolve("qwen", None) == ("tiny", "qwen")
+    lora.learn_from_events("p2", "qwen", [])  # a stream of the real model qwen
+    assert lora.resolve("qwen", None) == ("qwen", None) and len(lora) == 1
+    lora.learn_from_events("p1", "tiny", ["qwen"])  # named again: refused now, counted once
+    assert lora.resolve("qwen", None) == ("qwen", None)
+    assert registry.get_sample_value("kvindex_lora_adapters_forgotten_total",
+                                     {"source": "events", "reason": "base_model"}) == 1
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total", {"source": "events", "reason": "chain"}) == 1
+    lora.learn_from_events("p1", "tiny", ["x"])
+    lora.sync_engine("http://e", {"y": "tiny"}, bases=["x"])  # the engine lists x with no parent
+    assert lora.resolve("x", None) == ("x", None) and lora.base_of("y") == "tiny"
+    lora.learn_from_events("p3", "cfg", [])  # a stream whose model the configuration declares an adapter
+    lora.sync_engine("http://e", {}, bases=["cfg"])
+    assert lora.resolve("cfg", None) == (BASE, "cfg")
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total",
+                                     {"source": "events", "reason": "configured"}) == 1
+    assert registry.get_sample_value("kvindex_lora_adapters_refused_total",
+                                     {"source": "engine", "reason": "configured"}) == 1
+    assert registry.get_sample_value("kvindex_lora_adapters_forgotten_total",
+                                     {"source": "engine", "reason": "unloaded"}) == 1  # y, no longer listed
+    lora2 = LoraAdapters({}, None, max_learned=2)  # a forgotten adapter frees its place under the cap
+    lora2.learn_from_events("p", "m", ["a", "b"])
+    lora2.learn_from_events("q", "a", [])
+    lora2.learn_from_events("p", "m", ["c"])
+    assert lora2.base_of("c") == "m" and lora2.base_of("a") is None
+
+
+async def test_a_streams_first_batch_makes_its_model_a_base_once() -> None:
+    """The capture's stream of model tiny: its first batch carries no ``lora_name``, yet it tells
+    ``on_lora`` (the model is a base: an adapter "tiny" learned from another pod is forgotten);
+    later batches without one tell nothing."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from adapters import DIALECTS
+    from kvindex.config import EngineConfig
+    from kvindex.index.memory import MemoryPreciseStore
+    from kvindex.ingest.writer import StreamWriter
+    from kvindex.logs import BurstLog
+    from kvindex.lora import LoraAdapters
+    from kvindex.metrics import Metrics
+    lora = LoraAdapters({}, None)
+    lora.learn_from_events("other-pod", "other", [BASE])  # a stray lora_name naming the real model
+    assert lora.resolve(BASE, None) == ("other", BASE)
+    w = StreamWriter(EngineConfig(endpoint="tcp://127.0.0.1:1"), {}, decoder=DIALECTS["vllm"].decoder(), first_seq=0,
+                     store=MemoryPreciseStore(), metrics=Metrics(CollectorRegistry()),
+                     burst=BurstLog(logging.getLogger("t")))
+    told: list[tuple[str, str, set[str]]] = []
+    w.on_lora = lambda pod, model, names: (told.append((pod, model, set(names))), lora.learn_from_events(pod, model, names))
+    captured = load_capture(CAPTURE / "events.jsonl")
+    for i, c in enumerate(captured[:4]):
+        topic, seq = c.frames[0].decode(), int.from_bytes(c.frames[1], "big")
+        st = w.stream(topic)
+        await w.apply(st, seq, w.decode(st.pod, Frame(topic, seq, c.frames[2])), c.frames[2], None)
+        if i == 0:
+            assert lora.resolve(BASE, None) == (BASE, None)
+    assert told == [(POD, BASE, set()), (POD, BASE, {ADAPTER})]
+    assert lora.resolve(ADAPTER, None) == (BASE, ADAPTER)

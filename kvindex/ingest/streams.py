@@ -98,6 +98,7 @@ class Stream:
     force: str | None = None  # the next batch applies across a gap with this reason (history gone)
     needs_resync: str | None = None  # why the stream must be resynchronised before it applies again
     held: int = 0  # batches of this stream waiting in the lane's buffer
+    model_told: bool = False  # its model told to on_lora as a base model (kvindex.ingest.writer, once)
     stale_run: int = 0  # STALE batches in a row (replay checks of their engine life are spaced)
     last_crc: int | None = None  # payload CRC of the batch at last_seq (saved with it: the engine's life)
     recent: dict[int, int] = field(default_factory=dict)  # seq -> payload CRC, the last RECENT_CRCS

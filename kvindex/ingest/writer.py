@@ -15,7 +15,8 @@ Invariants:
 - ``on_lora`` (set by the daemon: ``kvindex.lora.LoraAdapters.learn_from_events``) hears the
   ``lora_name``s of an APPLIED or DUPLICATE batch's BlockStored events (a replica sharing a Redis
   store whose peers applied every batch still learns) with the stream's pod and model: a
-  ``lora_name`` on a stream of model M is an adapter of M.
+  ``lora_name`` on a stream of model M is an adapter of M. It hears a stream's first such batch
+  even without ``lora_name``s (once per stream, not per batch): the stream's model is a base model.
 """
 
 from __future__ import annotations
@@ -143,10 +144,12 @@ class StreamWriter:
             self.journal.batch(self.key, st.topic, seq, payload)
 
     def _heard(self, st: Stream, batch: EventBatch) -> None:
-        """The ``lora_name``s of the batch's stores, to ``on_lora``."""
+        """The ``lora_name``s of the batch's stores, to ``on_lora``; the stream's first batch told even
+        without any (its model is then known as a base model)."""
         if self.on_lora is not None:
             names = {ev.lora_name for ev in batch.events if type(ev) is BlockStored and ev.lora_name is not None}
-            if names:
+            if names or not st.model_told:
+                st.model_told = True
                 self.on_lora(st.pod, st.model, names)
 
     def _skipped(self, pod: str, reasons: tuple[str, ...]) -> None:

@@ -150,7 +150,8 @@ class LaneStatus(msgspec.Struct, frozen=True, array_like=True):
     connected: int = 0
     failure: str | None = None
     behind: tuple[str, ...] = ()
-    lora: tuple[tuple[str, str, str], ...] = ()  # (pod, model, lora_name) its events named (kvindex.lora)
+    lora: tuple[tuple[str, str, str], ...] = ()  # (pod, model, lora_name) its events named (kvindex.lora);
+    # lora_name "": a stream of that pod and model applied a batch (the model is a base model)
 
 
 class Ping(Request[int], frozen=True, tag="ping"):

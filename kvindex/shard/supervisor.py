@@ -141,7 +141,7 @@ class Shards:
                 self.lane_status.update(part)
                 for pod, model, name in (t for status in part.values() for t in status.lora):
                     if heard is not None:
-                        heard(pod, model, (name,))
+                        heard(pod, model, (name,) if name else ())  # "": the stream's model, a base
 
     async def ask_all(self, req: ch.Request[R]) -> list[R | BaseException]:
         """``req`` to every worker; a worker that cannot answer gives its ``StoreUnavailable``."""

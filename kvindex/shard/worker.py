@@ -103,8 +103,8 @@ class Worker:
                                                 max_blocks_per_pod=s.max_blocks_per_pod,
                                                 silent_seconds=s.silent_seconds),
                           burst=self._burst)
-        lane.writer.on_lora = lambda pod, model, names: seen.update(
-            dict.fromkeys((pod, model, n) for n in names if len(seen) < MAX_LEARNED_ADAPTERS))
+        lane.writer.on_lora = lambda pod, model, names: seen.update(  # no names: "" (the stream's model, a base)
+            dict.fromkeys((pod, model, n) for n in (names or ("",)) if len(seen) < MAX_LEARNED_ADAPTERS))
         return lane
 
     # -- operations ----------------------------------------------------------------------------
