@@ -23,7 +23,8 @@
  *   holds None (a removal or another kind before it is declined: Python looks ahead); once known,
  *   another group's event, or a store of a kind that is not full attention, is skipped as Python
  *   skips it (named in ``skipped``; runs of removals go on across it). ``groups`` changes only
- *   when a batch is taken.
+ *   when a batch is taken, so only to the group of a store that was accepted: the store that
+ *   teaches the group is built (make_stored) or, refused, declines the whole batch to Python.
  * Bounds: every read is checked against the end of the payload; counts are checked against the
  * bytes left before anything is allocated; nesting deeper than MAX_DEPTH is declined.
  */

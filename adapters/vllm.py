@@ -134,6 +134,19 @@ class VllmDecoder:
         self._fast = fast  # the C twin of the typed path (None: not built, or pure Python)
         self.groups: list[int | None] = [None]  # the stream's prefix group, once known (vllm_groups)
 
+    def new_life(self) -> None:
+        """The engine restarted (a new process, maybe another model): its prefix group is learned again."""
+        self.groups[0] = None
+
+    def decode_as_new_life(self, payload: bytes) -> EventBatch:
+        """The payload as a new process's first batch decodes (no prefix group known); state kept."""
+        known = self.groups[0]
+        self.groups[0] = None
+        try:
+            return self.decode(payload)
+        finally:
+            self.groups[0] = known
+
     def decode(self, payload: bytes) -> EventBatch:
         if self._fast is not None and (batch := self._fast.decode(payload, _KINDS, self.groups)) is not None:
             return batch
@@ -163,7 +176,8 @@ class VllmDecoder:
         where: tuple[str, int] = (GPU, 0)
         raw_where: tuple[Any, Any] | None = None  # (medium, group_idx) as sent, for ``where``
         prefix, skipped = self.groups[0], []
-        if prefix is None:
+        if prefix is None:  # the first full-attention store: decoded below (``_typed_stored``), or None, the
+            # batch then the generic path's, which learns from the first store that decodes
             prefix = G.first_prefix_group((w.group_idx or 0, getattr(w, "kv_cache_spec_kind", None))
                                           for w in wire.events if type(w) in _STORES)
         for w in wire.events:
@@ -213,7 +227,7 @@ class VllmDecoder:
         ts, raw_events, rank = _batch_parts(obj)
         events: list[KVEvent] = []
         skipped: list[str] = []
-        prefix = self.groups[0] if self.groups[0] is not None else G.first_prefix_group(_stores(raw_events))
+        prefix = self.groups[0] if self.groups[0] is not None else self._first_accepted_group(raw_events)
         for raw in raw_events:
             try:
                 events.append(self._event(raw, skipped, prefix))
@@ -221,6 +235,11 @@ class VllmDecoder:
                 skipped.append(skip.reason)
         self.groups[0] = prefix
         return EventBatch(ts=ts, events=tuple(events), dp_rank=rank, skipped=tuple(skipped))
+
+    def _first_accepted_group(self, raw_events: list[Any]) -> int | None:
+        """The prefix group's look-ahead (vllm_groups): the group of the batch's first BlockStored
+        of a full-attention kind that decodes into an event; a store skipped teaches nothing."""
+        return G.first_prefix_group(_accepted_stores(raw_events, self._stored))
 
     def _event(self, raw: Any, skipped: list[str], prefix: int | None) -> KVEvent:
         tag, fields = _tag_and_fields(raw)
@@ -277,13 +296,18 @@ class VllmDecoder:
         raise Skip("bad_hash")
 
 
-def _stores(raw_events: list[Any]) -> Iterable[tuple[int, Any]]:
-    """(group, kind) of each readable BlockStored of a batch, for the prefix group's look-ahead."""
+def _accepted_stores(raw_events: list[Any], decode_stored: Callable[[dict[str, Any], list[str]], Any]
+                     ) -> Iterable[tuple[int, Any]]:
+    """(group, kind) of each BlockStored of a batch that ``decode_stored`` decodes (one it skips,
+    ``Skip``, is left out), for the prefix group's look-ahead."""
     for raw in raw_events:
         try:
             tag, f = _tag_and_fields(raw)
             if tag == "BlockStored":
-                yield small_int(f.get("group_idx"), 0), f.get("kv_cache_spec_kind")
+                group, kind = small_int(f.get("group_idx"), 0), f.get("kv_cache_spec_kind")
+                if G.is_full_attention(kind):  # only a candidate is decoded, and only while no group is known
+                    decode_stored(f, [])
+                yield group, kind
         except Skip:
             pass
 

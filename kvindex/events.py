@@ -87,3 +87,13 @@ class Decoder(Protocol):
     """Decodes one payload of one engine dialect. Raises ``DecodeError``; never anything else."""
 
     def decode(self, payload: bytes) -> EventBatch: ...
+
+    def new_life(self) -> None:
+        """The engine restarted: forget what was learned of its previous process (a hybrid
+        model's prefix group, ``adapters/vllm_groups.py``)."""
+        ...
+
+    def decode_as_new_life(self, payload: bytes) -> EventBatch:
+        """The payload decoded as the first batch of a new engine process would be (nothing
+        learned applies), the decoder's state unchanged: a restart's evidence."""
+        ...

@@ -12,6 +12,7 @@ the builder below reproduces them exactly.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import msgpack
 from adapters.vllm import VllmDecoder
 from kvindex.config import Config
 from kvindex.events import NON_PREFIX_GROUP, BlockRemoved, BlockStored
-from tests.conftest import engine_config, ipc_endpoint
+from tests.conftest import engine_config, ipc_endpoint, wait_for
 from tests.test_native_decoder import check
 
 VLLM_BYTES = bytes.fromhex(
@@ -129,3 +130,84 @@ async def test_a_sliding_window_groups_events_never_change_a_full_attention_answ
     status, metrics = await h.get("/metrics")
     assert f'kvindex_events_skipped_total{{pod="{POD}",reason="non_prefix_group"}} 4.0'.encode() in metrics
     assert b'reason="non_prefix_group"' not in metrics.split(b"kvindex_decode_errors")[1].split(b"# HELP")[0]
+
+
+def test_a_rejected_store_teaches_no_prefix_group() -> None:
+    """A store the decoder skips (here block size 0 on the GPU: bad_block_size) is no evidence of
+    the stream's prefix group: the group is learned from the first store that is decoded, so the
+    valid group-0 stores and removals that follow reach the index (on both paths, C equal)."""
+    bad = stored([5], None, [], 3, "full_attention", block_size=0)
+    stream = [
+        batch(bad),
+        batch(stored([6], None, TOKENS[:BS], 0, "full_attention")),
+        batch(*removed([6], 0)),
+    ]
+    for decoder in (VllmDecoder(), VllmDecoder(fast=None)):
+        first = decoder.decode(stream[0])
+        assert first.events == () and first.skipped == ("bad_block_size",) and decoder.groups == [None]
+        assert [type(e).__name__ for e in decoder.decode(stream[1]).events] == ["BlockStored"]
+        assert decoder.decode(stream[2]).events == (BlockRemoved((6,)),) and decoder.groups == [0]
+    # the rejected store ahead of a valid one in one batch: the valid one's group is the prefix group
+    mixed = batch(bad, stored([6], None, TOKENS[:BS], 0, "full_attention"), *removed([6], 3))
+    for decoder in (VllmDecoder(), VllmDecoder(fast=None)):
+        got = decoder.decode(mixed)
+        assert [type(e).__name__ for e in got.events] == ["BlockStored"] and decoder.groups == [0]
+        assert got.skipped == (NON_PREFIX_GROUP, NON_PREFIX_GROUP)
+    groups: list[int | None] = [None]
+    assert [check(p, groups) for p in (*stream, mixed)] == [False, True, True, True] and groups == [0]
+    array_bad = msgpack.packb([1.0, [["BlockStored", [5], None, [], 0, None, "GPU", None, None, 3]], None])
+    array_good = msgpack.packb([1.0, [["BlockStored", [6], None, TOKENS[:BS], BS, None, "GPU", None, None, 0]], None])
+    groups = [None]
+    assert [check(p, groups) for p in (array_bad, array_good)] == [False, True] and groups == [0]
+
+
+def test_a_new_life_forgets_the_prefix_group() -> None:
+    """vLLM's group layout is the engine process's: ``new_life`` (an engine restart) forgets the
+    prefix group, an AllBlocksCleared (same process, same layout) does not."""
+    for decoder in (VllmDecoder(), VllmDecoder(fast=None)):
+        decoder.decode(batch(stored([6], None, TOKENS[:BS], 1, "full_attention")))
+        decoder.decode(batch({"type": "AllBlocksCleared"}))
+        assert decoder.groups == [1]
+        decoder.new_life()
+        assert decoder.groups == [None]
+        got = decoder.decode(batch(stored([6], None, TOKENS[:BS], 0, "full_attention")))
+        assert [type(e).__name__ for e in got.events] == ["BlockStored"] and decoder.groups == [0]
+
+
+async def test_an_engine_restarted_with_another_group_layout_is_indexed_by_its_own_prefix_group(
+        make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    """A real daemon over ZeroMQ: the engine's first life is a model whose full attention is group
+    1 (group 0 is Mamba); it restarts (seq back to 0, other bytes) as a model whose full attention is
+    group 0 (group 1 a sliding window). The new life's first batch, whose events are all of groups
+    the old prefix group skips, is the restart, and it and what follows are indexed by group 0."""
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
+    h = await make_harness(Config(engines=(engine_config(engine, pod=POD, model="hyb"),)))
+    await h.wait_connected()
+    topic = f"kv@{POD}@hyb".encode()
+    old = [201, 202]
+    first_life = [batch(stored(old, None, TOKENS[:2 * BS], 0, "mamba"), stored(old, None, TOKENS[:2 * BS], 1, "full_attention")),
+                  batch(*removed(old[1:], 1))]
+    for seq, payload in enumerate(first_life):
+        await engine.publish([topic, seq.to_bytes(8, "big"), payload])
+    await h.wait_seq(POD, 1)
+    assert h.daemon.index.blocks_held(POD)["gpu"] == 1
+    # seq back to 0 with only a malformed store of another group: no evidence of a restart, even as
+    # a new life would decode it (the malformed store teaches no group): rejected, state kept
+    await engine.publish([topic, (0).to_bytes(8, "big"), batch(stored([9], None, [], 0, "full_attention", block_size=0))])
+    for _ in range(200):
+        _, metrics = await h.get("/metrics")
+        if b'reason="backward_seq_without_events"' in metrics:
+            break
+        await asyncio.sleep(0.02)
+    assert b'reason="backward_seq_without_events"' in metrics
+    assert h.stream(POD).restarts == 0 and h.daemon.index.blocks_held(POD)["gpu"] == 1
+    engine.clear_buffer()  # the engine restarts: a new process, another model's group layout
+    new = [301, 302, 303, 304]
+    second_life = [batch(stored(new, None, TOKENS, 0, "full_attention"), stored(new, None, TOKENS, 1, "sliding_window", 64)),
+                   batch(*removed(new[:1], 1), *removed(new[3:], 0))]
+    for seq, payload in enumerate(second_life):
+        await engine.publish([topic, seq.to_bytes(8, "big"), payload])
+    await wait_for(lambda: h.stream(POD).restarts == 1 and h.stream(POD).last_seq == 1, 10, "second life")
+    assert h.daemon.index.blocks_held(POD)["gpu"] == 3
+    status, q = await h.post("/query", {"token_ids": TOKENS + [7], "model_name": "hyb"})
+    assert status == 200 and q["instances"].get(POD, {}).get("longest_matched", 0) == 3 * BS, q

@@ -230,3 +230,20 @@ def test_every_offload_cpu_payload_is_taken_and_equal() -> None:
     assert groups == [0]
     python = VllmDecoder(fast=None)  # the Python path alone, one decoder for the stream
     assert all(python.decode(p).skipped == () for p in payloads)
+
+
+def test_a_refused_store_teaches_no_prefix_group_on_either_path() -> None:
+    """The reviewer's repro: a stream's first batch is one store of group 3 with block size 0 on the
+    GPU (bad_block_size). Neither path learns group 3 from it (C declines the batch, Python skips
+    the store), so the group-0 store and removal that follow are taken by C and applied."""
+    groups: list[int | None] = [None]
+    refused = _batch(group_idx=3, block_size=0, token_ids=[], kv_cache_spec_kind="full_attention")
+    assert not check(refused, groups) and groups == [None]
+    assert VllmDecoder().decode(refused).skipped == ("bad_block_size",)
+    assert check(_batch(), groups) and groups == [0]
+    removal = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [5], "group_idx": 0}], 0])
+    assert check(removal, groups) and groups == [0]
+    fresh = VllmDecoder()
+    for payload in (refused, _batch(), removal):
+        fresh.decode(payload)
+    assert fresh.groups == [0] and fresh.decode(removal).skipped == ()

@@ -192,10 +192,13 @@ class EngineLane:
     async def _sequence(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> None:
         """One live batch, from the stream's seq state to the store; safe to re-run after a
         failed store call (the buffer does)."""
+        restarts = st.restarts
         if not st.seeded and not await self._lives.seed(st, seq, payload):
             self.writer.skip_stale(st, seq)
             return
-        step = seqr.live(st.last_seq, st.replayed, seq, payload, bool(batch.events), st.recent)
+        evidence = bool(batch.events) or (seqr.went_back(st.last_seq, seq)  # judged as its new life decodes it
+                                          and self.writer.new_life_evidence(batch, payload))
+        step = seqr.live(st.last_seq, st.replayed, seq, payload, evidence, st.recent)
         if step is not OFFER:
             if step is Live.CHECK_LIFE:  # went back past what the stream remembers: the replay tells
                 step = await self._lives.went_back(st, seq)
@@ -212,6 +215,8 @@ class EngineLane:
                 return
             else:
                 await self.writer.restart(st, seq)
+        if st.restarts != restarts:  # a new engine life: decoded before it, decoded again in it
+            batch = self.writer.decode_again(st, seq, batch, payload)
         force = st.force
         missing = seqr.join_gap(force, st.baseline_unknown, st.expect_from, seq)
         if missing is not None:
@@ -355,6 +360,7 @@ class EngineLane:
             return
         if seqr.went_back(st.last_seq, seq):
             await self.writer.restart(st, seq)
+            batch = self.writer.decode_again(st, seq, batch, payload)
         force, gap = seqr.logged(st.last_seq, st.expect_from, st.baseline_unknown, seq)
         if gap:
             st.gaps += 1

@@ -11,7 +11,8 @@ Invariants:
   remembers the CRCs of its last ``RECENT_CRCS`` batches of the engine's current life; the same
   seq with the same CRC is a duplicate (``Live.DUPLICATE``: dropped, counted), with other bytes a
   restart (``Live.RESTART``), but only a batch with a usable event is evidence enough
-  (``Live.NO_EVIDENCE``). A seq older than that memory asks the engine's replay whether it still
+  (``Live.NO_EVIDENCE``; the lane judges it as the new life would decode the batch: what the old
+  one learned, a hybrid model's prefix group, may skip all of it). A seq older than that memory asks the engine's replay whether it still
   holds the stream's watermark batch (``Live.CHECK_LIFE``, ``same_life``): it does, a duplicate;
   it does not (other bytes there, or its history stops before it), a restart. When the replay
   cannot tell (it timed out, failed, was cut, no longer reaches the watermark) the batch is

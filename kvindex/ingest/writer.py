@@ -8,6 +8,8 @@ Invariants:
 - An APPLIED batch adds its rank to the stream, moves ``last_seq``, is counted (events, blocks,
   lag) and goes to ``journal`` when set; DUPLICATE and STALE are counted skipped, and a
   DUPLICATE moves ``last_seq`` (another replica applied it: this one has handled it).
+- An engine restart (``restart``, ``restart_unseen``) is a new process: the decoder forgets what it
+  learned of the previous one (``Decoder.new_life``: a hybrid model's prefix group).
 - A pod over ``--max-blocks-per-pod`` has its stores refused and its streams unsynced
   (``kvindex.ingest.capacity``).
 - Garbage (``decode`` failing, a skipped event or field, a block size mismatch) is counted by
@@ -68,6 +70,21 @@ class StreamWriter:
         if st is None:
             st = self._streams[topic] = new_stream(self._engine, topic, self._first_seq, self._metrics)
         return st
+
+    def decode_again(self, st: Stream, seq: int, batch: EventBatch, payload: bytes) -> EventBatch:
+        """The batch that showed an engine restart, decoded before it, decoded in the new life
+        (``restart`` and ``restart_unseen`` make the decoder forget the previous process)."""
+        return self.decode(st.pod, Frame(st.topic, seq, payload)) or batch
+
+    def new_life_evidence(self, batch: EventBatch, payload: bytes) -> bool:
+        """Whether a batch whose seq went back carries a usable event, as the new life it may be of
+        would decode it (what the old life learned may skip all of it: a hybrid model's prefix group)."""
+        if batch.events or NON_PREFIX_GROUP not in batch.skipped:
+            return bool(batch.events)
+        try:
+            return bool(self._decoder.decode_as_new_life(payload).events)
+        except DecodeError:
+            return False
 
     def decode(self, label: str, frame: Frame) -> EventBatch | None:
         try:
@@ -184,6 +201,7 @@ class StreamWriter:
         (whichever replica comes first) and this replica adopts the epoch it answers."""
         pos = await self._store.restart(st.ref, st.epoch, st.sorted_ranks())
         self._capacity.forget(st.pod)  # emptied: its count is read again
+        self._decoder.new_life()  # a new engine process: its hybrid prefix group is learned again
         st.restarts += 1
         self._metrics.restarts.labels(st.pod).inc()
         if seqr.first_to_clear(pos, st.epoch):
@@ -205,6 +223,7 @@ class StreamWriter:
         ranks = None if self._engine.dp_rank is None else [self._engine.dp_rank]  # a rank's own publisher: its rank
         after = await self._store.restart(st.ref, pos.epoch, ranks)
         self._capacity.forget(st.pod)
+        self._decoder.new_life()
         st.expect_from = self._first_seq
         return after
 
