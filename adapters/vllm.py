@@ -179,7 +179,7 @@ class VllmDecoder:
         if prefix is None:  # the first full-attention store: decoded below (``_typed_stored``), or None, the
             # batch then the generic path's, which learns from the first store that decodes
             prefix = G.first_prefix_group((w.group_idx or 0, getattr(w, "kv_cache_spec_kind", None))
-                                          for w in wire.events if type(w) in _STORES)
+                                          for w in wire.events if isinstance(w, _STORES))
         for w in wire.events:
             if type(w) is _MapRemoved or type(w) is _ArrayRemoved:  # vLLM: one event per block
                 if not w.block_hashes:
