@@ -27,7 +27,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvindex.tools.engine_sim import SimulatedCache, encode_batch
+from kvindex.tools.engine_sim import Admission, SimulatedCache, encode_batch
 from kvindex.tools.workload import Request, Workload, write_messages
 
 TS_START = 1_760_000_000.0
@@ -36,7 +36,7 @@ TS_STEP = 0.001
 
 @dataclass(slots=True)
 class Totals:
-    """Running counts over the whole generation (mutated only by ``_messages``)."""
+    """Running counts over the whole generation (mutated only by ``admitted``)."""
 
     requests: int = 0
     batches: int = 0
@@ -49,6 +49,18 @@ class Totals:
     @property
     def block_ops(self) -> int:
         return self.block_stored + self.block_removed
+
+    def admitted(self, adm: Admission) -> bool:
+        """Count one admitted request (a ``SimulatedCache.admit`` answer); True when it published events."""
+        self.requests += 1
+        self.prompt_tokens += adm.prompt_tokens
+        self.cached_tokens += adm.cached_tokens
+        for ev in adm.events:
+            if ev["type"] == "BlockStored":
+                self.block_stored += len(ev["block_hashes"])
+            else:
+                self.block_removed += len(ev["block_hashes"])
+        return bool(adm.events)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,16 +108,8 @@ def _messages(
         req = wl.next_request()
         replica = _route(args, req, totals.requests)
         adm = caches[replica].admit(req.token_ids)
-        totals.requests += 1
-        totals.prompt_tokens += adm.prompt_tokens
-        totals.cached_tokens += adm.cached_tokens
-        if not adm.events:
+        if not totals.admitted(adm):
             continue
-        for ev in adm.events:
-            if ev["type"] == "BlockStored":
-                totals.block_stored += len(ev["block_hashes"])
-            else:
-                totals.block_removed += len(ev["block_hashes"])
         ts = TS_START + TS_STEP * totals.requests
         yield topics[replica], seqs[replica], encode_batch(adm.events, ts, 0, args.dialect)
         seqs[replica] += 1

@@ -135,17 +135,8 @@ def messages(records: list[dict], caches: list[SimulatedCache], topics: list[str
         replica = router.place(rec, hashes)
         placed[replica] += 1
         adm = caches[replica].admit(tokens, hashes)
-        totals.requests += 1
-        totals.prompt_tokens += adm.prompt_tokens
-        totals.cached_tokens += adm.cached_tokens
-        if not adm.events:
+        if not totals.admitted(adm):
             continue
-        for ev in adm.events:
-            n = len(ev["block_hashes"])
-            if ev["type"] == "BlockStored":
-                totals.block_stored += n
-            else:
-                totals.block_removed += n
         ts = TS_START + rec["timestamp"] / 1000.0
         yield topics[replica], seqs[replica], encode_batch(adm.events, ts, 0, "map")
         seqs[replica] += 1
