@@ -29,7 +29,8 @@ Facts carried over (vLLM 0.32 ``renderers/hf.py``, ``renderers/chat_utils.py``; 
   right after that message's content (a template that trims it: cut and right-stripped).
 - Anything the template or the messages cannot give raises ``ChatTemplateError`` (a ``ValueError``)
   with a one-line message; a non-text content part (image, audio) is refused, not dropped.
-- Compiled templates are kept per template text, at most ``MAX_COMPILED`` (the model's own ones first).
+- Compiled templates are kept per template text: the model's own ones always, at most
+  ``MAX_REQUEST_COMPILED`` bodies' own ones (the oldest evicted; a 64 KiB one holds ~25 MB).
 - A body's own ``chat_template`` text (not the name of one of the model's templates) is refused
   (``UntrustedChatTemplate``, reason ``untrusted_chat_template``) unless the model table trusts
   them (``trust_request_chat_template``, as vLLM's ``--trust-request-chat-template``); a trusted one
@@ -52,7 +53,7 @@ import jinja2.nodes
 
 from adapters.template_bounds import RESERVED, BoundedSandbox, compile_bounded, render_bounded
 
-MAX_COMPILED = 16
+MAX_REQUEST_COMPILED = 4
 MAX_REQUEST_TEMPLATE_CHARS = 64 << 10  # a body's own template: compiling 1 MB took 10 s and ~0.5 GB
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _KEPT_KEYS = ("name", "tool_call_id")
@@ -315,15 +316,19 @@ class ChatTemplates:
         for source in ([self._default] if self._default else []) + list(self._named.values()):
             self._compile(source)
 
+    @property
+    def compiled(self) -> int:
+        """How many compiled templates are held."""
+        return len(self._compiled)
+
     def _compile(self, source: str) -> CompiledTemplate:
         found = self._compiled.get(source)
         if found is None:
             found = CompiledTemplate(self._env, source)
-            if len(self._compiled) >= MAX_COMPILED:  # a body's own template: evict the oldest such
-                own = {self._default, *self._named.values()}
-                oldest = next((k for k in self._compiled if k not in own), None)
-                if oldest is not None:
-                    self._compiled.pop(oldest, None)
+            own = {self._default, *self._named.values()}
+            requests = [k for k in self._compiled if k not in own]
+            if source not in own and len(requests) >= MAX_REQUEST_COMPILED:  # evict the oldest body template
+                self._compiled.pop(requests[0], None)
             self._compiled[source] = found
         return found
 

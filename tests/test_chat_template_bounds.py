@@ -71,6 +71,11 @@ def test_a_trusted_body_template_is_bounded_in_size() -> None:
     with pytest.raises(ChatTemplateError, match="the limit is 65536"):
         templates.render({"messages": HI, "chat_template": big})
     assert templates.render({"messages": HI, "chat_template": big[:1000]}) == big[:1000]
+    for n in range(10):  # a body's templates are compiled per text: only the last few are kept
+        assert templates.render({"messages": HI, "chat_template": f"{n}"}) == f"{n}"
+    assert templates.select(None, None).source == "x"
+    kept = [templates.select(f"{n}", None) for n in range(10)]  # (select compiles what is not kept)
+    assert len({id(t) for t in kept}) == 10 and templates.compiled == 1 + chat_template.MAX_REQUEST_COMPILED
 
 
 COSTLY = [
