@@ -29,7 +29,15 @@ Facts carried over (vLLM 0.32 ``renderers/hf.py``, ``renderers/chat_utils.py``; 
   right after that message's content (a template that trims it: cut and right-stripped).
 - Anything the template or the messages cannot give raises ``ChatTemplateError`` (a ``ValueError``)
   with a one-line message; a non-text content part (image, audio) is refused, not dropped.
-- Compiled templates are kept per template text, at most ``MAX_COMPILED`` (the model's own ones first).
+- Compiled templates are kept per template text: the model's own ones always, at most
+  ``MAX_REQUEST_COMPILED`` bodies' own ones (the oldest evicted; a 64 KiB one holds ~25 MB).
+- A body's own ``chat_template`` text (not the name of one of the model's templates) is refused
+  (``UntrustedChatTemplate``, reason ``untrusted_chat_template``) unless the model table trusts
+  them (``trust_request_chat_template``, as vLLM's ``--trust-request-chat-template``); a trusted one
+  is at most ``MAX_REQUEST_TEMPLATE_CHARS`` characters. Every render, of any template, is bounded
+  by ``adapters.template_bounds`` (steps, built values and output).
+- ``clock_formats``: the ``strftime_now`` formats a template passes (constants), or None for a
+  template whose format is not a constant; a tokenizer cache keys a body by their current values.
 """
 
 from __future__ import annotations
@@ -42,15 +50,25 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-MAX_COMPILED = 16
+from adapters.template_bounds import RESERVED, BoundedSandbox, compile_bounded, render_bounded
+
+MAX_REQUEST_COMPILED = 4
+MAX_REQUEST_TEMPLATE_CHARS = 64 << 10  # a body's own template: compiling 1 MB took 10 s and ~0.5 GB
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 _KEPT_KEYS = ("name", "tool_call_id")
 
 
 class ChatTemplateError(ValueError):
-    """A chat the template cannot render; the message is one line."""
+    """A chat the template cannot render; the message is one line; ``reason``: its rejection label."""
+
+    reason = "untokenizable"
+
+
+class UntrustedChatTemplate(ChatTemplateError):
+    """A body brought its own template and the model table does not trust request templates."""
+
+    reason = "untrusted_chat_template"
 
 
 def one_line(text: str, limit: int = 200) -> str:
@@ -85,9 +103,16 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def make_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+def clock_epoch(formats: tuple[str, ...] | None) -> str:
+    """What ``strftime_now`` gives a template with these ``clock_formats`` now ("" for none; to the
+    microsecond when a format is not constant: such a template's render is never reused)."""
+    if formats is None:
+        return datetime.now().isoformat()
+    return "\x1f".join(_strftime_now(f) for f in formats)
+
+
+def make_environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -112,18 +137,34 @@ def _loops_over_content(tree: jinja2.nodes.Template) -> bool:
     return False
 
 
-class CompiledTemplate:
-    """One template: compiled, the variables it reads, and the content format it wants."""
+def _clock_formats(tree: jinja2.nodes.Template) -> tuple[str, ...] | None:
+    """The constant formats of the template's ``strftime_now(...)`` calls; None if one is not constant."""
+    formats = []
+    for call in tree.find_all(jinja2.nodes.Call):
+        if isinstance(call.node, jinja2.nodes.Name) and call.node.name == "strftime_now":
+            arg = call.args[0] if len(call.args) == 1 and not call.kwargs else None
+            if not isinstance(arg, jinja2.nodes.Const) or not isinstance(arg.value, str):
+                return None
+            formats.append(arg.value)
+    named = sum(1 for n in tree.find_all(jinja2.nodes.Name) if n.name == "strftime_now")
+    return tuple(dict.fromkeys(formats)) if named == len(formats) else None  # else passed around as a value
 
-    def __init__(self, env: ImmutableSandboxedEnvironment, source: str) -> None:
+
+class CompiledTemplate:
+    """One template: compiled, the variables it reads, the content format it wants, its clock formats."""
+
+    def __init__(self, env: BoundedSandbox, source: str) -> None:
+        if RESERVED in source:
+            raise ChatTemplateError(f"chat template may not name {RESERVED}")
         try:
             tree = env.parse(source)
             self.variables = frozenset(jinja2.meta.find_undeclared_variables(tree))
-            self.template = env.from_string(source)
+            self.wants_parts = _loops_over_content(tree)
+            self.clock_formats = _clock_formats(tree)  # (a global: not among the undeclared variables)
+            self.template = compile_bounded(env, tree)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template does not compile: {one_line(str(exc))}") from None
         self.source = source
-        self.wants_parts = _loops_over_content(tree)
         self.names_developer = '"developer"' in source or "'developer'" in source
 
 
@@ -264,8 +305,10 @@ def _request_kwargs(body: dict[str, Any], kwargs: dict[str, Any]) -> dict[str, A
 class ChatTemplates:
     """A model's chat templates (one, or named ones) and the rendering of chats with them."""
 
-    def __init__(self, templates: str | dict[str, str] | None, special_tokens: dict[str, Any]) -> None:
+    def __init__(self, templates: str | dict[str, str] | None, special_tokens: dict[str, Any],
+                 trust_request_templates: bool = False) -> None:
         self._env = make_environment()
+        self._trust_request = trust_request_templates
         self._named = templates if isinstance(templates, dict) else {}
         self._default = templates if isinstance(templates, str) else None
         self._special = special_tokens
@@ -273,15 +316,19 @@ class ChatTemplates:
         for source in ([self._default] if self._default else []) + list(self._named.values()):
             self._compile(source)
 
+    @property
+    def compiled(self) -> int:
+        """How many compiled templates are held."""
+        return len(self._compiled)
+
     def _compile(self, source: str) -> CompiledTemplate:
         found = self._compiled.get(source)
         if found is None:
             found = CompiledTemplate(self._env, source)
-            if len(self._compiled) >= MAX_COMPILED:  # a body's own template: evict the oldest such
-                own = {self._default, *self._named.values()}
-                oldest = next((k for k in self._compiled if k not in own), None)
-                if oldest is not None:
-                    self._compiled.pop(oldest, None)
+            own = {self._default, *self._named.values()}
+            requests = [k for k in self._compiled if k not in own]
+            if source not in own and len(requests) >= MAX_REQUEST_COMPILED:  # evict the oldest body template
+                self._compiled.pop(requests[0], None)
             self._compiled[source] = found
         return found
 
@@ -289,8 +336,16 @@ class ChatTemplates:
         """The template a request renders with: its ``chat_template`` (text or name) or the model's."""
         if chosen is not None and not isinstance(chosen, str):
             raise ChatTemplateError("chat_template must be a string")
+        if chosen in self._named:
+            return self._compile(self._named[chosen])
         if chosen is not None:
-            return self._compile(self._named.get(chosen, chosen))
+            if not self._trust_request:
+                raise UntrustedChatTemplate("a request's own chat_template is refused: the model table does not set "
+                                            "trust_request_chat_template = true")
+            if len(chosen) > MAX_REQUEST_TEMPLATE_CHARS:
+                raise ChatTemplateError(f"chat_template has {len(chosen)} characters; the limit is "
+                                        f"{MAX_REQUEST_TEMPLATE_CHARS}")
+            return self._compile(chosen)
         if self._named:
             name = "tool_use" if tools is not None and "tool_use" in self._named else "default"
             if name not in self._named:
@@ -301,6 +356,13 @@ class ChatTemplates:
             raise ChatTemplateError("the model has no chat template (tokenizer_config.json chat_template): "
                                     "give chat_template")
         return self._compile(self._default)
+
+    def epoch(self, body: dict[str, Any]) -> str:
+        """The clock values a chat ``body``'s template would read now ("" when none or it cannot render)."""
+        try:
+            return clock_epoch(self.select(body.get("chat_template"), body.get("tools")).clock_formats)
+        except ChatTemplateError:
+            return ""
 
     def render(self, body: dict[str, Any]) -> str:
         """The prompt text of a chat ``body`` (``messages``, ``tools``, ``chat_template``...)."""
@@ -327,7 +389,7 @@ class ChatTemplates:
         variables.update(messages=chat, tools=tools if tools is not None else kwargs.get("tools"),
                          documents=variables.get("documents"), add_generation_prompt=add_prompt)
         try:
-            rendered = template.template.render(**variables)
+            rendered = render_bounded(template.template, variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {one_line(str(exc))}") from None
         except Exception as exc:  # a template is code: any failure of it is the request's

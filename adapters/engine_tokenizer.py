@@ -9,6 +9,9 @@ Invariants:
   than 200, a connection error or a timeout (``timeout`` seconds, whole request) raises
   ``TokenizeError`` with a one-line reason. A body with neither a string ``prompt`` nor a list
   ``messages`` raises ``ValueError`` before any request.
+- An answer is read up to ``max_answer_bytes`` (default ``MAX_ANSWER_BYTES``: a ``max_token_ids``
+  answer of 2^20 ids of 7 digits is ~8 MiB of JSON); a longer one raises ``TokenizeError`` without
+  reading the rest.
 - The ``aiohttp.ClientSession`` belongs to the caller; this class never closes it.
 - ``RenderTokenizer`` (``tokenizer = "render"``) asks vLLM's render endpoints instead
   (``POST /v1/chat/completions/render`` answers one ``GenerateRequest`` object, ``POST
@@ -31,6 +34,7 @@ from kvindex.tokenize import tokenize_input
 
 
 RENDER_OFF_STATUSES = (403, 404, 405)  # render endpoints disabled or absent: use /tokenize
+MAX_ANSWER_BYTES = 32 << 20  # an engine's /tokenize or render answer (module invariants)
 log = logging.getLogger(__name__)
 
 
@@ -75,8 +79,10 @@ def _tokens_of(answer: Any, key: str = "tokens", where: str = "/tokenize") -> li
 class EngineTokenizer:
     """Tokenizes by asking an engine's ``/tokenize`` endpoint at ``base_url``."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float = 5.0) -> None:
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float = 5.0,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
         self.base_url = base_url.rstrip("/")
+        self.max_answer_bytes = max_answer_bytes
         self.url = self.base_url + "/tokenize"
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout)
@@ -85,13 +91,24 @@ class EngineTokenizer:
     async def _post(self, url: str, payload: dict[str, Any]) -> Any:
         """POST ``payload``; return the decoded JSON answer or raise ``TokenizeError``."""
         async with self._session.post(url, json=payload, timeout=self._timeout) as resp:
-            text = (await resp.read()).decode("utf-8", errors="replace")
+            text = (await self._read_capped(url, resp)).decode("utf-8", errors="replace")
             if resp.status != 200:
                 raise TokenizeError(f"POST {url}: HTTP {resp.status}: {_one_line(text)}", resp.status)
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             raise TokenizeError(f"POST {url}: answer is not JSON: {_one_line(text)}") from None
+
+    async def _read_capped(self, url: str, resp: aiohttp.ClientResponse) -> bytes:
+        """The answer's bytes, or ``TokenizeError`` once they pass ``max_answer_bytes``."""
+        cap, got = self.max_answer_bytes, bytearray()
+        if (resp.content_length or 0) > cap:
+            raise TokenizeError(f"POST {url}: answer of {resp.content_length} bytes; the limit is {cap}")
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            got += chunk
+            if len(got) > cap:
+                raise TokenizeError(f"POST {url}: answer over {cap} bytes (the limit)")
+        return bytes(got)
 
     async def ask(self, url: str, payload: dict[str, Any]) -> Any:
         """``_post`` with the timeout and connection errors as ``TokenizeError``."""
@@ -111,8 +128,9 @@ class EngineTokenizer:
 class RenderTokenizer:
     """Tokenizes through vLLM's render endpoints, falling back to ``/tokenize`` when they are off."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float = 5.0) -> None:
-        self.engine = EngineTokenizer(base_url, session, timeout)
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout: float = 5.0,
+                 max_answer_bytes: int = MAX_ANSWER_BYTES) -> None:
+        self.engine = EngineTokenizer(base_url, session, timeout, max_answer_bytes)
         self.render_off = False  # set once the engine answered that render is off or absent
 
     async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]:

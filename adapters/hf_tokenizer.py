@@ -19,6 +19,9 @@ Invariants:
   in a thread it would stall the loop as much), so a long body never stalls the loop (measured in
   benchmarks/tokenizer.py).
 - A body that cannot be tokenized raises ``ValueError`` (``ChatTemplateError``), one line.
+- A body's own ``chat_template`` counts into its size (it is compiled and rendered in the same call).
+- ``cache_epoch(model, body)``: the ``strftime_now`` values the body's template reads now ("" for a
+  template that reads none), which ``CachingTokenizer`` adds to its key (a date in the prompt).
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class HFTokenizer:
         self._templates = templates
 
     @classmethod
-    def load(cls, folder: str | Path, model: str = "*") -> HFTokenizer:
+    def load(cls, folder: str | Path, model: str = "*", trust_request_templates: bool = False) -> HFTokenizer:
         where = Path(folder).expanduser()
         what = f'[models."{model}"] tokenizer_path {str(folder)!r}'
         if not where.is_dir():
@@ -147,7 +150,7 @@ class HFTokenizer:
         special = _special_tokens(config, where)
         _set_post_processor(backend, config, special)
         try:
-            templates = ChatTemplates(_templates(config, where, what), special)
+            templates = ChatTemplates(_templates(config, where, what), special, trust_request_templates)
         except ChatTemplateError as exc:
             raise ConfigError(f"{what}: {exc}") from None
         return cls(backend, templates)
@@ -162,6 +165,10 @@ class HFTokenizer:
     def render(self, body: dict[str, Any]) -> str:
         """A chat body's prompt text (``ChatTemplateError`` when the template cannot render it)."""
         return self._templates.render(body)
+
+    def cache_epoch(self, model: str, body: dict[str, Any]) -> str:
+        """What besides ``tokenize_input(body)`` decides the tokens now: the template's clock values."""
+        return self._templates.epoch(body) if isinstance(body.get("messages"), list) else ""
 
     def tokenize_now(self, body: dict[str, Any], release_gil: bool = False) -> list[int]:
         """``body``'s token ids, computed in the calling thread."""
@@ -183,11 +190,12 @@ class HFTokenizer:
 
 
 def _body_chars(body: dict[str, Any]) -> int:
-    """A cheap size of what is to be tokenized: the prompt's length or the messages' text."""
+    """A cheap size of what is to be tokenized: the prompt's length or the messages' text and the body's template."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return len(prompt)
-    total = 0
+    template = body.get("chat_template")
+    total = len(template) if isinstance(template, str) else 0
     for message in body.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):

@@ -111,6 +111,7 @@ class ModelConfig:
     tokenizer: str = "none"
     tokenize_url: str | None = None
     tokenizer_path: str | None = None  # tokenizer = "hf": the folder of tokenizer.json + tokenizer_config.json
+    trust_request_chat_template: bool = False  # tokenizer = "hf": render a body's own chat_template
     block_size: int | None = None
     base_model: str | None = None
     models_url: str | None = None
@@ -123,6 +124,10 @@ class ModelConfig:
             raise ConfigError(f'tokenizer = "{self.tokenizer}" needs tokenize_url (the engine\'s base URL)')
         if self.tokenizer == "hf":
             check_tokenizer_path(self.tokenizer_path)
+        for key, value in (("tokenizer_path", self.tokenizer_path is not None),
+                           ("trust_request_chat_template", self.trust_request_chat_template)):
+            if value and self.tokenizer != "hf":
+                raise ConfigError(f'{key} is read only by tokenizer = "hf" (tokenizer is "{self.tokenizer}")')
         if self.base_model is not None and (not self.base_model or self.block_size is not None):
             raise ConfigError("base_model must name the adapter's base model, and an adapter has no block_size of "
                               "its own (its blocks are its base model's)")

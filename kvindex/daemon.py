@@ -98,7 +98,8 @@ class Daemon:
     def __init__(self, config: Config, *, registry: CollectorRegistry | None = None, token: str | None = None) -> None:
         self.config = config
         self._tokenizers: dict[str, Tokenizer | None] = {  # loaded first: a bad tokenizer_path stops the start
-            name: CachingTokenizer(HFTokenizer.load(mc.tokenizer_path or "", name))
+            name: CachingTokenizer(HFTokenizer.load(mc.tokenizer_path or "", name,
+                                                    mc.trust_request_chat_template))
             for name, mc in config.models.items() if mc.tokenizer == "hf"}
         default_registry = MergedRegistry() if config.workers > 1 else CollectorRegistry()
         self.registry = registry if registry is not None else default_registry

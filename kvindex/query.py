@@ -178,7 +178,7 @@ class QueryService:
         try:
             tokens = await tokenizer.tokenize(model, body)
         except ValueError as exc:
-            raise QueryError(str(exc), field="request", reason="untokenizable") from None
+            raise QueryError(str(exc), field="request", reason=getattr(exc, "reason", "untokenizable")) from None
         except Exception as exc:  # an engine's /tokenize may be down: say so, don't crash
             raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
@@ -192,7 +192,7 @@ class QueryService:
     def no_precise_reason(model: str) -> str:
         """Why a body without ``token_ids`` gets no precise answer (``token_ids_for`` gave None)."""
         return (f"no tokenizer configured for model {model}: give token_ids, or set [models.\"{model}\"] "
-                "tokenizer (\"engine\" with tokenize_url, or \"llmd-sim\")")
+                "tokenizer (\"hf\" with tokenizer_path, \"engine\" or \"render\" with tokenize_url, or \"llmd-sim\")")
 
     def check_token_ids(self, value: Any) -> array:
         """Token ids as a packed ``array("I")``; validated in C (no bools, floats, negatives).

@@ -5,12 +5,17 @@ Invariants:
   ``ValueError`` for a body it cannot tokenize (no string ``prompt`` / list ``messages``) and may
   raise its own error type (a ``RuntimeError``) when a remote tokenizer fails.
 - ``tokenize_input(body)`` is the part of a body that decides its tokens; two bodies with equal
-  ``tokenize_input`` (and model) tokenize identically, so it is the cache key. Sampling parameters,
+  ``tokenize_input`` (and model, and ``cache_epoch`` below) tokenize identically, so they are the cache key. Sampling parameters,
   ``max_tokens``, ``stream``... are not part of it.
 - ``CachingTokenizer`` holds at most ``maxsize`` entries and ``budget`` bytes (estimated: the key's
   str and the token tuple; an entry over the budget is not kept), evicting the least recently used; it never
   caches a failure; every call counts as exactly one hit or one miss (a failed miss still counts);
   callers get a fresh list they may mutate.
+- A tokenizer whose tokens also depend on something outside the body (a chat template that puts
+  today's date in the prompt via ``strftime_now``) has ``cache_epoch(model, body) -> str``: its
+  current value is part of the cache key, so an entry made under another value is never answered
+  (it ages out by LRU). ``cache_epoch`` is cheap and never raises for a body ``tokenize`` refuses.
+- A ``ValueError`` a tokenizer raises may carry ``reason`` (the rejection's metric label).
 """
 
 from __future__ import annotations
@@ -99,6 +104,9 @@ class CachingTokenizer:
     async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]:
         """Cached ``inner.tokenize``; errors propagate and are not cached."""
         key = cache_key(model, body)
+        epoch = getattr(self._inner, "cache_epoch", None)
+        if epoch is not None:
+            key += "\x1f" + epoch(model, body)
         cached = self._cache.get(key)
         if cached is not None:
             self._hits += 1

@@ -211,7 +211,8 @@ def test_every_key_accepted_before_is_still_known() -> None:
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
         "state": {"dir", "snapshot_seconds", "fsync", "peer"},
         "engines": {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank"},
-        "models": {"tokenizer", "tokenize_url", "tokenizer_path", "block_size", "base_model", "models_url"},
+        "models": {"tokenizer", "tokenize_url", "tokenizer_path", "trust_request_chat_template", "block_size",
+                   "base_model", "models_url"},
     }
     assert keys(ApproxModelTable) == {"personality", *(k for k, _ in KTHENA_KEYS)}
     cfg = config_from_toml({

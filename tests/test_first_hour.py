@@ -233,7 +233,8 @@ def test_a_chat_score_without_a_tokenizer_says_why_precise_is_null(serve: Callab
     s = serve()
     got = s.get("/v1/score", {"model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": "hi"}]})
     assert got["precise_reason"] == ('no tokenizer configured for model Qwen/Qwen3-8B: give token_ids, or set '
-                                     '[models."Qwen/Qwen3-8B"] tokenizer ("engine" with tokenize_url, or "llmd-sim")'), got
+                                     '[models."Qwen/Qwen3-8B"] tokenizer ("hf" with tokenizer_path, "engine" or "render" '
+                                     'with tokenize_url, or "llmd-sim")'), got
     assert s.get("/v1/score", {"model": "m", "token_ids": [1, 2, 3]})["precise_reason"] is None
 
 

@@ -200,7 +200,10 @@ def test_named_templates_and_the_body_override(tmp_path: Path) -> None:
     assert tok.render({"messages": HI}) == "Dhi"
     assert tok.render({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}) == "T1"
     assert tok.render({"messages": HI, "chat_template": "tool_use", "tools": []}) == "T0"
-    assert tok.render({"messages": HI, "chat_template": "X{{ messages | length }}"}) == "X1"
+    trusted = HFTokenizer.load(tmp_path / "tok", "m", trust_request_templates=True)
+    assert trusted.render({"messages": HI, "chat_template": "X{{ messages | length }}"}) == "X1"
+    with pytest.raises(ValueError, match="trust_request_chat_template"):  # vLLM's default: refused
+        tok.render({"messages": HI, "chat_template": "X{{ messages | length }}"})
 
 
 def test_template_globals_filters_and_kwargs(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from adapters.engine_tokenizer import RenderTokenizer, TokenizeError
+from adapters.engine_tokenizer import MAX_ANSWER_BYTES, RenderTokenizer, TokenizeError
 from adapters.hf_tokenizer import HFTokenizer
 from kvindex.config import Config, ModelConfig
 from tests.conftest import FIXTURES
@@ -51,6 +51,13 @@ class FakeVllm:
             return web.json_response({"detail": "Not Found"}, status=404)
         if self.render == "broken":
             return web.Response(text="Internal Server Error", status=500)
+        if self.render == "huge":  # streamed (no Content-Length): the cap must hold while reading
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            for _ in range(64):
+                await resp.write(b" " * 4096)
+            await resp.write_eof()
+            return resp
         one = {"request_id": "chatcmpl-1", "token_ids": self.tok.tokenize_now(body), "token_offsets": None,
                "features": None, "sampling_params": {"max_tokens": 16}, "model": body["model"], "stream": False,
                "cache_salt": None, "priority": 0}
@@ -125,6 +132,21 @@ async def test_render_errors_are_one_line(vllm: tuple[str, FakeVllm]) -> None:
         with pytest.raises(ValueError):  # no prompt, no messages: refused before any request
             await tok.tokenize("tiny", {"input": "x"})
     assert len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("mode", ["on", "huge"])
+async def test_an_answer_over_the_cap_is_a_one_line_error(vllm: tuple[str, FakeVllm], mode: str) -> None:
+    base, fake = vllm
+    fake.render = mode
+    async with asyncio.timeout(TIMEOUT), aiohttp.ClientSession() as session:
+        tok = RenderTokenizer(base, session, max_answer_bytes=100)
+        with pytest.raises(TokenizeError, match=r"answer (of \d+ bytes|over 100 bytes)") as info:
+            await tok.tokenize("tiny", {"messages": MESSAGES})
+        assert "\n" not in str(info.value) and "100" in str(info.value) and not tok.render_off
+        if mode == "on":  # the same answer under a cap it fits
+            roomy = RenderTokenizer(base, session, max_answer_bytes=1 << 20)
+            assert await roomy.tokenize("tiny", {"messages": MESSAGES}) == fake.tok.tokenize_now({"messages": MESSAGES})
+    assert MAX_ANSWER_BYTES >= 8 << 20  # a max_token_ids answer fits
 
 
 async def test_daemon_scores_a_body_through_render(vllm: tuple[str, FakeVllm], make_harness: Any) -> None:

@@ -572,7 +572,7 @@ def template_differential(engine: Engine) -> list[Any]:
     sys.path.insert(0, str(ROOT))
     from adapters.hf_tokenizer import HFTokenizer
 
-    tok = HFTokenizer.load(VLLM_MODEL_DIR, MODEL)
+    tok = HFTokenizer.load(VLLM_MODEL_DIR, MODEL, trust_request_templates=True)  # as engine a
     differ, refused = [], []
     for i, body in enumerate(TEMPLATE_CASES):
         path = "/v1/chat/completions/render" if "messages" in body else "/v1/completions/render"

@@ -1,0 +1,170 @@
+"""A chat template is code: what a request's own template may do, and what any render may cost.
+
+- A body's own ``chat_template`` is refused (a counted one-line 400) unless the model table sets
+  ``trust_request_chat_template = true``; a trusted one is bounded in size.
+- Every render (the model's own template too) is bounded in steps, in the values it builds and in
+  its output (``adapters.template_bounds``), and each refusal is one line.
+- A template that reads the clock (``strftime_now``) is cached per clock value.
+- Tokenizer-specific model keys are refused for the other tokenizers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters import chat_template
+from adapters.chat_template import ChatTemplates, ChatTemplateError
+from adapters.hf_tokenizer import INLINE_CHARS, HFTokenizer, _body_chars
+from adapters.template_bounds import MAX_RENDER_CHARS, MAX_RENDER_STEPS
+from kvindex.config import Config, ConfigError, ModelConfig
+from kvindex.configfile import config_from_toml
+from kvindex.tokenize import CachingTokenizer
+from tests.conftest import FIXTURES
+
+TINY = FIXTURES / "tiny-model"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def tiny_with(tmp_path: Path, template: str) -> Path:
+    folder = tmp_path / "tok"
+    shutil.copytree(TINY, folder, dirs_exist_ok=True)
+    data = json.loads((TINY / "tokenizer_config.json").read_text())
+    data["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(data))
+    return folder
+
+
+async def test_a_body_template_is_refused_unless_the_model_trusts_them(make_harness: Any, tmp_path: Path) -> None:
+    folder = str(tiny_with(tmp_path, "{{ messages[0]['content'] }}"))
+    h = await make_harness(Config(models={
+        "tiny": ModelConfig(tokenizer="hf", tokenizer_path=folder),
+        "open": ModelConfig(tokenizer="hf", tokenizer_path=folder, trust_request_chat_template=True)}))
+    body = {"messages": HI, "chat_template": "{{ 'x' * 100000000 }}"}
+    status, answer = await h.post("/v1/score", {"model": "tiny", **body})
+    assert status == 400 and "trust_request_chat_template" in answer["error"] and "\n" not in answer["error"], answer
+    status, answer = await h.post("/v1/score", {"model": "open", **body})  # trusted, and still bounded
+    assert status == 400 and "8388608" in answer["error"] and "\n" not in answer["error"], answer
+    status, ok = await h.post("/v1/score", {"model": "open", "messages": HI, "chat_template": "{{ 'hi' }}"})
+    assert status == 200 and ok["prompt_tokens"] == 1, ok
+    status, ok = await h.post("/v1/score", {"model": "tiny", "messages": HI})  # the model's own template
+    assert status == 200 and ok["prompt_tokens"] == 1, ok
+    status, metrics = await h.get("/metrics")
+    assert b'kvindex_http_rejections_total{endpoint="/v1/score",reason="untrusted_chat_template"} 1.0' in metrics
+    assert b'kvindex_http_rejections_total{endpoint="/v1/score",reason="untokenizable"} 1.0' in metrics
+
+
+def test_a_named_template_of_the_model_stays_allowed() -> None:
+    templates = ChatTemplates({"default": "D", "tool_use": "T"}, {})
+    assert templates.render({"messages": HI, "chat_template": "tool_use"}) == "T"
+    with pytest.raises(ChatTemplateError, match="trust_request_chat_template"):
+        templates.render({"messages": HI, "chat_template": "X"})
+
+
+def test_a_trusted_body_template_is_bounded_in_size() -> None:
+    templates = ChatTemplates("x", {}, trust_request_templates=True)
+    big = "y" * (chat_template.MAX_REQUEST_TEMPLATE_CHARS + 1)
+    with pytest.raises(ChatTemplateError, match="the limit is 65536"):
+        templates.render({"messages": HI, "chat_template": big})
+    assert templates.render({"messages": HI, "chat_template": big[:1000]}) == big[:1000]
+    for n in range(10):  # a body's templates are compiled per text: only the last few are kept
+        assert templates.render({"messages": HI, "chat_template": f"{n}"}) == f"{n}"
+    assert templates.select(None, None).source == "x"
+    kept = [templates.select(f"{n}", None) for n in range(10)]  # (select compiles what is not kept)
+    assert len({id(t) for t in kept}) == 10 and templates.compiled == 1 + chat_template.MAX_REQUEST_COMPILED
+
+
+COSTLY = [
+    ("{{ 'x' * 100000000 }}", "'\\*' would build"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", f"{MAX_RENDER_STEPS} steps"),
+    ("{% macro f() %}{% endmacro %}{% for i in range(100000) %}{% for j in range(30) %}{{ f() }}{% endfor %}"
+     "{% endfor %}", "steps"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "'~'"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "'\\+'"),
+    ("{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+     "printing a container"),
+    ("{{ 'x' | center(100000000) }}", "center"),
+    ("{{ '%0100000000d' | format(1) }}", "format"),
+    ("{{ '%0100000000d' % 1 }}", "'%'"),
+    ("{{ '{:>100000000}'.format(1) }}", "format"),
+    ("{{ 'x'.ljust(100000000) }}", "ljust"),
+    ("{{ ('x' * 1000000) | replace('x', 'xxxxxxxxxxxxxxxxxxxx') }}", "replace"),
+    ("{{ 10 ** 100000000 }}", "'\\*\\*'"),
+    ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "the rendered text"),
+    ("{{ __kvindex_render_budget }}", "may not name"),
+]
+
+
+@pytest.mark.parametrize(("source", "match"), COSTLY)
+def test_every_render_is_bounded(source: str, match: str) -> None:
+    """The model's own (trusted) template too: each of these ran for minutes or built gigabytes."""
+    with pytest.raises(ChatTemplateError, match=match) as info:
+        ChatTemplates(source, {}).render({"messages": HI})
+    assert "\n" not in str(info.value)
+
+
+def test_the_bounds_leave_large_real_chats_alone(tmp_path: Path) -> None:
+    tok = HFTokenizer.load(TINY)
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hello " * 20} for i in range(20_000)]
+    text = tok.render({"messages": many})
+    assert len(text) > 2_000_000 and text.count("<|user|>") == 10_000
+    assert MAX_RENDER_CHARS == 8 << 20
+
+
+def test_a_body_template_counts_into_the_inline_threshold() -> None:
+    body = {"messages": HI, "chat_template": "{# #}" * INLINE_CHARS}
+    assert _body_chars(body) > INLINE_CHARS >= _body_chars({"messages": HI})
+
+
+class Clock:
+    """``strftime_now``'s clock, set by the test (the module's ``datetime``, replaced)."""
+
+    def __init__(self, now: str) -> None:
+        self.at = now
+
+    def now(self) -> Any:
+        from datetime import datetime
+        return datetime.fromisoformat(self.at)
+
+
+async def test_a_template_that_reads_the_date_is_cached_per_date(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock("2026-12-01T23:59:00")
+    monkeypatch.setattr(chat_template, "datetime", clock)  # the clock, not the unit under test
+    dated = HFTokenizer.load(tiny_with(tmp_path, "Today: {{ strftime_now('%d %b %Y') }} {{ messages[0]['content'] }}"))
+    cached = CachingTokenizer(dated)
+    before = await cached.tokenize("tiny", {"messages": HI})
+    assert await cached.tokenize("tiny", {"messages": HI}) == before and cached.hits == 1
+    clock.at = "2026-12-02T00:00:01"
+    after = await cached.tokenize("tiny", {"messages": HI})
+    assert after != before and after == dated.tokenize_now({"messages": HI}) and cached.misses == 2
+    assert dated.cache_epoch("tiny", {"messages": HI}) == "02 Dec 2026"
+    assert dated.cache_epoch("tiny", {"prompt": "x"}) == ""
+    plain = HFTokenizer.load(TINY)
+    assert plain.cache_epoch("tiny", {"messages": HI}) == ""  # no clock: one key for ever
+
+
+@pytest.mark.parametrize(("table", "key"), [
+    ({"tokenizer_path": "/nonexist"}, "tokenizer_path"),
+    ({"tokenizer": "engine", "tokenize_url": "http://h:1", "tokenizer_path": "/x"}, "tokenizer_path"),
+    ({"tokenizer": "llmd-sim", "trust_request_chat_template": True}, "trust_request_chat_template"),
+    ({"tokenizer": "render", "tokenize_url": "http://h:1", "trust_request_chat_template": True},
+     "trust_request_chat_template"),
+])
+def test_hf_keys_are_refused_for_other_tokenizers(table: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=rf'\[models\.x\].*{key} is read only by tokenizer = "hf"'):
+        config_from_toml({"models": {"x": table}})
+
+
+def test_trust_request_chat_template_is_read_and_typed() -> None:
+    cfg = config_from_toml({"models": {"x": {"tokenizer": "hf", "tokenizer_path": str(TINY),
+                                             "trust_request_chat_template": True}}})
+    assert cfg.models["x"].trust_request_chat_template is True
+    assert ModelConfig().trust_request_chat_template is False
+    with pytest.raises(ConfigError, match="trust_request_chat_template"):
+        config_from_toml({"models": {"x": {"tokenizer": "hf", "tokenizer_path": str(TINY),
+                                           "trust_request_chat_template": "yes"}}})
