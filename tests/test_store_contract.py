@@ -318,6 +318,19 @@ async def test_an_engine_restarted_with_another_block_size_is_followed(store: Pr
     assert await store.blocks_held("a") == {"gpu": 2, "cpu": 0, "disk": 0, "orphans": 0}
 
 
+async def test_a_worker_emptied_mid_batch_then_follows_the_engine(store: PreciseStore, feed: Feed) -> None:
+    """One batch removes the worker's only block (of size 8), then stores one of size 4: nobody
+    holds 8 by then, so the model follows the engine and the block is keyed (Redis's planner kept
+    the emptied worker holding 8: block_size_mismatch, an orphan)."""
+    assert (await feed("a", 0, sized([1], TOKENS[:8], 8))).block_size_mismatch == 0
+    assert await block_size_now(store) == 8
+    done = await feed("a", 0, BlockRemoved(block_hashes=(1,)), sized([2], TOKENS[:4], BS))
+    assert (done.block_size_mismatch, done.orphans) == (0, 0)
+    assert await block_size_now(store) == BS
+    assert await depth(store, "a", keys_of(TOKENS[:4])) == 1
+    assert await store.blocks_held("a") == {"gpu": 1, "cpu": 0, "disk": 0, "orphans": 0}
+
+
 async def test_set_block_size_never_pins_a_model(store: PreciseStore, feed: Feed) -> None:
     """A size set while no engine holds blocks (a registration of block_size 1 that was then
     removed) gives way to the first engine's; one set while engines hold another is refused."""
@@ -942,7 +955,7 @@ def view_from(mem: MemoryPreciseStore, pod: str, rank: int, model: str, hashes: 
     wanted = set(hashes)
     entries = {mh: v for mh, v in held.items() if mh[1] in wanted}
     orphans = sum(key is None for key, _ in held.values())
-    return WorkerView(None, mem.index.block_size(model), "1", media, orphans, entries)
+    return WorkerView(None, mem.index.block_size(model), "1", media, orphans, entries, held=len(held))
 
 
 def patched(media: tuple[str, ...], held: dict[tuple[str, int], tuple[int | None, int]], plan: Any) -> dict[tuple[str, int], tuple[int | None, int]]:

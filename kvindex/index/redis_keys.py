@@ -104,6 +104,7 @@ class WorkerView:
     orphans: int  # the worker's keyless entries, all of them (not only those in ``entries``)
     entries: dict[tuple[str, int], tuple[int | None, int]]  # (medium, hash) -> (key or None, extra copies)
     others: int = 0  # the model's other workers (while any exists, they hold its block size)
+    held: int = 0  # the worker's entries, all of them: more than ``entries`` when it holds hashes outside the view
 
 
 def view_of(reply: list[Any], hashes: list[int]) -> WorkerView:
@@ -113,14 +114,14 @@ def view_of(reply: list[Any], hashes: list[int]) -> WorkerView:
     media = tuple(text(reply[7]).split("\n")) if reply[7] is not None else ()
     entries: dict[tuple[str, int], tuple[int | None, int]] = {}
     for i, medium in enumerate(media):
-        if 10 + 2 * i >= len(reply):
+        if 11 + 2 * i >= len(reply):
             break
-        values, extras = chain.from_iterable(reply[10 + 2 * i]), reply[11 + 2 * i]  # per bucket group
+        values, extras = chain.from_iterable(reply[11 + 2 * i]), reply[12 + 2 * i]  # per bucket group
         for j, v in enumerate(values):
             if v is not None:
                 x = extras[j] if extras else None
                 entries[(medium, hashes[j])] = (key_of(v), 0 if x is None else int(x))
-    return WorkerView(pos, bs, text(reply[6]), media, int(reply[8] or 0), entries, int(reply[9]))
+    return WorkerView(pos, bs, text(reply[6]), media, int(reply[8] or 0), entries, int(reply[9]), int(reply[10]))
 
 
 def read_groups(hashes: list[int]) -> tuple[bytes, list[int]]:

@@ -14,9 +14,15 @@ Invariants:
   medium, so the scratch index sees all the batch can read. Before the batch, each of the view's
   media also gets one *marker* entry, a hash the batch does not name: the scratch worker then has
   the worker's media in the same order (the order ``PreciseIndex`` searches other media for a
-  key) and is never freed while the real one may still hold entries outside the view.
+  key). The markers stand for the entries the real worker holds outside the view
+  (``view.held`` counts them all): while it holds any, the scratch worker is never freed and holds
+  the model's block size, even when the batch removes every entry of the view. When the view is
+  all the worker holds, the markers are removed again before the batch: the scratch worker then
+  holds the size exactly while the real one does (a worker emptied mid-batch holds nothing, and a
+  later store of another size is followed, as in reference.py), its emptied media kept in order.
 - The worker's media after the batch are the scratch worker's (a medium emptied by the batch
-  included); a worker the batch left empty is freed by the store, whatever its media.
+  included), the view's when the batch left it empty (the scratch index freed it: the plan
+  removes every entry of the view); a worker the batch left empty is freed by the store.
 - The orphan count is the number of keyless entries (``PreciseIndex`` keeps it so): the view's
   count plus the change among the entries the batch could touch; after a clear, the scratch
   index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
@@ -104,12 +110,14 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
         scratch.set_block_size(model, view.block_size)
     marker = _marker(hashes)
     scratch.load_entries(_seed(pod, rank, view, marker))
+    if view.entries and view.held == len(view.entries):  # nothing outside the view: the markers stand for nothing
+        scratch.apply_batch(pod, model, rank, [BlockRemoved((marker,), m) for m in view.media])
     if view.others:  # the model's other workers hold its block size: one stands for them all
         scratch.load_entries([Entry(OTHERS, 0, GPU, marker, marker, 1)])
     done = scratch.apply_batch(pod, model, rank, events)
     reset = done.cleared > 0
     copy = [c for c in scratch.frozen_copy() if c[0] == pod]  # the one worker's media in order, empty ones included
-    media = tuple(medium for _, _, medium, _, _ in copy) or (GPU,)
+    media = tuple(medium for _, _, medium, _, _ in copy) or view.media or (GPU,)  # freed: the entries it held go
     after = _held(copy)
     for m in media:
         after.pop((m, marker), None)

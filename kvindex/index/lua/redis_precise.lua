@@ -256,8 +256,8 @@ end
 
 -- ARGV[4] worker name, ARGV[5] the hashes grouped per bucket, msgpack [[bucket digits, ...],
 -- [number of hashes, ...], [hash, ...]] (unpacked in C: no per-hash work here). Replies position, block size, version,
--- media, orphans, the number of the model's other workers (they hold the block size), then per
--- medium the values of the hashes in the order sent (key, 'o' or nil) and their extra copies
+-- media, orphans, the number of the model's other workers (they hold the block size), the number of
+-- the worker's entries (all of them, not only the hashes sent), then per medium the values of the hashes in the order sent (key, 'o' or nil) and their extra copies
 -- (false when the worker has none)
 local function others_than(name)
   return redis.call('HLEN', base .. 'W') - redis.call('HEXISTS', base .. 'W', name)
@@ -267,10 +267,10 @@ local function read_worker()
   local p = read_pos(KEYS[2])
   local slot = redis.call('HGET', base .. 'W', name)
   local out = {'ok', p[1], p[2], p[3], p[4], redis.call('GET', base .. 'bs'),
-               redis.call('HGET', base .. 'v', name) or '0', false, 0, others_than(name)}
+               redis.call('HGET', base .. 'v', name) or '0', false, 0, others_than(name), 0}
   if not slot then return out end
-  local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o')
-  out[8], out[9] = meta[1], tonumber(meta[2]) or 0
+  local meta = redis.call('HMGET', base .. 'w:' .. slot, 'M', 'o', 'c')
+  out[8], out[9], out[11] = meta[1], tonumber(meta[2]) or 0, tonumber(meta[3]) or 0
   if #ARGV[5] == 0 then return out end
   local groups = cmsgpack.unpack(ARGV[5])
   local digits, counts, flat = groups[1], groups[2], groups[3]
@@ -366,6 +366,7 @@ local function apply_batch()
     return {'retry'}
   end
   if ARGV[11] ~= '' then  -- the model follows the engine: only while no other worker holds the old size
+    -- (this worker's own entries, their count included, are the ones the plan read: the version check)
     local bs = redis.call('GET', base .. 'bs')
     if bs and bs ~= ARGV[11] and others_than(name) > 0 then return {'retry'} end
     redis.call('SET', base .. 'bs', ARGV[11])
