@@ -254,13 +254,19 @@ def test_log_level_works_after_the_subcommand_and_is_listed(tmp_path: Path) -> N
 
 
 # -- replay: --linger is a bound, not a sleep; --loop keeps seq counting -------------------------
-def test_replay_publishes_once_subscribed_and_ends_when_the_subscriber_leaves() -> None:
-    port = free_port()
+def subscriber(port: int) -> tuple[zmq.Context, zmq.Socket]:
+    """A SUB socket on every topic of tcp://127.0.0.1:``port``, waiting at most 20 s per message."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 20_000)
     sub.connect(f"tcp://127.0.0.1:{port}")
+    return ctx, sub
+
+
+def test_replay_publishes_once_subscribed_and_ends_when_the_subscriber_leaves() -> None:
+    port = free_port()
+    ctx, sub = subscriber(port)
     t0 = time.monotonic()
     engine = replay("--publish", f"tcp://127.0.0.1:{port}", "--linger", "600")
     try:
@@ -276,11 +282,7 @@ def test_replay_publishes_once_subscribed_and_ends_when_the_subscriber_leaves() 
 
 def test_replay_loop_keeps_seq_counting_across_rounds() -> None:
     port = free_port()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.setsockopt(zmq.RCVTIMEO, 20_000)
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    ctx, sub = subscriber(port)
     engine = replay("--publish", f"tcp://127.0.0.1:{port}", "--loop", "--speed", "50")
     try:
         frames = [sub.recv_multipart() for _ in range(40)]

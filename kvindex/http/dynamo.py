@@ -36,7 +36,7 @@ from aiohttp import web
 from kvindex.answers import PreciseAnswer
 from kvindex.http import mooncake
 from kvindex.dynamo_dump import worker_number
-from kvindex.http.app import OPEN, WRITE, scope, services
+from kvindex.http.app import OPEN, WRITE, Services, scope, services
 from kvindex.http.bodies import (
     QueryBody,
     QueryByHashBody,
@@ -163,13 +163,18 @@ async def query_by_hash(request: web.Request) -> web.Response:
     body = await read_body(request, allow_msgpack=True, go=False)
     if mooncake.speaks_mooncake(body):
         raise mooncake.refuse_by_hash(body)
-    args = parse(body, QueryByHashBody)
-    hashes = block_hashes(args, svc.config.max_token_ids)
-    model = svc.query.identity(args.model_name)[0]  # its engines: an adapter's are its base's
-    answer = await svc.query.precise_by_local_hashes(args.model_name, hashes,
-                                                     await svc.engines.candidates(model, args.routing_group))
+    answer = await by_hash(svc, parse(body, QueryByHashBody))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
     return reply(request, query_answer(answer))
+
+
+async def by_hash(svc: Services, args: QueryByHashBody) -> PreciseAnswer:
+    """The precise answer for the local block hashes of ``args``, among its model's engines (an
+    adapter's are its base's)."""
+    hashes = block_hashes(args, svc.config.max_token_ids)
+    model = svc.query.identity(args.model_name)[0]
+    return await svc.query.precise_by_local_hashes(args.model_name, hashes,
+                                                   await svc.engines.candidates(model, args.routing_group))
 
 
 def tiered_answer(answer: PreciseAnswer) -> dict[str, Any]:
@@ -197,11 +202,7 @@ def tiered_answer(answer: PreciseAnswer) -> dict[str, Any]:
 async def query_tiered_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
-    args = parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody)
-    hashes = block_hashes(args, svc.config.max_token_ids)
-    model = svc.query.identity(args.model_name)[0]  # its engines: an adapter's are its base's
-    answer = await svc.query.precise_by_local_hashes(args.model_name, hashes,
-                                                     await svc.engines.candidates(model, args.routing_group))
+    answer = await by_hash(svc, parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody))
     svc.metrics.query_seconds.labels("/query_tiered_by_hash").observe(time.perf_counter() - t0)
     return reply(request, tiered_answer(answer))
 
