@@ -67,8 +67,7 @@ setup(
         Extension("kvindex._keys", ["kvindex/_keys.c"], depends=["kvindex/kx_xxh3.h"], extra_compile_args=FLAGS,
                   optional=True),
         Extension("kvindex._jsontokens", ["kvindex/_jsontokens.c"], extra_compile_args=FLAGS, optional=True),
-        Extension("kvindex._walk", ["kvindex/_walk.c"], extra_compile_args=FLAGS, optional=True),
         Extension("adapters._vllm", ["adapters/_vllm.c"], extra_compile_args=FLAGS, optional=True),
-        Extension("kvindex._apply", ["kvindex/_apply.c"], extra_compile_args=FLAGS, optional=True),
+        Extension("kvindex.index._core", ["kvindex/index/_core.c"], extra_compile_args=FLAGS, optional=True),
     ],
 )

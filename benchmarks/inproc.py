@@ -98,9 +98,9 @@ def ingest(wl: Workload) -> tuple[dict, PreciseIndex, dict[str, dict[int, int]]]
     out = {"block_ops": ops, "messages": len(wl.messages),
            "kvindex_blocks_per_s": ops / kv_s, "reference_blocks_per_s": ops / ref_s,
            "kvindex_decode_share": dec_s / kv_s}
-    # what a snapshot costs the event loop: PreciseIndex.frozen_copy vs copying the reference's dicts
+    # what a snapshot costs the event loop: PreciseIndex.export_tables vs copying the reference's dicts
     t0 = time.perf_counter()
-    copy = index.frozen_copy()
+    copy = index.export_tables()
     t1 = time.perf_counter()
     ref_copy = [d.copy() for d in held.values()]
     t2 = time.perf_counter()

@@ -61,7 +61,7 @@ from kvindex.http.server import HttpServer, connection_cap, raise_nofile, runner
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
-from kvindex.index.precise import PreciseIndex
+from kvindex.index.memory import AnyPrecise, new_precise_index
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
@@ -150,7 +150,7 @@ class Daemon:
                                  loading=lambda: self.loading)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, [*native_api.routes(), *dynamo.routes()])
-        self.recovery = Recovery(config, index=self.index or PreciseIndex(),
+        self.recovery = Recovery(config, index=self.index or new_precise_index(),
                                  approx=self.approx or ApproxIndex(config.approx), fleet=self.fleet, pods=self.pods,
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,
                                  on_wal_error=lambda op: self.wal_errors.labels(op).inc(),
@@ -172,7 +172,7 @@ class Daemon:
         self.guard.on_lost = self._store_lost
         memory = is_memory(config.store)
         # the memory backend's own indexes (tests, snapshots, the write-ahead log); None with Redis
-        self.index: PreciseIndex | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
+        self.index: AnyPrecise | None = self.stores.precise.index if memory else None  # type: ignore[attr-defined]
         self.approx: ApproxIndex | None = self.stores.approx.index if memory else None  # type: ignore[attr-defined]
         self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
         self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)

@@ -5,8 +5,8 @@ Invariants:
   the same inputs, so the C code can only be faster:
   ``kvindex._keys``        the chained keys of ``kvindex.keys`` (``py_prompt_keys``, ...);
   ``kvindex._jsontokens``  a body's token ids (``msgspec.json.decode`` / ``go_json_loads``);
-  ``kvindex._walk``        the prefix walk (``kvindex.index.walk.walk``);
-  ``kvindex._apply``       the store, remove and rehash loops of ``kvindex.index.precise`` / ``.table``;
+  ``kvindex.index._core``  the precise index's memory and loops (``PreciseIndex``); its twin is the
+                           readable ``kvindex.index.reference.ReferenceIndex``, which serves without it;
   ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``).
 - A C compiler is all the build needs (XXH3 is kvindex's own, ``kvindex/kx_xxh3.h``).
 - ``load(name)`` (a module path) returns the compiled module, or None when it is not built (no C
@@ -25,7 +25,7 @@ import os
 import shutil
 from types import ModuleType
 
-ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "kvindex._apply", "adapters._vllm")
+ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex.index._core", "adapters._vllm")
 HINT = "install a C compiler (Debian: apt-get install gcc libc6-dev), then pip install -e . again"
 COMPILERS = ("cc", "gcc", "clang")
 REBUILD = "then pip install -e . again (or python setup.py build_ext --inplace)"

@@ -67,9 +67,9 @@ async def test_snapshot_and_state_endpoint_do_not_block_the_loop(make_harness: A
     async with Ticker() as t:
         status, raw = await h.get("/v1/state")
     assert status == 200 and t.turns >= 5, t.turns
-    assert sorted(snapshots.decode(raw).entries) == sorted(entries)
+    assert sorted(snapshots.decode(raw).all_entries()) == sorted(entries)
     on_disk = snapshots.read_file(tmp_path / "state" / snapshots.SNAPSHOT_NAME)
-    assert sorted(on_disk.entries) == sorted(entries)
+    assert sorted(on_disk.all_entries()) == sorted(entries)
 
 
 # -- drift re-checks ---------------------------------------------------------------------------

@@ -150,7 +150,7 @@ def test_the_start_line_never_asks_for_an_installed_compiler(tmp_path: Path, mon
     assert "apt-get install" not in text and "xxhash" not in text, text
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
-    assert native.fix(["kvindex._walk"]).startswith("no C compiler found: apt-get install gcc")
+    assert native.fix(["kvindex.index._core"]).startswith("no C compiler found: apt-get install gcc")
 
 
 # -- an engine address that is not ZeroMQ -------------------------------------------------------

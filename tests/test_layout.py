@@ -36,7 +36,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "kvindex.loops", "kvindex.sequence", "kvindex.tokenize", "kvindex.metrics", "kvindex.settings",
         "kvindex.storeurl", "kvindex.strict", "kvindex.views", "kvindex.types", "kvindex.budget",
         "kvindex.limits", "kvindex.lora",
-        "kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "kvindex._apply"),  # vocabulary
+        "kvindex._keys", "kvindex._jsontokens"),  # vocabulary
     1: ("adapters",),  # engine dialect decoders and tokenizers (adapters._vllm is their C twin)
     2: ("kvindex.approx",),  # request -> prompt string -> hashes
     3: ("kvindex.index",),  # the index contracts and backends
@@ -54,7 +54,7 @@ TOOLS = "kvindex.tools"
 # the only core modules that may import kvindex.tools, and only inside functions (their subcommands)
 TOOLS_LAZY_IMPORTERS = {"kvindex.cli"}
 # native accelerators, loaded through kvindex.native: private modules anyone may name
-NATIVE = {"kvindex._keys", "kvindex._jsontokens", "kvindex._walk", "kvindex._apply", "adapters._vllm"}
+NATIVE = {"kvindex._keys", "kvindex._jsontokens", "kvindex.index._core", "adapters._vllm"}
 
 
 @dataclass(frozen=True)

@@ -146,32 +146,6 @@ def test_body_scanner_lifts_only_plain_u32_arrays() -> None:
     assert lifted == {"token_ids": array("I", [7, 8]), "prompt": "caf\u00e9 \ufffd"}
 
 
-# -- kvindex._walk: the prefix walk, against kvindex.index.walk.walk -----------------------------------------
-
-_walk_c = native.load("kvindex._walk")
-
-
-@pytest.mark.parametrize("slots", [1, 8, 64, 65, 200])
-def test_native_walk_equals_python(slots: int) -> None:
-    require(_walk_c, "_walk")
-    from kvindex.index.walk import walk
-
-    rnd = random.Random(slots)
-    for _ in range(300):
-        keys = [rnd.randrange(50) for _ in range(rnd.randrange(0, 40))]
-        holders = {k: rnd.getrandbits(slots) | (1 << rnd.randrange(slots)) for k in range(50) if rnd.random() < 0.9}
-        for k in rnd.sample(sorted(holders), min(3, len(holders))):  # a few keys held by everyone
-            holders[k] = (1 << slots) - 1
-        allowed = rnd.choice([(1 << slots) - 1, rnd.getrandbits(slots) or 1, 1 << (slots - 1)])
-        assert _walk_c.walk(keys, holders, allowed) == walk(keys, holders, None, allowed), (keys, allowed)
-    deep = list(range(512))
-    assert _walk_c.walk(deep, dict.fromkeys(deep, 3), 3) == [(512, 3)]
-    wide = {**dict.fromkeys(deep, 1 << 70), **dict.fromkeys(range(7), 1 << 70 | 1)}  # slot 0 holds 7 keys
-    assert _walk_c.walk(deep, wide, 1 << 70 | 1) == [(512, 1 << 70), (7, 1)]
-    with pytest.raises(TypeError):
-        _walk_c.walk(deep, {0: 1}, "all")
-
-
 @pytest.mark.parametrize("block_size", [1 << 30, (1 << 62), (1 << 62) + 1, 1 << 63, (1 << 64) - 1, 1 << 70])
 def test_native_keys_take_any_block_size_like_python(block_size: int) -> None:
     """A block size comes off the wire: 4 * 2**62 once wrapped to 0 in C (SIGFPE, the daemon

@@ -250,9 +250,8 @@ async def test_garbage_on_new_topics_creates_no_pod(make_harness: Any, make_engi
 
 
 @pytest.mark.parametrize("capture", [*CAPTURES, pytest.param(REPORT_FULL, id="report_full")])
-@pytest.mark.parametrize("loops", ["c", "python"])
-def test_the_fast_index_equals_the_reference_on_the_captures(capture: str, loops: str) -> None:
-    """The captures straight into the fast index (C loops, or Python alone) and the readable
+def test_the_fast_index_equals_the_reference_on_the_captures(capture: str) -> None:
+    """The captures straight into the fast index (its native core) and the readable
     reference (kvindex.index.reference), in process: equal counts and holdings after every batch,
     equal answers for every request's prompt at the time it was sent."""
     from adapters import DIALECTS
@@ -260,11 +259,10 @@ def test_the_fast_index_equals_the_reference_on_the_captures(capture: str, loops
     from kvindex.answers import cacheable_tokens
     from kvindex.index.precise import PreciseIndex
     from kvindex.index.reference import ReferenceIndex
-    from kvindex.index.table import APPLY
+    from kvindex.index.precise import CORE
 
-    if loops == "c":
-        need_native(APPLY, "kvindex._apply")
-    fast, truth = PreciseIndex(native=APPLY if loops == "c" else None), ReferenceIndex()
+    need_native(CORE, "kvindex.index._core")
+    fast, truth = PreciseIndex(), ReferenceIndex()
     decode, bs = DIALECTS["vllm"].decoder().decode, meta(capture)["block_size"]
     captured, last, pos = load_capture(FIXTURES / capture / "events.jsonl"), {}, 0
     for req in requests_in_order(capture) + [None]:

@@ -92,7 +92,7 @@ def test_sigkill_at_random_moments_including_right_after_a_restart(tmp_path: Pat
         assert dump(port) == dump(ref_port), moments
         status, raw = http(f"http://127.0.0.1:{port}/v1/state")
         assert status == 200
-        held = {e.hash for e in snapshots.decode(raw).entries}
+        held = {e.hash for e in snapshots.decode(raw).all_entries()}
         assert held == set(truth.held()), (moments, len(held - set(truth.held())), "phantom blocks")
         print("SIGKILL moments:", moments)  # with -s: how many kills landed mid-write
     finally:

@@ -20,7 +20,6 @@ import pytest
 from kvindex.config import Config
 from kvindex.events import BlockStored
 from kvindex.index.precise import PreciseIndex
-from kvindex.index.table import APPLY
 from kvindex.persist import snapshot as snapshots
 from kvindex.types import Entry
 from tests.faultkit import KVINDEX, free_port, http, stop, wait_until
@@ -35,13 +34,12 @@ def one_pod_in_slot_order(n: int) -> list[Entry]:
     return list(index.export_entries())
 
 
-@pytest.mark.parametrize("native", [APPLY, None], ids=["c", "python"])
-def test_loading_one_big_table_in_slot_order_is_linear(native: object) -> None:
+def test_loading_one_big_table_in_slot_order_is_linear() -> None:
     """The old load re-inserted a table's entries in slot order into a table growing as they came:
     they piled into one probe run at its front (40k entries took 9.5 s, 80k 78 s)."""
-    n = 150_000 if native is not None else 60_000
+    n = 150_000
     entries = one_pod_in_slot_order(n)
-    index = PreciseIndex(native=native)  # type: ignore[arg-type]
+    index = PreciseIndex()
     t = time.process_time()
     assert index.load_entries(entries) == n
     took = time.process_time() - t
@@ -73,19 +71,23 @@ def test_load_gives_the_original_back_c_and_python_entries_and_rows(seed: int) -
     assert any(e.copies > 1 for e in exported) and any(e.key is None for e in exported)
     rng = random.Random(seed)
     queries = [[k for k in rng.sample(sorted({e.key for e in exported if e.key is not None}), 6)] for _ in range(30)]
-    for native in (APPLY, None):
-        for rows in (False, True):
-            data = snapshots.encode(snapshots.State(block_sizes=original.block_sizes(), entries=exported))
-            state = snapshots.decode(data, rows=rows)
-            index = PreciseIndex(native=native)
-            index.reserve_entries(state.entries)
-            for i in range(0, len(state.entries), 7):  # in parts, as a restore does
-                index.load_entries(state.entries[i:i + 7])
-            assert sorted(index.export_entries()) == sorted(exported), (native, rows)
-            for pod in original.pods():
-                assert index.blocks_held(pod) == original.blocks_held(pod)
-            for q in queries:
-                assert index.match(q) == original.match(q)
+    tables = original.export_tables()
+    for form in ("entries", "rows", "tables"):
+        data = snapshots.encode(snapshots.State(block_sizes=original.block_sizes(), entries=exported if form != "tables" else [],
+                                                tables=tables if form == "tables" else []))
+        state = snapshots.decode(data, rows=form == "rows")
+        index = PreciseIndex()
+        index.reserve_tables(state.tables)
+        for pod, rank, medium, rows in state.tables:  # in parts, as a restore does
+            for i in range(0, len(rows), 7 * 24):
+                index.load_tables([(pod, rank, medium, memoryview(rows)[i:i + 7 * 24])])
+        for i in range(0, len(state.entries), 7):
+            index.load_entries(state.entries[i:i + 7])
+        assert sorted(index.export_entries()) == sorted(exported), form
+        for pod in original.pods():
+            assert index.blocks_held(pod) == original.blocks_held(pod)
+        for q in queries:
+            assert index.match(q) == original.match(q)
 
 
 def test_serve_answers_loading_and_honours_sigterm_while_a_big_state_loads(tmp_path: Path) -> None:

@@ -78,6 +78,27 @@ def test_snapshot_codec_round_trip() -> None:
     assert other.export_state() == approx.export_state()
 
 
+def test_a_version_1_snapshot_still_loads_and_tables_round_trip() -> None:
+    """Version 1 held entries as rows only; version 2 adds each table's packed rows."""
+    import msgpack
+    import zlib
+
+    body = msgpack.packb({"precise": {"block_sizes": {"m": 4}, "entries": [["p", 0, "GPU", 1, 2, 3]]}, "approx": {},
+                          "streams": {}, "registrations": []})
+    header = msgpack.packb({"format": "kvindex-state", "version": 1, "created": 1.0, "wal_from": 0,
+                            "body_len": len(body), "body_crc": zlib.crc32(body)})
+    old = snapshots.decode(len(header).to_bytes(4, "big") + header + body)
+    assert old.all_entries() == [Entry("p", 0, "GPU", 1, 2, 3)] and old.tables == [] and old.block_sizes == {"m": 4}
+    from kvindex.index.rows import py_pack_rows
+    tables = [("q", 1, "CPU", py_pack_rows([(5, None, 1), (6, 7, 2)]))]
+    back = snapshots.decode(snapshots.encode(State(tables=tables, entries=[Entry("p", 0, "GPU", 1, 2, 3)])))
+    assert back.tables == tables
+    assert back.all_entries() == [Entry("p", 0, "GPU", 1, 2, 3), Entry("q", 1, "CPU", 5, None, 1), Entry("q", 1, "CPU", 6, 7, 2)]
+    ragged = State(tables=[("q", 1, "CPU", b"x" * 25)])
+    with pytest.raises(StateError, match="multiple of 24"):
+        snapshots.decode(snapshots.encode(ragged))
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "foreign", "future", "empty", "json"])
 def test_bad_snapshot_is_refused(damage: str) -> None:
     good = snapshots.encode(State(entries=[Entry("p", 0, "GPU", 1, 2, 1)]))
@@ -86,7 +107,7 @@ def test_bad_snapshot_is_refused(damage: str) -> None:
         "truncated": good[:-3],
         "corrupt": good[:-1] + bytes([good[-1] ^ 0xFF]),
         "foreign": b"\x00\x00\x00\x05hello world",
-        "future": _with_header(good, {**header, "version": 2}),
+        "future": _with_header(good, {**header, "version": snapshots.VERSION + 1}),
         "empty": b"",
         "json": b'{"format": "kvindex-state", "version": 1}',
     }[damage]
@@ -188,7 +209,7 @@ async def test_registrations_survive(make_harness: Any, tmp_path: Path) -> None:
 async def test_peer_load(make_harness: Any, make_engine: Any, tmp_path: Path, caplog: Any) -> None:
     engine, h, config, frames, cache = await fill(make_harness, make_engine, tmp_path, tmp_path / "a")
     status, raw = await h.get("/v1/state")
-    assert status == 200 and snapshots.decode(raw).entries
+    assert status == 200 and snapshots.decode(raw).all_entries()
     peer = Config(engines=config.engines, peer=h.url)
     h2 = await make_harness(peer)
     assert h2.daemon.restored_from == "peer"
@@ -204,7 +225,7 @@ async def test_state_endpoint_needs_the_token(make_harness: Any) -> None:
     h = await make_harness(token="s3cret")
     assert (await h.get("/v1/state"))[0] == 401
     status, raw = await h.get("/v1/state", headers={"Authorization": "Bearer s3cret"})
-    assert status == 200 and snapshots.decode(raw).entries == []
+    assert status == 200 and snapshots.decode(raw).all_entries() == []
 
 
 def test_cli_state_flags_and_final_snapshot_on_sigterm(tmp_path: Path) -> None:

@@ -184,7 +184,8 @@ async def residue(store: PreciseStore) -> int:
     if isinstance(store, MemoryPreciseStore):
         i = store.index
         assert isinstance(i, PreciseIndex)
-        return sum(map(len, i._inv.tiers.values())) + len(i._inv.dups) + sum(s is not None for s in i._slots)
+        m = i.memory()
+        return m["entries"] + m["side"] + m["keys"] + m["masks"] + m["dups"] + sum(s is not None for s in i._ident)
     assert isinstance(store, RedisPreciseStore)
     n = 0
     for pattern in ("*}:[gcdGCD]:*", "*}:[bxwk]:*"):
@@ -944,7 +945,7 @@ def worker_of(mem: MemoryPreciseStore, pod: str, rank: int) -> tuple[tuple[str, 
     """The memory backend's worker: its media in first-store order and its entries
     ``(medium, hash) -> (key or None, extra copies)``."""
     from kvindex.index.precise import entries_of
-    copy = [c for c in mem.index.frozen_copy() if c[:2] == (pod, rank)]
+    copy = [c for c in mem.index.export_tables() if c[:2] == (pod, rank)]  # type: ignore[attr-defined]
     return tuple(c[2] for c in copy), {(e.medium, e.hash): (e.key, e.copies - 1) for e in entries_of(copy)}
 
 

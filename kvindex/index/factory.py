@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvindex.index.approx import ApproxIndex
-from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
-from kvindex.index.precise import PreciseIndex
+from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore, new_precise_index
 from kvindex.index.protocol import Stores
 from kvindex.settings import ApproxConfig
 from kvindex.storeurl import check_store_url, is_memory
@@ -30,7 +29,7 @@ def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str]
     Dynamo's ``/dump`` needs (``--dynamo-dump``)."""
     check_store_url(url)
     if is_memory(url):
-        return Stores(url, MemoryPreciseStore(PreciseIndex(lineage=lineage)),
+        return Stores(url, MemoryPreciseStore(new_precise_index(lineage=lineage)),
                       MemoryApproxStore(ApproxIndex(approx_config, on_evict=on_evict)))
     from redis.asyncio import Redis
     from redis.backoff import NoBackoff

@@ -12,15 +12,25 @@ backend's scripts do.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 from kvindex.events import KVEvent
 from kvindex.index.approx import ApproxIndex
-from kvindex.index.precise import PreciseIndex
+from kvindex.index.precise import CORE, PreciseIndex
 from kvindex.index.protocol import ApplyResult, StoreMisconfigured
+from kvindex.index.reference import ReferenceIndex
 from kvindex.sequence import Outcome, Position, StreamRef, judge, next_position
 from kvindex.settings import ApproxConfig
 from kvindex.types import Applied, Entry, PodMatch
+
+
+AnyPrecise = Union[PreciseIndex, ReferenceIndex]
+
+
+def new_precise_index(*, lineage: bool = False) -> AnyPrecise:
+    """The fast index when its native core is built, else the readable reference (the same
+    answers, slower; ``lineage``, for ``/dump``, needs the fast one)."""
+    return PreciseIndex(lineage=lineage) if CORE is not None else ReferenceIndex()
 
 
 class LocalPreciseIndex(Protocol):
@@ -43,7 +53,7 @@ class MemoryPreciseStore:
     name = "memory"
 
     def __init__(self, index: LocalPreciseIndex | None = None) -> None:
-        self.index: LocalPreciseIndex = index if index is not None else PreciseIndex()
+        self.index: LocalPreciseIndex = index if index is not None else new_precise_index()
         self._positions: dict[str, Position] = {}
         self._configured: dict[str, int] = {}  # model -> the block size configuration gave it
 

@@ -5,15 +5,16 @@ them) and the batch, the ``Plan`` the apply script writes atomically: changed en
 deltas, the worker's media, orphans and entry count, the block size to set, the batch's counts.
 
 Invariants:
-- The store/remove rule is not here. The batch is applied by a scratch ``PreciseIndex`` through
-  its public API only: ``set_block_size``, ``load_entries`` (the view's entries), ``apply_batch``,
-  then ``frozen_copy`` (what it holds afterwards, media in order; its tables read as mappings) and
+- The store/remove rule is not here. The batch is applied by a scratch ``ReferenceIndex`` (the
+  rules, stated once) through its public API only: ``set_block_size``, ``load_entries`` (the
+  view's entries), ``apply_batch``,
+  then ``export_tables`` (what it holds afterwards, media in order, as snapshot rows) and
   ``block_size``; the plan is the difference between the view and what the scratch index holds
   afterwards. Every key, orphan, copy, media and block-size rule is the index's own.
 - The view holds every entry of every hash the batch names (stored, removed, parents), in every
   medium, so the scratch index sees all the batch can read. Before the batch, each of the view's
   media also gets one *marker* entry, a hash the batch does not name: the scratch worker then has
-  the worker's media in the same order (the order ``PreciseIndex`` searches other media for a
+  the worker's media in the same order (the order the index searches other media for a
   key). The markers stand for the entries the real worker holds outside the view
   (``view.held`` counts them all): while it holds any, the scratch worker is never freed and holds
   the model's block size, even when the batch removes every entry of the view. When the view is
@@ -23,7 +24,7 @@ Invariants:
 - The worker's media after the batch are the scratch worker's (a medium emptied by the batch
   included), the view's when the batch left it empty (the scratch index freed it: the plan
   removes every entry of the view); a worker the batch left empty is freed by the store.
-- The orphan count is the number of keyless entries (``PreciseIndex`` keeps it so): the view's
+- The orphan count is the number of keyless entries (the index keeps it so): the view's
   count plus the change among the entries the batch could touch; after a clear, the scratch
   index's own count. A plan with ``reset`` (the batch cleared the worker) lists every entry held
   afterwards, against an empty worker.
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvindex.events import GPU, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import tier_of
+from kvindex.index.reference import ReferenceIndex
 from kvindex.index.redis_keys import (
     KEYLESS,
     UNCHANGED,
@@ -49,7 +50,7 @@ from kvindex.index.redis_keys import (
     pack_holders,
     value_of,
 )
-from kvindex.index.table import ORPHAN
+from kvindex.index.rows import Table, unpack_rows
 from kvindex.types import Applied, Entry
 
 TIER_CHAR = {"gpu": "g", "cpu": "c", "disk": "d"}
@@ -105,7 +106,7 @@ def _seed(pod: str, rank: int, view: WorkerView, marker: int) -> Iterator[Entry]
 def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view: WorkerView,
                hashes: list[int]) -> Plan:
     """Apply ``events`` to a scratch index holding the view, and diff (see the module's docstring)."""
-    scratch = PreciseIndex()
+    scratch = ReferenceIndex()  # the rules themselves, on a small view
     if view.block_size is not None:
         scratch.set_block_size(model, view.block_size)
     marker = _marker(hashes)
@@ -116,8 +117,8 @@ def plan_batch(pod: str, model: str, rank: int, events: Sequence[KVEvent], view:
         scratch.load_entries([Entry(OTHERS, 0, GPU, marker, marker, 1)])
     done = scratch.apply_batch(pod, model, rank, events)
     reset = done.cleared > 0
-    copy = [c for c in scratch.frozen_copy() if c[0] == pod]  # the one worker's media in order, empty ones included
-    media = tuple(medium for _, _, medium, _, _ in copy) or view.media or (GPU,)  # freed: the entries it held go
+    copy = [c for c in scratch.export_tables() if c[0] == pod]  # the one worker's media in order, empty ones included
+    media = tuple(medium for _, _, medium, _ in copy) or view.media or (GPU,)  # freed: the entries it held go
     after = _held(copy)
     for m in media:
         after.pop((m, marker), None)
@@ -133,23 +134,9 @@ def _keyless(entries: dict[tuple[str, int], tuple[int | None, int]]) -> int:
     return [key for key, _ in entries.values()].count(None)
 
 
-class _FrozenTable(Protocol):
-    """A ``frozen_copy`` table: a read-only ``hash -> key or ORPHAN`` mapping."""
-
-    def items(self) -> Iterable[tuple[int, int]]: ...
-
-
-def _held(copy: Sequence[tuple[str, int, str, _FrozenTable, dict[tuple[str, int], int]]]
-          ) -> dict[tuple[str, int], tuple[int | None, int]]:
-    """``(medium, hash) -> (key or None, extra copies)`` of a ``frozen_copy`` (``entries_of``'s
-    reading of it, without an ``Entry`` per entry)."""
-    out: dict[tuple[str, int], tuple[int | None, int]] = {}
-    for _, _, medium, table, extra in copy:
-        if extra:
-            out.update({(medium, h): (None if k == ORPHAN else k, extra.get((medium, h), 0)) for h, k in table.items()})
-        else:
-            out.update({(medium, h): (None if k == ORPHAN else k, 0) for h, k in table.items()})
-    return out
+def _held(copy: Sequence[Table]) -> dict[tuple[str, int], tuple[int | None, int]]:
+    """``(medium, hash) -> (key or None, extra copies)`` of ``export_tables``' rows."""
+    return {(medium, h): (key, copies - 1) for _, _, medium, rows in copy for h, key, copies in unpack_rows(rows)}
 
 
 def _diff(media: tuple[str, ...], before: dict[tuple[str, int], tuple[int | None, int]],

@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.protocol import tier_of
+from kvindex.index.rows import Table, pack_rows, unpack_rows
 from kvindex.types import TIERS, Applied, Entry, PodMatch
 
 
@@ -91,8 +92,8 @@ class Worker:
 
 class ReferenceIndex:
     """The precise index, plainly. Same API and answers as ``PreciseIndex`` (whose
-    ``frozen_copy``, a snapshot capture of its packed tables, is not part of the contract:
-    ``export_entries`` is)."""
+    ``export_tables`` / ``load_tables`` / ``reserve_tables`` are snapshot conveniences over
+    ``export_entries`` / ``load_entries``, the contract)."""
 
     def __init__(self) -> None:
         self.workers: dict[tuple[str, int], Worker] = {}
@@ -251,6 +252,19 @@ class ReferenceIndex:
         entries = [Entry(pod, rank, medium, h, key, w.copies[(medium, h)])
                    for (pod, rank), w in self.workers.items() for medium, held in w.media.items() for h, key in held.items()]
         return iter(entries)
+
+    def export_tables(self) -> list[Table]:
+        """``export_entries`` per (pod, dp_rank, medium) as snapshot rows (kvindex.index.rows),
+        media in order (GPU first, empty ones included)."""
+        return [(pod, rank, medium, pack_rows([(h, key, w.copies[(medium, h)]) for h, key in held.items()]))
+                for (pod, rank), w in self.workers.items() for medium, held in w.media.items()]
+
+    def load_tables(self, tables: Iterable[Table], sizes: dict[str, int] | None = None) -> int:
+        return self.load_entries([Entry(pod, rank, medium, h, key, copies) for pod, rank, medium, rows in tables
+                                  for h, key, copies in unpack_rows(rows)], sizes)
+
+    def reserve_tables(self, tables: Iterable[Table]) -> None:
+        """Nothing to size: dicts grow."""
 
     def load_entries(self, entries: Iterable[Entry], sizes: dict[str, int] | None = None) -> int:
         """Add exported entries (to an index that does not hold them yet); returns how many.

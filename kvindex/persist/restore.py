@@ -12,8 +12,9 @@ Invariants:
 - A write-ahead log failure (disk full, EIO) never reaches a lane or an HTTP handler: the log
   handles it (``WriteAheadLog.append``), the daemon counts it, and ``wal_degraded`` is true until
   the next snapshot covers what could not be logged.
-- ``_capture`` copies the precise index's maps on the loop (``frozen_copy``) and turns them into
-  entries in the encoding thread: a big index never stalls the event loop for a snapshot.
+- ``_capture`` copies the precise index's tables on the loop (``export_tables``: snapshot rows,
+  one C pass per table) and the encoding thread packs them: a big index never stalls the event
+  loop for a snapshot. A restore loads them in one C pass per table, in parts between turns.
 - Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
   engine's replay endpoint for what followed. Until a lane takes them they are still part of the
   state: every snapshot (the startup one, written before any lane exists, included) carries
@@ -55,8 +56,8 @@ import aiohttp
 
 from kvindex.config import Config, EngineConfig
 from kvindex.index.approx import ApproxIndex
-from kvindex.index.entries import table_sizes
-from kvindex.index.precise import PreciseIndex, entries_of
+from kvindex.index.rows import ROW, tables_of
+from kvindex.index.memory import AnyPrecise
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.dynamo_peer import load_dynamo_dump
@@ -87,7 +88,7 @@ _REFUSED = State(wal_from=_NO_LOG)  # marker: the local snapshot could not be us
 class Recovery:
     """Snapshots and the write-ahead log of one daemon; inert without a state dir or a peer."""
 
-    def __init__(self, config: Config, *, index: PreciseIndex, approx: ApproxIndex, fleet: FleetView,
+    def __init__(self, config: Config, *, index: AnyPrecise, approx: ApproxIndex, fleet: FleetView,
                  pods: PodsView, registrations: Registrations,
                  make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
                  on_wal_error: Callable[[str], None] | None = None,
@@ -129,8 +130,8 @@ class Recovery:
 
     def _capture(self) -> tuple[State, Any]:
         """Everything a snapshot holds, copied now (no await: consistent with the log). The precise
-        index is copied as its maps (C-level dict copies, cheap on the event loop); ``_encode``
-        turns the copy into entries in a thread."""
+        index is copied as its tables' snapshot rows (one C pass each, cheap on the event loop);
+        ``_encode`` packs the rest in a thread."""
         # restored watermarks no lane has taken yet (a snapshot before the lanes exist, e.g. at start)
         # are part of the state: without them the next start would take every stream for new
         streams = {key: list(saved) for key, saved in self._restored_streams.items()}
@@ -138,12 +139,12 @@ class Recovery:
                         for key, lane in self.fleet.lanes().items()})
         state = State(block_sizes=self.index.block_sizes(), approx=self.approx.export_state(), streams=streams,
                       registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
-        return state, self.index.frozen_copy()
+        state.tables = self.index.export_tables()
+        return state, None
 
     @staticmethod
-    def _encode(state: State, copy: Any) -> bytes:
-        """Off the event loop: the copy's entries, then the snapshot bytes."""
-        state.entries = list(entries_of(copy))
+    def _encode(state: State, _copy: Any) -> bytes:
+        """Off the event loop: the snapshot bytes."""
         return snapshots.encode(state)
 
     async def state_bytes(self) -> bytes:
@@ -164,7 +165,7 @@ class Recovery:
                                               data))
             wal.drop_before(state.wal_from)
             wal.covered(state.wal_from)
-            log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", len(state.entries),
+            log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", sum(len(t[3]) for t in state.tables) // ROW.size + len(state.entries),
                      self.approx.entries(), len(data))
 
     async def try_snapshot(self, when: str) -> bool:
@@ -238,11 +239,14 @@ class Recovery:
                 log.warning("state: model %r was saved with block_size %d, configured %d: the configured size is "
                             "in force; the restored blocks (keyed with %d) hold nothing until an engine stores %d "
                             "again", model, n, now, n, n)
-        sizes = await asyncio.to_thread(table_sizes, st.entries)  # counted off the loop
-        self.index.reserve_tables(sizes)  # every table sized once for all of its entries: the load is linear
-        for i in range(0, len(st.entries), LOAD_CHUNK):  # the loop gets turns: HTTP, SIGTERM
-            self.index.load_entries(st.entries[i:i + LOAD_CHUNK], sizes=st.block_sizes)  # what their keys were made with
-            await asyncio.sleep(0)
+        tables = [*st.tables, *await asyncio.to_thread(tables_of, st.entries)]  # rows (version 1, peers) packed off the loop
+        self.index.reserve_tables(tables)  # every table sized once for all of its entries: the load is linear
+        step = LOAD_CHUNK * ROW.size
+        for pod, rank, medium, rows in tables:
+            view = memoryview(rows)
+            for i in range(0, len(view), step):  # the loop gets turns: HTTP, SIGTERM
+                self.index.load_tables([(pod, rank, medium, view[i:i + step])], sizes=st.block_sizes)  # keys made with
+                await asyncio.sleep(0)
         lineage = getattr(self.index, "lineage", None)  # kept with --dynamo-dump only
         if lineage is not None:
             for parent, locals_, keys in st.lineage:  # a Dynamo peer's local hashes: our /dump places its blocks

@@ -3,9 +3,10 @@
 Format (also what ``GET /v1/state`` streams): ``[header length: u32 big-endian][header: msgpack
 map][body: msgpack map]``. The header is ``{"format": "kvindex-state", "version": 1, "created":
 <unix time>, "wal_from": <first write-ahead log segment not covered>, "body_len": n, "body_crc":
-<crc32 of the body>}``. The body::
+<crc32 of the body>}``. The body (version 2; version 1 had no ``tables``, and is still read)::
 
-    {"precise": {"block_sizes": {model: n}, "entries": [[pod, dp_rank, medium, hash, key|nil, copies], ...]},
+    {"precise": {"block_sizes": {model: n}, "entries": [[pod, dp_rank, medium, hash, key|nil, copies], ...],
+                 "tables": [[pod, dp_rank, medium, <bin: snapshot rows, kvindex.index.rows>], ...]},
      "approx": <ApproxIndex.export_state()>,
      "streams": {lane_key: [{"topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason",
                              "gaps", "replays", "restarts", "batches", "epoch", "last_crc"}, ...]},
@@ -35,10 +36,13 @@ from typing import Annotated, Any
 import msgpack
 import msgspec
 
+
+from kvindex.index.rows import ROW, Table, unpack_rows
 from kvindex.types import Entry, EntryRow
 
 FORMAT = "kvindex-state"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the versions decode accepts
 SNAPSHOT_NAME = "state.snap"
 STREAM_FIELDS = ("topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays",
                  "restarts", "batches", "epoch", "last_crc")
@@ -52,12 +56,18 @@ class StateError(ValueError):
 class State:
     block_sizes: dict[str, int] = field(default_factory=dict)
     entries: Sequence[EntryRow] = field(default_factory=list)  # Entry objects, or plain rows (decode(rows=True))
+    tables: Sequence[Table] = field(default_factory=list)  # (pod, dp_rank, medium, rows): an index's export_tables
     approx: dict[str, Any] = field(default_factory=dict)
     streams: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     registrations: list[dict[str, Any]] = field(default_factory=list)
     wal_from: int = 0
     created: float = 0.0
     lineage: list[Any] = field(default_factory=list)  # a Dynamo peer's (never saved): kvindex.dynamo_dump
+
+    def all_entries(self) -> list[Entry]:
+        """Every precise entry held: ``entries`` and the tables' rows, as ``Entry`` objects."""
+        return [Entry(*e) for e in self.entries] + [Entry(pod, rank, medium, h, key, copies) for pod, rank, medium, rows
+                                                    in self.tables for h, key, copies in unpack_rows(rows)]
 
 
 def stream_state(st: Any) -> dict[str, Any]:
@@ -74,7 +84,8 @@ def encode(state: State) -> bytes:
     chunks so the GIL (and the event loop) gets turns while a thread encodes a big index."""
     p = msgpack.Packer(use_bin_type=True)
     entries = state.entries
-    parts = [p.pack_map_header(4), p.pack("precise"), p.pack_map_header(2), p.pack("block_sizes"),
+    parts = [p.pack_map_header(4), p.pack("precise"), p.pack_map_header(3), p.pack("tables"),
+             p.pack([list(t) for t in state.tables]), p.pack("block_sizes"),
              p.pack(state.block_sizes), p.pack("entries"), p.pack_array_header(len(entries))]
     for i in range(0, len(entries), ENCODE_CHUNK):
         chunk = [list(e) for e in entries[i:i + ENCODE_CHUNK]]
@@ -102,8 +113,9 @@ def read_header(data: bytes) -> tuple[dict[str, Any], int]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise StateError(f"not a kvindex snapshot (format {header.get('format') if isinstance(header, dict) else None!r})")
     version = header.get("version")
-    if version != VERSION:
-        raise StateError(f"snapshot version {version!r} is not supported (this kvindex reads version {VERSION})")
+    if version not in READS:
+        raise StateError(f"snapshot version {version!r} is not supported (this kvindex reads versions "
+                         f"{', '.join(map(str, READS))})")
     for k in ("body_len", "body_crc", "wal_from"):
         if type(header.get(k)) is not int:
             raise StateError(f"snapshot header lacks {k}")
@@ -113,6 +125,7 @@ def read_header(data: bytes) -> tuple[dict[str, Any], int]:
 class _Precise(msgspec.Struct):
     block_sizes: dict[str, int]
     entries: list[tuple[str, int, str, int, int | None, Annotated[int, msgspec.Meta(ge=1)]]]
+    tables: list[tuple[str, int, str, bytes]] = []
 
 
 class _Body(msgspec.Struct):
@@ -144,8 +157,11 @@ def decode(data: bytes, *, rows: bool = False) -> State:
         raise StateError(f"snapshot body is malformed: {str(exc).splitlines()[0]}") from None
     entries: Sequence[EntryRow] = body.precise.entries if rows else list(starmap(Entry, body.precise.entries))
     streams = {k: [_stream(d) for d in v] for k, v in body.streams.items()}
-    return State(body.precise.block_sizes, entries, body.approx, streams, body.registrations, header["wal_from"],
-                 float(header.get("created", 0)))
+    for *_, packed in body.precise.tables:
+        if len(packed) % ROW.size:
+            raise StateError(f"snapshot table rows are not a multiple of {ROW.size} bytes")
+    return State(body.precise.block_sizes, entries, body.precise.tables, body.approx, streams, body.registrations,
+                 header["wal_from"], float(header.get("created", 0)))
 
 
 def _stream(d: dict[str, Any]) -> dict[str, Any]:

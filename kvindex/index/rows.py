@@ -1,0 +1,63 @@
+"""Snapshot rows: one (pod, dp_rank, medium) table's entries as packed bytes; exported entries
+(``Entry`` or plain ``EntryRow`` tuples) packed into tables (pure functions: a thread can pack a
+big snapshot's entries while the event loop serves).
+
+Format, per entry, 24 bytes little-endian: ``hash u64, key u64, copies u32, flags u32`` (flags
+bit 0: keyless, the key field then 0). Written and read in one linear pass by the native core
+(``kvindex/index/_core.c``: ``Core.export`` / ``Core.load``, ``rows`` / ``pack``); the functions
+here are the format's definition in Python, and the C twins must agree with them
+(tests/test_core.py).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+from itertools import groupby
+from operator import itemgetter
+from typing import Union
+
+from kvindex import native
+from kvindex.types import EntryRow
+
+ROW = struct.Struct("<QQII")
+KEYLESS = 1
+_C = native.load("kvindex.index._core")
+Where = tuple[str, int, str]  # (pod, dp_rank, medium)
+Rows = Union[bytes, memoryview]  # snapshot rows, or a slice of them
+Table = tuple[str, int, str, Rows]  # (pod, dp_rank, medium, snapshot rows)
+TABLE_OF = itemgetter(0, 1, 2)  # an entry's Where
+ROW_OF = itemgetter(3, 4, 5)  # an entry's (hash, key or None, copies)
+
+
+def py_pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:
+    """``(hash, key or None, copies)`` rows as bytes."""
+    out = bytearray()
+    for h, key, copies in rows:
+        if not 1 <= copies < 1 << 32:
+            raise ValueError("copies must be in [1, 2**32)")
+        out += ROW.pack(h, 0 if key is None else key, copies, KEYLESS if key is None else 0)
+    return bytes(out)
+
+
+def py_unpack_rows(data: Rows) -> list[tuple[int, int | None, int]]:
+    """The ``(hash, key or None, copies)`` rows of ``data``."""
+    if len(data) % ROW.size:
+        raise ValueError(f"snapshot rows must be a multiple of {ROW.size} bytes, got {len(data)}")
+    return [(h, None if flags & KEYLESS else key, copies) for h, key, copies, flags in ROW.iter_unpack(data)]
+
+
+def pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:
+    return _C.pack(list(rows)) if _C is not None else py_pack_rows(rows)
+
+
+def unpack_rows(data: Rows) -> list[tuple[int, int | None, int]]:
+    return _C.rows(data) if _C is not None else py_unpack_rows(data)
+
+
+def tables_of(entries: Iterable[EntryRow]) -> list[Table]:
+    """The entries of each table packed as rows, tables in first-seen order (an export's)."""
+    runs: dict[Where, list[tuple[int, int | None, int]]] = {}
+    for where, run in groupby(entries, TABLE_OF):
+        runs.setdefault(where, []).extend(map(ROW_OF, run))
+    return [(*where, pack_rows(rows)) for where, rows in runs.items()]
