@@ -210,11 +210,11 @@ def test_snapshot_rows_in_c_equal_their_python_definition() -> None:
     require()
     rnd = random.Random(3)
     rows = [(rnd.getrandbits(64), None if rnd.random() < 0.2 else rnd.getrandbits(64), rnd.randint(1, 5)) for _ in range(2000)]
-    rows += [(0, 0, 1), (M64, M64, (1 << 32) - 1), (1, None, 1)]
+    rows += [(0, 0, 1), (M64, M64, (1 << 63) - 1), (1, None, 1 << 40)]
     packed = R.py_pack_rows(rows)
     assert CORE.pack(rows) == packed and len(packed) == R.ROW.size * len(rows) == CORE.ROW * len(rows)
     assert CORE.rows(packed) == R.py_unpack_rows(packed) == rows
-    for bad in ([(1, 2, 0)], [(1, 2, 1 << 32)], [(-1, 2, 1)], [(1 << 64, 2, 1)], [(1, 2)]):
+    for bad in ([(1, 2, 0)], [(1, 2, 1 << 63)], [(1, 2, -1)], [(-1, 2, 1)], [(1 << 64, 2, 1)], [(1, 2)]):
         with pytest.raises((ValueError, OverflowError, TypeError)):
             CORE.pack(bad)
         with pytest.raises((ValueError, OverflowError, TypeError, struct_error())):
@@ -224,6 +224,42 @@ def test_snapshot_rows_in_c_equal_their_python_definition() -> None:
             CORE.rows(ragged)
         with pytest.raises(ValueError, match="multiple of 24"):
             R.py_unpack_rows(ragged)
+
+
+def test_loaded_rows_replace_what_a_table_held_as_the_reference_does() -> None:
+    """Found by review: an empty table created its medium (so media order, hence keys, differed);
+    a hash twice in one table kept the first row's holdings (a freed worker stayed a holder);
+    2**32 copies hung the loop that indexed them, and counts wrapped at 2**32."""
+    fast, truth = pair()
+    T = array("I", range(8))
+    both = (fast, truth)
+    tables = [("p", 0, "GPU", R.py_pack_rows([(5, 42, 1), (5, 42, 1)])), ("p", 0, "CPU", b""),
+              ("q", 0, "GPU", R.py_pack_rows([(6, 42, 1)])), ("r", 0, "GPU", b""),
+              ("s", 0, "GPU", R.py_pack_rows([(7, 42, 1), (7, None, 1), (8, None, 1), (8, 43, 2)]))]
+    for ix in both:
+        ix.load_tables(tables)
+    assert fast.pods() == truth.pods() == ["p", "q", "s"]
+    assert [public(ix, ["p", "q", "s"]) for ix in both][0] == public(truth, ["p", "q", "s"])
+    for ix in both:
+        ix.apply("p", "m", 0, BlockRemoved((5,)))
+    assert fast.match([42]) == truth.match([42]) and fast.match([43]) == truth.match([43])
+    assert fast.pods() == truth.pods() == ["q", "s"]
+    huge = (1 << 32) - 1
+    for ix in both:
+        ix.load_tables([("h", 0, "GPU", R.py_pack_rows([(5, None, huge)])),
+                        ("h", 0, "CPU", R.py_pack_rows([(9, None, huge)]))])
+        ix.apply_batch("h", "m", 0, [BlockStored((9,), None, array("I"), 0, "CPU"), BlockStored((9,), None, array("I"), 0, "CPU")])
+        ix.apply("h", "m", 0, BlockStored((5,), 99, T[:4], BS))  # an unknown parent: still keyless
+        ix.apply("h", "m", 0, BlockStored((5,), None, T[:4], BS))  # its key is learned: 2**32 copies indexed
+        ix.apply("h", "m", 0, BlockStored((9,), 5, T[4:8], BS))  # 9 is keyed on GPU: its CPU copies adopt the key
+    assert public(fast, ["h"]) == public(truth, ["h"]) and fast.blocks_held("h")["cpu"] == huge + 2
+    q = K.prompt_keys(K.root_key("m"), T, BS)
+    assert fast.match(q) == truth.match(q)
+    before = sorted(fast.export_entries())
+    with pytest.raises(ValueError, match="0 copies"):  # one bad row refuses the call: nothing changes
+        fast.load_tables([("h", 0, "GPU", R.py_pack_rows([(11, 1, 1)]) + bytes(24))])
+    assert sorted(fast.export_entries()) == before
+    assert fast.match([10**30]) == truth.match([10**30]) == {}  # a key that is not a u64 is held by nobody
 
 
 def struct_error() -> type[Exception]:
@@ -284,3 +320,79 @@ def test_without_the_core_the_reference_serves() -> None:
             "assert p.CORE is None and isinstance(p.new_precise_index(), ReferenceIndex)")
     env = {**os.environ, "KVINDEX_PURE_PYTHON": "1"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
+
+
+# -- fuzzed batches: tiny hash pools, so every rule collides with every other ----------------------
+FUZZ_MEDIA = ("GPU", "GPU", "GPU", "CPU", "DISK", "CPU2")
+
+
+def fuzz_batch(rnd: random.Random, pool: list[int], tokens: list[array]) -> list:
+    events: list = []
+    for _ in range(rnd.randint(1, 4)):
+        x = rnd.random()
+        if x < 0.55:
+            hashes = tuple(rnd.choice(pool) for _ in range(rnd.randint(1, 3)))
+            medium, parent = rnd.choice(FUZZ_MEDIA), None if rnd.random() < 0.4 else rnd.choice(pool)
+            body = array("I", [t for _ in range(rnd.choice([len(hashes)] * 4 + [len(hashes) - 1, 0]))
+                               for t in rnd.choice(tokens)])
+            size = BS if rnd.random() < 0.93 else 2 * BS
+            if medium != GPU and rnd.random() < 0.5:
+                body, size = array("I"), 0  # a tier placeholder
+            events.append(BlockStored(hashes, parent, body, size, medium, rnd.choice([None, None, "l"])))
+        elif x < 0.9:
+            events.append(BlockRemoved(tuple(rnd.choice(pool) for _ in range(rnd.randint(1, 3))), rnd.choice(FUZZ_MEDIA)))
+        elif x < 0.95:
+            events.append(AllBlocksCleared())
+    return events
+
+
+def holder_sets(ix: ReferenceIndex) -> dict[tuple[int, int], set[tuple[str, int]]]:
+    """(tier number, key) -> the workers holding it, from the reference's entries."""
+    from kvindex.index.protocol import tier_of
+    from kvindex.index.precise import TIER_NO
+    out: dict[tuple[int, int], set[tuple[str, int]]] = {}
+    for e in ix.export_entries():
+        if e.key is not None:
+            out.setdefault((TIER_NO[tier_of(e.medium)], e.key), set()).add((e.pod, e.dp_rank))
+    return out
+
+
+@pytest.mark.parametrize("first", range(0, 400, 100))
+def test_fuzzed_batches_on_tiny_pools_answer_as_the_reference(first: int) -> None:
+    require()
+    for seed in range(first, first + 100):
+        rnd = random.Random(seed)
+        pods = [f"p{i}" for i in range(rnd.choice([1, 2, 3, 5, 70, 140]))]
+        pool = [0, M64, 1] + [((rnd.getrandbits(3) << 61) | rnd.getrandbits(61)) * INV % (1 << 64) for _ in range(3)]
+        tokens = [array("I", [rnd.randrange(3)] * BS) for _ in range(3)]
+        fast, truth = pair()
+        for step in range(40):
+            pod, rank = rnd.choice(pods[:3]) if rnd.random() < 0.6 else rnd.choice(pods), rnd.choice([0, 0, 1])
+            op = rnd.random()
+            if op < 0.04:
+                fast.clear_pod(pod), truth.clear_pod(pod)
+            elif op < 0.08:
+                size = rnd.choice([BS, 2 * BS])
+                assert fast.set_block_size("m", size) == truth.set_block_size("m", size)
+            elif op < 0.13:  # out and in again: snapshot rows of either, into fresh indexes
+                tables = (fast if rnd.random() < 0.5 else truth).export_tables()
+                fast, truth = PreciseIndex(), ReferenceIndex()
+                fast.set_block_size("m", BS), truth.set_block_size("m", BS)
+                assert fast.load_tables(tables) == truth.load_tables(tables)
+            events = fuzz_batch(rnd, pool, tokens)
+            where = f"seed {seed} step {step}"
+            assert fast.apply_batch(pod, "m", rank, events) == truth.apply_batch(pod, "m", rank, events), where
+            assert public(fast, pods[:6]) == public(truth, pods[:6]), where
+            assert sorted(fast.export_entries()) == sorted(truth.export_entries()), where
+            held = holder_sets(truth)
+            assert fast.memory()["keys"] == len(held), where  # no key held that the reference does not hold
+            for (tier, key), workers in held.items():
+                assert {fast._ident[s] for s in fast._core.holders(tier, key)} == workers, where
+            for (tier, key), workers in list(held.items())[:4]:
+                q = [key] + [k for _, k in rnd.sample(sorted(held), min(3, len(held)))]
+                some = rnd.sample(pods, min(2, len(pods)))
+                assert fast.match(q) == truth.match(q) and fast.match(q, some) == truth.match(q, some), where
+        for p in pods:
+            fast.clear_pod(p)
+        left = fast.memory()
+        assert not any(left[k] for k in ("entries", "side", "keys", "masks", "dups")), (seed, left)

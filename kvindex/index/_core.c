@@ -21,8 +21,8 @@
  * linear probing with wrap-around, backward-shift deletion (no tombstones); grown past 3/4 load,
  * shrunk below 1/16 after removals. Key 0 and every u64 are valid keys; hash 0 is valid (side).
  *
- * Snapshot rows (``export`` / ``load``): per entry 24 bytes, little-endian: hash u64, key u64,
- * copies u32, flags u32 (bit 0: keyless). One linear pass each way.
+ * Snapshot rows (``export`` / ``load``, kvindex/index/rows.py): per entry 24 bytes, little-endian:
+ * hash u64, key u64, copies u64 with bit 63 set when keyless. One linear pass each way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,7 +39,7 @@ static inline size_t home(uint64_t x, uint32_t bits) { return (size_t)((x * MIX)
 static inline int grow_at(size_t used, uint32_t bits) { return used * 4 > ((size_t)3 << bits); }
 
 /* ---- the side map: entries that are not a plain keyed single copy ---------------------------- */
-typedef struct { uint64_t h, key; uint32_t extra; uint8_t orphan, used; uint16_t pad; } SEnt;
+typedef struct { uint64_t h, key, extra; uint8_t orphan, used; } SEnt;
 typedef struct { SEnt *e; uint32_t bits; size_t used; } Side;
 
 static SEnt *side_find(const Side *s, uint64_t h) {
@@ -101,7 +101,7 @@ static void side_del(Side *s, SEnt *at) {
 typedef struct { uint64_t h, key; } Ent; /* h == 0: empty */
 typedef struct { Ent *e; uint32_t bits; size_t used; Side side; } Tab;
 
-typedef struct { int present, orphan; uint64_t key; uint32_t extra; } Got;
+typedef struct { int present, orphan; uint64_t key, extra; } Got;
 
 static int tab_resize(Tab *t, uint32_t bits) {
     Ent *old = t->e;
@@ -121,6 +121,7 @@ static int tab_resize(Tab *t, uint32_t bits) {
 }
 
 static int tab_reserve(Tab *t, size_t n) {
+    if (t->e && !grow_at(t->used + n, t->bits)) return 0;
     uint32_t bits = t->e ? t->bits : MIN_BITS;
     while (grow_at(t->used + n, bits)) bits++;
     return (!t->e || bits != t->bits) ? tab_resize(t, bits) : 0;
@@ -187,7 +188,7 @@ static void tab_free(Tab *t) {
 }
 
 /* Set h's state (replacing what it had): keyed single copies go to the main table, the rest to the side. */
-static int tab_set(Tab *t, uint64_t h, int orphan, uint64_t key, uint32_t extra) {
+static int tab_set(Tab *t, uint64_t h, int orphan, uint64_t key, uint64_t extra) {
     Ent *e = tab_find(t, h);
     SEnt *s = e ? NULL : side_find(&t->side, h);
     if (!orphan && !extra && h) {
@@ -358,18 +359,18 @@ static int hold_resize(Hold *t, uint32_t bits) {
 }
 
 static int hold_reserve(Hold *t, size_t n) {
+    if (t->r && !grow_at(t->used + n, t->bits)) return 0;
     uint32_t bits = t->r ? t->bits : MIN_BITS;
     while (grow_at(t->used + n, bits)) bits++;
     return (!t->r || bits != t->bits) ? hold_resize(t, bits) : 0;
 }
 
-/* The ref cell of key, added empty (0) if absent (the caller sets it nonzero). */
+/* The ref cell of key, added empty (0) if absent (the caller sets it nonzero): one probe. */
 static uint32_t *hold_cell(Hold *t, uint64_t key) {
-    uint32_t *c = hold_find(t, key);
-    if (c) return c;
     if (hold_reserve(t, 1) < 0) return NULL;
     size_t m = ((size_t)1 << t->bits) - 1, j = home(key, t->bits);
-    while (t->r[j]) j = (j + 1) & m;
+    for (; t->r[j]; j = (j + 1) & m)
+        if (t->k[j] == key) return &t->r[j];
     t->k[j] = key;
     t->used++;
     return &t->r[j];
@@ -397,7 +398,7 @@ static void hold_del(Hold *t, uint32_t *cell) {
 }
 
 /* ---- dups: (key, tier, slot) -> holdings beyond the first ---------------------------------- */
-typedef struct { uint64_t key; uint32_t ts, n; } DEnt; /* n == 0: empty */
+typedef struct { uint64_t key, n; uint32_t ts; } DEnt; /* n == 0: empty */
 typedef struct { DEnt *e; uint32_t bits; size_t used; } Dups;
 
 static inline size_t dhome(uint64_t key, uint32_t ts, uint32_t bits) { return home(key ^ ((uint64_t)ts * 0xC2B2AE3D27D4EB4FULL), bits); }
@@ -428,15 +429,15 @@ static int dups_resize(Dups *d, uint32_t bits) {
     return 0;
 }
 
-static int dups_inc(Dups *d, uint64_t key, uint32_t ts) {
+static int dups_add(Dups *d, uint64_t key, uint32_t ts, uint64_t n) {
     DEnt *x = dups_find(d, key, ts);
-    if (x) { x->n++; return 0; }
+    if (x) { x->n += n; return 0; }
     if ((!d->e || grow_at(d->used + 1, d->bits)) && dups_resize(d, d->e ? d->bits + 1 : MIN_BITS) < 0) return -1;
     size_t m = ((size_t)1 << d->bits) - 1, j = dhome(key, ts, d->bits);
     while (d->e[j].n) j = (j + 1) & m;
     d->e[j].key = key;
     d->e[j].ts = ts;
-    d->e[j].n = 1;
+    d->e[j].n = n;
     d->used++;
     return 0;
 }
@@ -522,7 +523,7 @@ static int hold(Core *c, int tier, uint64_t key, uint32_t slot) {
     if (!cell) return -1;
     uint32_t ref = *cell;
     if (!ref) { *cell = SINGLE | slot; return 0; }
-    if (ref_has(c, ref, slot)) return dups_inc(&c->dups, key, ts_of(tier, slot));
+    if (ref_has(c, ref, slot)) return dups_add(&c->dups, key, ts_of(tier, slot), 1);
     ref_words(c, ref, c->tmp);
     c->tmp[slot >> 6] |= 1ULL << (slot & 63);
     int64_t nr = ref_of_tmp(c);
@@ -537,6 +538,7 @@ static int clear_bit(Core *c, int tier, uint64_t key, uint32_t slot) {
     uint32_t *cell = hold_find(&c->hold[tier], key);
     if (!cell || !ref_has(c, *cell, slot)) return 0;
     uint32_t ref = *cell;
+    if (ref & SINGLE) { hold_del(&c->hold[tier], cell); return 0; } /* its lone holder */
     ref_words(c, ref, c->tmp);
     c->tmp[slot >> 6] &= ~(1ULL << (slot & 63));
     int64_t nr = ref_of_tmp(c);
@@ -555,6 +557,24 @@ static int release(Core *c, int tier, uint64_t key, uint32_t slot) {
         return 0;
     }
     return clear_bit(c, tier, key, slot);
+}
+
+/* n holdings at once (n copies of one hash): the first may set the bit, the rest are duplicates. */
+static int hold_n(Core *c, int tier, uint64_t key, uint32_t slot, uint64_t n) {
+    if (!n) return 0;
+    if (hold(c, tier, key, slot) < 0) return -1;
+    return n > 1 ? dups_add(&c->dups, key, ts_of(tier, slot), n - 1) : 0;
+}
+
+/* n holdings fewer: duplicates first, the bit with the last. */
+static int release_n(Core *c, int tier, uint64_t key, uint32_t slot, uint64_t n) {
+    DEnt *d = dups_find(&c->dups, key, ts_of(tier, slot));
+    if (d) {
+        uint64_t take = n < d->n ? n : d->n;
+        n -= take;
+        if ((d->n -= take) == 0) { d->n = 1; dups_del_at(&c->dups, (size_t)(d - c->dups.e)); }
+    }
+    return n ? clear_bit(c, tier, key, slot) : 0;
 }
 
 static Wk *worker(Core *c, Py_ssize_t slot) {
@@ -603,17 +623,31 @@ static int adopt_elsewhere(Core *c, Wk *w, uint32_t slot, uint64_t h, uint64_t k
         Med *m = &w->med[i];
         SEnt *s = side_find(&m->t.side, h);
         if (!s || !s->orphan) continue;
-        uint32_t copies = 1 + s->extra;
+        uint64_t copies = 1 + s->extra;
         if (tab_set(&m->t, h, 0, key, s->extra) < 0) return -1;
         w->orphans--;
-        for (uint32_t k = 0; k < copies; k++)
-            if (hold(c, m->tier, key, slot) < 0) return -1;
+        if (hold_n(c, m->tier, key, slot, copies) < 0) return -1;
     }
     return 0;
 }
 
 /* One stored copy of h (copy 0: re-announced). Returns 1 if it is keyless, 0, or -1 on error. */
 static int store_one(Core *c, Wk *w, uint32_t slot, Med *m, uint64_t h, int keyed, uint64_t key, int copy) {
+    Tab *t = &m->t;
+    if (h && keyed && (!t->side.used || !side_find(&t->side, h))) { /* common: one probe finds h or its place */
+        size_t mk = ((size_t)1 << t->bits) - 1, j = home(h, t->bits);
+        for (; t->e[j].h; j = (j + 1) & mk)
+            if (t->e[j].h == h) break;
+        if (!t->e[j].h) {
+            if (grow_at(t->used + 1, t->bits)) goto general; /* not reserved (an adopted copy elsewhere) */
+            t->e[j].h = h;
+            t->e[j].key = key;
+            t->used++;
+            if (w->nmed > 1 && adopt_elsewhere(c, w, slot, h, key) < 0) return -1;
+            return hold(c, m->tier, key, slot) < 0 ? -1 : 0;
+        }
+    }
+general:;
     Got g = tab_get(&m->t, h);
     if (!g.present) {
         if (tab_set(&m->t, h, !keyed, key, 0) < 0) return -1;
@@ -621,13 +655,11 @@ static int store_one(Core *c, Wk *w, uint32_t slot, Med *m, uint64_t h, int keye
         if (w->nmed > 1 && adopt_elsewhere(c, w, slot, h, key) < 0) return -1;
         return hold(c, m->tier, key, slot) < 0 ? -1 : 0;
     }
-    uint32_t copies = g.extra + (uint32_t)copy;
+    uint64_t copies = g.extra + (uint64_t)copy;
     if (g.orphan && keyed) { /* a keyless hash learns its key: its copies are indexed */
         if (tab_set(&m->t, h, 0, key, copies) < 0) return -1;
         w->orphans--;
-        for (uint32_t k = 0; k <= copies; k++)
-            if (hold(c, m->tier, key, slot) < 0) return -1;
-        return 0;
+        return hold_n(c, m->tier, key, slot, copies + 1) < 0 ? -1 : 0;
     }
     if (copies != g.extra && tab_set(&m->t, h, g.orphan, g.key, copies) < 0) return -1;
     if (g.orphan) return 1;
@@ -637,6 +669,12 @@ static int store_one(Core *c, Wk *w, uint32_t slot, Med *m, uint64_t h, int keye
 
 /* One removed copy of h: 1, or 0 if not held. -1 on error. */
 static int remove_one(Core *c, Wk *w, uint32_t slot, Med *m, uint64_t h) {
+    Ent *e = tab_find(&m->t, h);
+    if (e) { /* a plain keyed single copy */
+        uint64_t key = e->key;
+        tab_del_main(&m->t, e);
+        return release(c, m->tier, key, slot) < 0 ? -1 : 1;
+    }
     Got g = tab_get(&m->t, h);
     if (!g.present) return 0;
     if (g.extra) {
@@ -845,8 +883,23 @@ static PyObject *core_media(Core *c, PyObject *arg) {
     return Py_BuildValue("(Nn)", out, w->orphans);
 }
 
-static void put_row(unsigned char *p, uint64_t h, uint64_t key, uint32_t copies, uint32_t flags) {
-    memcpy(p, &h, 8); memcpy(p + 8, &key, 8); memcpy(p + 16, &copies, 4); memcpy(p + 20, &flags, 4);
+#define KEYLESS_BIT (1ULL << 63) /* in a row's third word: the entry is keyless */
+
+static void put_row(unsigned char *p, uint64_t h, uint64_t key, uint64_t copies, int keyless) {
+    uint64_t meta = copies | (keyless ? KEYLESS_BIT : 0);
+    memcpy(p, &h, 8); memcpy(p + 8, &key, 8); memcpy(p + 16, &meta, 8);
+}
+
+/* One row: 0, or -1 (ValueError) when its copies are not in [1, 2**63). */
+static int get_row(const unsigned char *p, uint64_t *h, uint64_t *key, uint64_t *copies, int *keyless) {
+    uint64_t meta;
+    memcpy(h, p, 8); memcpy(key, p + 8, 8); memcpy(&meta, p + 16, 8);
+    *keyless = (meta & KEYLESS_BIT) != 0;
+    *copies = meta & ~KEYLESS_BIT;
+    if (*keyless) *key = 0;
+    if (*copies) return 0;
+    PyErr_SetString(PyExc_ValueError, "a snapshot row with 0 copies");
+    return -1;
 }
 
 /* export(slot, mid) -> bytes: the medium's entries as snapshot rows (see the top). */
@@ -883,31 +936,33 @@ static int rows_view(PyObject *data, Py_buffer *view) {
     return 0;
 }
 
-/* load(slot, mid, tier, rows) -> entries added: exported rows into a medium that does not hold
- * them yet (an entry it holds is replaced, its holdings left as they are). */
+/* load(slot, mid, tier, rows) -> entries added: exported rows into a medium. A row replaces
+ * what the medium held for its hash (its holdings with it), as the reference's load does. Every
+ * row is checked before the index changes (a bad one refuses the whole call). */
 static PyObject *core_load(Core *c, PyObject *args) {
     Py_ssize_t slot;
-    int mid, tier;
+    int mid, tier, keyless;
     PyObject *data;
     Py_buffer v;
+    uint64_t h, key, copies;
     if (!PyArg_ParseTuple(args, "niiO", &slot, &mid, &tier, &data)) return NULL;
     if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
     Wk *w = worker(c, slot);
     if (!w || rows_view(data, &v) < 0) return NULL;
-    Py_ssize_t n = v.len / ROW;
+    Py_ssize_t n = v.len / ROW, i;
     const unsigned char *p = v.buf;
-    Med *m = medium(w, mid, tier, 1);
-    if (!m || tab_reserve(&m->t, (size_t)n) < 0 || hold_reserve(&c->hold[tier], (size_t)n) < 0) goto fail;
-    for (Py_ssize_t i = 0; i < n; i++, p += ROW) {
-        uint64_t h, key;
-        uint32_t copies, flags;
-        memcpy(&h, p, 8); memcpy(&key, p + 8, 8); memcpy(&copies, p + 16, 4); memcpy(&flags, p + 20, 4);
-        if (!copies) { PyErr_SetString(PyExc_ValueError, "a snapshot row with 0 copies"); goto fail; }
-        int orphan = flags & 1, had = tab_get(&m->t, h).present;
-        if (tab_set(&m->t, h, orphan, key, copies - 1) < 0) goto fail;
-        if (orphan) { w->orphans += !had; continue; }
-        for (uint32_t k = 0; k < copies; k++)
-            if (hold(c, tier, key, (uint32_t)slot) < 0) goto fail;
+    for (i = 0; i < n; i++)
+        if (get_row(p + i * ROW, &h, &key, &copies, &keyless) < 0) goto fail;
+    Med *m = n ? medium(w, mid, tier, 1) : NULL;
+    if (n && (!m || tab_reserve(&m->t, (size_t)n) < 0 || hold_reserve(&c->hold[tier], (size_t)n) < 0)) goto fail;
+    for (i = 0; i < n; i++, p += ROW) {
+        get_row(p, &h, &key, &copies, &keyless);
+        Got g = tab_get(&m->t, h);
+        if (g.present && g.orphan) w->orphans--;
+        else if (g.present && release_n(c, tier, g.key, (uint32_t)slot, 1 + g.extra) < 0) goto fail;
+        if (tab_set(&m->t, h, keyless, key, copies - 1) < 0) goto fail;
+        if (keyless) w->orphans++;
+        else if (hold_n(c, tier, key, (uint32_t)slot, copies) < 0) goto fail;
     }
     PyBuffer_Release(&v);
     return PyLong_FromSsize_t(n);
@@ -924,11 +979,11 @@ static PyObject *core_rows(PyObject *mod, PyObject *data) {
     const unsigned char *p = v.buf;
     PyObject *out = PyList_New(n);
     for (Py_ssize_t i = 0; out && i < n; i++, p += ROW) {
-        uint64_t h, key;
-        uint32_t copies, flags;
-        memcpy(&h, p, 8); memcpy(&key, p + 8, 8); memcpy(&copies, p + 16, 4); memcpy(&flags, p + 20, 4);
-        PyObject *k = (flags & 1) ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(key);
-        PyObject *row = k ? Py_BuildValue("(KNI)", (unsigned long long)h, k, copies) : NULL;
+        uint64_t h, key, copies;
+        int keyless;
+        if (get_row(p, &h, &key, &copies, &keyless) < 0) { Py_CLEAR(out); break; }
+        PyObject *k = keyless ? Py_NewRef(Py_None) : PyLong_FromUnsignedLongLong(key);
+        PyObject *row = k ? Py_BuildValue("(KNK)", (unsigned long long)h, k, (unsigned long long)copies) : NULL;
         if (!row) { Py_CLEAR(out); break; }
         PyList_SET_ITEM(out, i, row);
     }
@@ -946,12 +1001,16 @@ static PyObject *core_pack(PyObject *mod, PyObject *rows) {
     unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++, p += ROW) {
         PyObject *r = PySequence_Fast_GET_ITEM(f, i), *ho, *ko, *co;
-        uint64_t h, key = 0, copies;
+        uint64_t h, key = 0, copies = 0;
         if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 3) { PyErr_SetString(PyExc_TypeError, "a row is (hash, key or None, copies)"); goto fail; }
         ho = PyTuple_GET_ITEM(r, 0); ko = PyTuple_GET_ITEM(r, 1); co = PyTuple_GET_ITEM(r, 2);
-        if (as_u64(ho, &h) < 0 || (ko != Py_None && as_u64(ko, &key) < 0) || as_u64(co, &copies) < 0) goto fail;
-        if (copies < 1 || copies > UINT32_MAX) { PyErr_SetString(PyExc_ValueError, "copies must be in [1, 2**32)"); goto fail; }
-        put_row(p, h, key, (uint32_t)copies, ko == Py_None);
+        if (as_u64(ho, &h) < 0 || (ko != Py_None && as_u64(ko, &key) < 0)) goto fail;
+        if (!PyLong_Check(co) || as_u64(co, &copies) < 0 || copies < 1 || copies >= KEYLESS_BIT) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "copies must be in [1, 2**63)");
+            goto fail;
+        }
+        put_row(p, h, key, copies, ko == Py_None);
     }
     Py_DECREF(f);
     return out;
@@ -1010,11 +1069,12 @@ static PyObject *core_match(Core *c, PyObject *args) {
     uint64_t *accs[3] = {ag, ac, ad};
     int32_t *deps[3] = {dg, dc, dd};
     for (i = 0; i < n; i++) {
-        uint64_t key, any = 0;
-        if (as_u64(K[i], &key) < 0) goto done;
+        uint64_t key = 0, any = 0;
+        int known = as_u64(K[i], &key) == 0;
+        if (!known) PyErr_Clear(); /* not a u64: nobody holds it */
         memset(mw, 0, W * 8);
         for (uint32_t t = 0; t < tiers; t++) {
-            uint32_t *cell = hold_find(&c->hold[t], key);
+            uint32_t *cell = known ? hold_find(&c->hold[t], key) : NULL;
             if (cell) {
                 uint32_t ref = *cell;
                 if (ref & SINGLE) { uint32_t s = ref & ~SINGLE; mw[s >> 6] |= 1ULL << (s & 63); }

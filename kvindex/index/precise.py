@@ -211,6 +211,8 @@ class PreciseIndex:
         made_with = dict(self._block_size if sizes is None else sizes)
         n = 0
         for pod, rank, medium, rows in tables:
+            if not len(rows):
+                continue  # an emptied medium: nothing to hold (the reference keeps no trace of it)
             wid = (pod, rank)
             if wid not in self._model_of:
                 self._loaded_with.setdefault(wid, made_with)
@@ -225,7 +227,9 @@ class PreciseIndex:
         """Room in each table's (pod, dp_rank, medium) for its rows, before they are loaded in
         parts (each ``load_tables`` call then adds without growing)."""
         for pod, rank, medium, rows in tables:
-            self._core.reserve(self._worker((pod, rank)), self._medium(medium), TIER_NO[tier_of(medium)], len(rows) // ROW.size)
+            if len(rows):
+                slot, tier = self._worker((pod, rank)), TIER_NO[tier_of(medium)]
+                self._core.reserve(slot, self._medium(medium), tier, len(rows) // ROW.size)
 
     def memory(self) -> dict[str, int]:
         """The core's sizes: bytes, entries, side entries, keys, interned holder sets, duplicates."""

@@ -2,8 +2,8 @@
 (``Entry`` or plain ``EntryRow`` tuples) packed into tables (pure functions: a thread can pack a
 big snapshot's entries while the event loop serves).
 
-Format, per entry, 24 bytes little-endian: ``hash u64, key u64, copies u32, flags u32`` (flags
-bit 0: keyless, the key field then 0). Written and read in one linear pass by the native core
+Format, per entry, 24 bytes little-endian: ``hash u64, key u64, copies u64`` with bit 63 of the
+third word set when the entry is keyless (the key field then 0); copies are in [1, 2**63). Written and read in one linear pass by the native core
 (``kvindex/index/_core.c``: ``Core.export`` / ``Core.load``, ``rows`` / ``pack``); the functions
 here are the format's definition in Python, and the C twins must agree with them
 (tests/test_core.py).
@@ -20,8 +20,8 @@ from typing import Union
 from kvindex import native
 from kvindex.types import EntryRow
 
-ROW = struct.Struct("<QQII")
-KEYLESS = 1
+ROW = struct.Struct("<QQQ")
+KEYLESS = 1 << 63
 _C = native.load("kvindex.index._core")
 Where = tuple[str, int, str]  # (pod, dp_rank, medium)
 Rows = Union[bytes, memoryview]  # snapshot rows, or a slice of them
@@ -34,9 +34,9 @@ def py_pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:
     """``(hash, key or None, copies)`` rows as bytes."""
     out = bytearray()
     for h, key, copies in rows:
-        if not 1 <= copies < 1 << 32:
-            raise ValueError("copies must be in [1, 2**32)")
-        out += ROW.pack(h, 0 if key is None else key, copies, KEYLESS if key is None else 0)
+        if type(copies) is not int or not 1 <= copies < KEYLESS:
+            raise ValueError("copies must be in [1, 2**63)")
+        out += ROW.pack(h, 0 if key is None else key, copies | (KEYLESS if key is None else 0))
     return bytes(out)
 
 
@@ -44,7 +44,10 @@ def py_unpack_rows(data: Rows) -> list[tuple[int, int | None, int]]:
     """The ``(hash, key or None, copies)`` rows of ``data``."""
     if len(data) % ROW.size:
         raise ValueError(f"snapshot rows must be a multiple of {ROW.size} bytes, got {len(data)}")
-    return [(h, None if flags & KEYLESS else key, copies) for h, key, copies, flags in ROW.iter_unpack(data)]
+    rows = [(h, None if meta & KEYLESS else key, meta & ~KEYLESS) for h, key, meta in ROW.iter_unpack(data)]
+    if any(not copies for _, _, copies in rows):
+        raise ValueError("a snapshot row with 0 copies")
+    return rows
 
 
 def pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:
