@@ -42,7 +42,7 @@ def _ingest_rows(r: dict) -> list[Row]:
                      f"msgs={w['messages']}/{w['expected_messages']})", _k(w["blocks_per_s"]), "-", "-", _k(d),
                      _r(w["blocks_per_s"], d)))
     if ip is not None and "frozen_copy_ms" in ip:  # snapshot capture on the event loop vs copying per-replica dicts
-        rows.append(("snapshot copy on the event loop (frozen_copy) ms", f"{ip['frozen_copy_ms']:,.1f}",
+        rows.append(("snapshot copy on the event loop (export_tables) ms", f"{ip['frozen_copy_ms']:,.1f}",
                      f"{ip['reference_copy_ms']:,.1f}", _r(ip["frozen_copy_ms"], ip["reference_copy_ms"]), "-", "-"))
     return rows
 
