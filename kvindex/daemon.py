@@ -57,7 +57,7 @@ from kvindex.drift import DriftAudit
 from kvindex.http import dynamo
 from kvindex.http import native as native_api
 from kvindex.http.app import Services, make_app
-from kvindex.http.server import HttpServer, connection_cap, raise_nofile, runner_options
+from kvindex.http.server import HttpServer, connection_cap, runner_options
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
@@ -66,7 +66,7 @@ from kvindex.index.protocol import StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
-from kvindex.ingest.transport import ingest_context
+from kvindex.ingest.transport import ingest_context, raise_nofile
 from kvindex.logs import BurstLog
 from kvindex.lora import LoraAdapters, checked_adapters
 from kvindex.metrics import Metrics, StateCollector

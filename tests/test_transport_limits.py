@@ -209,10 +209,7 @@ async def test_replay_stops_after_max_frames(ctx: zmq.asyncio.Context, tmp_path:
 async def test_the_ingest_context_holds_more_lanes_than_libzmqs_default(tmp_path: Path) -> None:
     """libzmq's default of 1,023 sockets per context is 341 lanes (a SUB and its monitor's two ends):
     the daemon's context takes as many as the process may open files, so 400 engines subscribe."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < 4096 and (hard == resource.RLIM_INFINITY or hard >= 4096):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (4096, hard))  # as kvindex.http.server.raise_nofile does
-    ctx = ingest_context(MAX_MESSAGE_BYTES)
+    ctx = ingest_context(MAX_MESSAGE_BYTES)  # raises the soft open-file limit first
     plain = zmq.asyncio.Context()
     subs: list[Subscriber] = []
     try:
@@ -225,3 +222,18 @@ async def test_the_ingest_context_holds_more_lanes_than_libzmqs_default(tmp_path
             s.close()
         plain.term()
         ctx.term()
+
+
+def test_the_ingest_context_plans_no_more_sockets_than_files_it_may_open() -> None:
+    """Sized by the open-file limit in force after raising it: where the soft limit cannot be
+    raised (a low hard limit), libzmq must not plan for more sockets than that (EMFILE)."""
+    import subprocess
+    import sys
+    code = ("import resource, zmq; from kvindex.ingest.transport import ingest_context;"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (1500, 1500));"
+            "c = ingest_context(1 << 20); print(c.get(zmq.MAX_SOCKETS), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1500", "1500"], out
+    code = code.replace("(1500, 1500)", "(1024, 3000)")  # a soft limit under the hard one: raised first
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["3000", "3000"], out

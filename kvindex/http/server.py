@@ -7,7 +7,8 @@ Invariants:
   connections within the cap (``/healthz`` among them) keep being served.
 - The default cap leaves descriptors for everything else (``connection_cap``): the engines'
   ZeroMQ sockets (SUB, replay DEALER), the store, the state files. At start the soft
-  ``RLIMIT_NOFILE`` is raised to the hard limit where allowed (``raise_nofile``).
+  ``RLIMIT_NOFILE`` is raised to the hard limit where allowed
+  (``kvindex.ingest.transport.raise_nofile``).
 - A connection that sends no complete request header within ``idle_timeout`` seconds of opening
   (or of its last answer) is closed (aiohttp's keep-alive timer runs from the connection's
   start); a body not received whole within ``body_timeout`` seconds is answered 408 and the
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import socket
 from typing import Any, cast
 
@@ -40,19 +40,6 @@ FDS_PER_ENGINE = 8  # an engine's SUB and replay sockets, with ZeroMQ's own desc
 _REFUSAL = b'{"error": "too many connections: try again later", "field": "connection"}'
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(_REFUSAL), _REFUSAL))
-
-
-def raise_nofile() -> int:
-    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit where allowed; the soft limit after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
-        except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
-    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def connection_cap(nofile: int, engines: int) -> int:

@@ -28,12 +28,15 @@ Invariants:
   always has the next one ready, so an endless answer never holds the loop.
 - ``ingest_context`` makes the context every lane's sockets come from, with room for as many
   sockets as the process may open files (libzmq's default of 1,023 is 341 lanes of three sockets:
-  a SUB and its monitor's two ends).
+  a SUB and its monitor's two ends): it raises the soft open-file limit to the hard one first
+  (``raise_nofile``) and sizes the context by the limit then in force, so libzmq never plans for
+  more sockets than the process can open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import resource
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,6 +49,8 @@ import zmq.asyncio
 from kvindex.events import MAX_SEQ, Frame
 from kvindex.limits import MAX_TOPIC_BYTES
 
+log = logging.getLogger("kvindex.ingest.transport")
+
 END_SEQ = b"\xff" * 8
 DRAIN_BURST = 256
 MAX_MESSAGE_BYTES = 64 << 20
@@ -54,13 +59,26 @@ MAX_REPLAY_BYTES = 128 << 20
 YIELD_EVERY = 64  # replay frames read between two turns given to the event loop
 
 
+def raise_nofile() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit where allowed; the soft limit after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, want, exc)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def ingest_context(max_message_bytes: int) -> zmq.asyncio.Context:
     """The ZeroMQ context of a process's lanes: every socket's ``MAXMSGSIZE`` is ``max_message_bytes``
-    and ``MAX_SOCKETS`` is the hard open-file limit (within libzmq's ``SOCKET_LIMIT``), not 1,023."""
+    and ``MAX_SOCKETS`` the open-file limit in force after ``raise_nofile`` (within libzmq's
+    ``SOCKET_LIMIT``), not 1,023."""
+    files = raise_nofile()
     ctx = zmq.asyncio.Context()
     ctx.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # the soft limit is raised to it (http.server)
-    files = hard if hard != resource.RLIM_INFINITY else 1 << 20
     ctx.set(zmq.MAX_SOCKETS, max(ctx.get(zmq.MAX_SOCKETS), min(files, ctx.get(zmq.SOCKET_LIMIT))))
     return ctx
 
