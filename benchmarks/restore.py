@@ -64,7 +64,7 @@ def restore(data: bytes) -> tuple[PreciseIndex, float, float, float]:
 
 def _restore(data: bytes) -> tuple[PreciseIndex, float, float, float]:
     t, cpu = time.perf_counter(), time.process_time()
-    state = snapshots.decode(data, rows=True)  # as Recovery reads it
+    state = snapshots.decode(data)  # as Recovery reads it
     decoded = time.perf_counter()
     index = PreciseIndex()
     for model, bs in state.block_sizes.items():

@@ -61,7 +61,7 @@ from kvindex.http.server import HttpServer, connection_cap, runner_options
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
 from kvindex.index.guarded import Guarded, StoreGuard
-from kvindex.index.memory import AnyPrecise, new_precise_index
+from kvindex.index.memory import AnyPrecise, core_missing, new_precise_index
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
@@ -325,6 +325,8 @@ class Daemon:
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
         self.loading = None
+        if self.index is not None and (why := core_missing()):
+            log.warning("%s", why)
         log.info("kvindex listening on http://%s:%d with %d engine(s), at most %d connections; event loop %s; %s",
                  self.config.host, self.port, len(self.config.engines), self._http.max_connections if self._http else 0,
                  type(asyncio.get_running_loop()).__module__.split(".")[0], native.status())

@@ -75,7 +75,7 @@ def test_load_gives_the_original_back_c_and_python_entries_and_rows(seed: int) -
     for form in ("entries", "rows", "tables"):
         data = snapshots.encode(snapshots.State(block_sizes=original.block_sizes(), entries=exported if form != "tables" else [],
                                                 tables=tables if form == "tables" else []))
-        state = snapshots.decode(data, rows=form == "rows")
+        state = snapshots.decode(data)
         index = PreciseIndex()
         index.reserve_tables(state.tables)
         for pod, rank, medium, rows in state.tables:  # in parts, as a restore does

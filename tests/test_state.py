@@ -66,7 +66,7 @@ def test_snapshot_codec_round_trip() -> None:
                                                                     "expect_from": 0, "synced": False}]},
                registrations=[{"instance_id": "1"}], wal_from=3)
     back = snapshots.decode(snapshots.encode(st))
-    assert (back.block_sizes, back.entries, back.streams, back.registrations, back.wal_from) == (
+    assert (back.block_sizes, back.all_entries(), back.streams, back.registrations, back.wal_from) == (
         st.block_sizes, st.entries, st.streams, st.registrations, 3)
     other = ApproxIndex(approx.config)
     other.load_state(back.approx)
@@ -88,12 +88,14 @@ def test_a_version_1_snapshot_still_loads_and_tables_round_trip() -> None:
     header = msgpack.packb({"format": "kvindex-state", "version": 1, "created": 1.0, "wal_from": 0,
                             "body_len": len(body), "body_crc": zlib.crc32(body)})
     old = snapshots.decode(len(header).to_bytes(4, "big") + header + body)
-    assert old.all_entries() == [Entry("p", 0, "GPU", 1, 2, 3)] and old.tables == [] and old.block_sizes == {"m": 4}
+    assert old.all_entries() == [Entry("p", 0, "GPU", 1, 2, 3)] and old.block_sizes == {"m": 4}
+    assert old.entries == [] and len(old.tables) == 1  # version 1's rows come back packed
     from kvindex.index.rows import py_pack_rows
     tables = [("q", 1, "CPU", py_pack_rows([(5, None, 1), (6, 7, 2)]))]
     back = snapshots.decode(snapshots.encode(State(tables=tables, entries=[Entry("p", 0, "GPU", 1, 2, 3)])))
-    assert back.tables == tables
-    assert back.all_entries() == [Entry("p", 0, "GPU", 1, 2, 3), Entry("q", 1, "CPU", 5, None, 1), Entry("q", 1, "CPU", 6, 7, 2)]
+    assert back.tables[0] == tables[0]
+    assert sorted(back.all_entries()) == [Entry("p", 0, "GPU", 1, 2, 3), Entry("q", 1, "CPU", 5, None, 1),
+                                          Entry("q", 1, "CPU", 6, 7, 2)]
     ragged = State(tables=[("q", 1, "CPU", b"x" * 25)])
     with pytest.raises(StateError, match="multiple of 24"):
         snapshots.decode(snapshots.encode(ragged))
@@ -187,6 +189,49 @@ async def test_snapshot_refused_starts_empty(make_harness: Any, tmp_path: Path, 
     assert "refusing snapshot" in caplog.text and "starting EMPTY" in caplog.text
     assert h.daemon.index.pods() == [] and h.daemon.restored_from is None
     assert any(p.name.startswith("state.snap.refused-") for p in state_dir.iterdir())
+
+
+def _v2(tables: list, entries: list) -> bytes:
+    """A version 2 snapshot whose precise part is exactly ``tables`` and ``entries`` (unchecked)."""
+    import zlib
+    body = msgpack.packb({"precise": {"block_sizes": {}, "entries": entries, "tables": tables}, "approx": {},
+                          "streams": {}, "registrations": []}, use_bin_type=True)
+    header = msgpack.packb({"format": "kvindex-state", "version": 2, "created": 1.0, "wal_from": 0,
+                            "body_len": len(body), "body_crc": zlib.crc32(body)})
+    return len(header).to_bytes(4, "big") + header + body
+
+
+@pytest.mark.parametrize("tables,entries,why", [
+    ([["p", 0, "GPU", bytes(24)]], [], "0 copies"),
+    ([["p", 0, "GPU", (5).to_bytes(8, "little") + (7).to_bytes(8, "little") + (1 | 1 << 63).to_bytes(8, "little")]], [],
+     "keyless snapshot row with a key"),
+    ([], [["p", 0, "GPU", -1, 2, 1]], "not in the row format"),
+    ([], [["p", 0, "GPU", 1 << 64 - 1, 2, 1], ["p", 0, "GPU", 1, -2, 1]], "not in the row format"),
+    ([], [["p", 0, "GPU", 1, 2, 1 << 63]], "copies must be in"),
+])
+def test_rows_and_entries_outside_the_format_are_refused_by_decode(tables: list, entries: list, why: str) -> None:
+    """Found by review: these passed ``decode`` and then crashed the daemon's restore mid-load."""
+    with pytest.raises(StateError, match=why) as exc:
+        snapshots.decode(_v2(tables, entries))
+    assert "\n" not in str(exc.value)
+
+
+async def test_a_state_whose_entries_cannot_be_loaded_is_refused_whole(make_harness: Any, tmp_path: Path,
+                                                                      caplog: Any) -> None:
+    """A snapshot that a peer serves with a bad row, or a local one: kvindex starts empty and says
+    why in one line, instead of exiting with a traceback on every start."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    good = ["p", 0, "GPU", (3).to_bytes(8, "little") + (4).to_bytes(8, "little") + (1).to_bytes(8, "little")]
+    (state_dir / snapshots.SNAPSHOT_NAME).write_bytes(_v2([good, ["q", 0, "GPU", bytes(24)]], []))
+    with caplog.at_level(logging.ERROR):
+        h = await make_harness(Config(state_dir=state_dir))
+    assert "refusing snapshot" in caplog.text and "0 copies" in caplog.text
+    assert h.daemon.index.pods() == []  # not even the good table went in
+    h2 = await make_harness(Config())  # a Dynamo peer's rows (kvindex.persist.dynamo_peer) with a hash out of u64
+    caplog.clear()
+    assert not await h2.daemon.recovery._install(State(entries=[Entry("p", 0, "GPU", 5, 6, 1), Entry("p", 0, "GPU", -1, 2, 1)]))
+    assert "must be a u64" in caplog.text and "starting EMPTY" in caplog.text and h2.daemon.index.pods() == []
 
 
 async def test_registrations_survive(make_harness: Any, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from adapters import DIALECTS
 from kvindex import keys as K
 from kvindex.answers import cacheable_tokens
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvindex.index.memory import LocalPreciseIndex, MemoryPreciseStore
+from kvindex.index.memory import LocalPreciseIndex, MemoryPreciseStore, new_precise_index
 from kvindex.index.precise import PreciseIndex
 from kvindex.index.protocol import (
     BlockSizeChanged,
@@ -123,7 +123,7 @@ async def redis_peers(request: FixtureRequest, clients: list[aioredis.Redis],
 
 # Every backend of the PreciseStore contract: name -> (request, clients) -> a factory of its clients.
 BACKENDS: dict[str, Backend] = {
-    "memory": memory_peers(PreciseIndex),
+    "memory": memory_peers(new_precise_index),  # the native core (the reference where it is not built)
     "reference": memory_peers(ReferenceIndex),  # the readable oracle behind the same async view
     "redis": redis_peers,
     "sharded": sharded_peers,  # two worker processes; each call a new client of them

@@ -896,7 +896,10 @@ static int get_row(const unsigned char *p, uint64_t *h, uint64_t *key, uint64_t 
     memcpy(h, p, 8); memcpy(key, p + 8, 8); memcpy(&meta, p + 16, 8);
     *keyless = (meta & KEYLESS_BIT) != 0;
     *copies = meta & ~KEYLESS_BIT;
-    if (*keyless) *key = 0;
+    if (*keyless && *key) {
+        PyErr_SetString(PyExc_ValueError, "a keyless snapshot row with a key");
+        return -1;
+    }
     if (*copies) return 0;
     PyErr_SetString(PyExc_ValueError, "a snapshot row with 0 copies");
     return -1;
@@ -989,6 +992,22 @@ static PyObject *core_rows(PyObject *mod, PyObject *data) {
     }
     PyBuffer_Release(&v);
     return out;
+}
+
+/* check(data) -> the number of rows; ValueError unless every row is well formed. */
+static PyObject *core_check(PyObject *mod, PyObject *data) {
+    Py_buffer v;
+    uint64_t h, key, copies;
+    int keyless;
+    if (rows_view(data, &v) < 0) return NULL;
+    Py_ssize_t n = v.len / ROW;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (get_row((const unsigned char *)v.buf + i * ROW, &h, &key, &copies, &keyless) < 0) {
+            PyBuffer_Release(&v);
+            return NULL;
+        }
+    PyBuffer_Release(&v);
+    return PyLong_FromSsize_t(n);
 }
 
 /* pack(rows) -> bytes: [(hash, key or None, copies)] as snapshot rows. */
@@ -1209,6 +1228,7 @@ static PyTypeObject CoreType = {
 static PyMethodDef module_methods[] = {
     {"rows", (PyCFunction)core_rows, METH_O, "rows(data) -> [(hash, key or None, copies)]"},
     {"pack", (PyCFunction)core_pack, METH_O, "pack(rows) -> snapshot rows"},
+    {"check", (PyCFunction)core_check, METH_O, "check(data) -> the number of well-formed rows (else ValueError)"},
     {NULL, NULL, 0, NULL},
 };
 

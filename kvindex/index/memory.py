@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, Union
 
+from kvindex import native
 from kvindex.events import KVEvent
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.precise import CORE, PreciseIndex
@@ -29,8 +30,18 @@ AnyPrecise = Union[PreciseIndex, ReferenceIndex]
 
 def new_precise_index(*, lineage: bool = False) -> AnyPrecise:
     """The fast index when its native core is built, else the readable reference (the same
-    answers, slower; ``lineage``, for ``/dump``, needs the fast one)."""
-    return PreciseIndex(lineage=lineage) if CORE is not None else ReferenceIndex()
+    answers; each match reads every entry: for machines without a C compiler, not for load).
+    ``lineage``: where each key came from, for ``/dump`` (``--dynamo-dump``)."""
+    return PreciseIndex(lineage=lineage) if CORE is not None else ReferenceIndex(lineage=lineage)
+
+
+def core_missing() -> str | None:
+    """Why the precise index is the slow one, for the startup log; None when the core is built."""
+    if CORE is not None:
+        return None
+    return ("precise index: the native core (kvindex.index._core) is not built, so the readable reference index "
+            "serves: the same answers, but each query reads every entry and a snapshot packs its rows in Python "
+            f"on the event loop. To build it: {native.fix(['kvindex.index._core'])}")
 
 
 class LocalPreciseIndex(Protocol):

@@ -198,8 +198,6 @@ class PreciseIndex:
             out += [(pod, rank, self._medium_names[mid], self._core.export(slot, mid)) for mid, _, _ in media]
         return out
 
-    frozen_copy = export_tables
-
     def export_entries(self) -> Iterator[Entry]:
         """Every held engine hash: (pod, dp_rank, medium, hash, key or None, copies)."""
         return entries_of(self.export_tables())

@@ -21,8 +21,8 @@ Key layout:
   medium; few buckets: a batch's hashes share them, and each bucket touched costs the scripts one
   call), ``k:<slot>:<i>`` bitmap of the buckets that may be in use (a superset: an emptied bucket
   keeps its bit until the worker goes), ``x:<slot>`` HASH "<i>:<hash>" -> copies beyond the first;
-  holders per tier t in g|c|d: ``t:<key>`` bitmap of the slots holding the key (PreciseIndex's
-  holder bitmask), and per worker ``D:<slot>`` HASH holder key name -> its copies beyond the first.
+  holders per tier t in g|c|d: ``t:<key>`` bitmap of the slots holding the key (the memory
+  index's holder set), and per worker ``D:<slot>`` HASH holder key name -> its copies beyond the first.
 
 Encoding invariants:
 - Engine hashes and keys are 8 big-endian bytes (binary strings: compact, and Lua never turns them

@@ -35,9 +35,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvindex.events import GPU, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.protocol import tier_of

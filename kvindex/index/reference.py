@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvindex.index.lineage import Lineage
 from kvindex.index.protocol import tier_of
 from kvindex.index.rows import Table, pack_rows, unpack_rows
 from kvindex.types import TIERS, Applied, Entry, PodMatch
@@ -95,8 +96,9 @@ class ReferenceIndex:
     ``export_tables`` / ``load_tables`` / ``reserve_tables`` are snapshot conveniences over
     ``export_entries`` / ``load_entries``, the contract)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lineage: bool = False) -> None:
         self.workers: dict[tuple[str, int], Worker] = {}
+        self.lineage = Lineage(lambda: [w.keys_in(TIERS) for w in self.workers.values()]) if lineage else None
         self._block_size: dict[str, int] = {}
         self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
         self._loaded_with: dict[tuple[str, int], dict[str, int]] = {}  # loaded worker, model not known yet -> sizes
@@ -152,7 +154,8 @@ class ReferenceIndex:
         parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
         if parent is None or self._block_size[model] != ev.block_size:
             return []
-        return K.prompt_keys(parent, ev.token_ids, ev.block_size, limit=len(ev.block_hashes))
+        record = self.lineage.add if self.lineage is not None else None  # --dynamo-dump: where each key came from
+        return K.recorded_keys(parent, ev.token_ids, ev.block_size, len(ev.block_hashes), record)
 
     def _store(self, wid: tuple[str, int], w: Worker, model: str, ev: BlockStored, done: Applied) -> None:
         size = self._block_size.get(model)

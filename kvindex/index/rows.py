@@ -44,10 +44,19 @@ def py_unpack_rows(data: Rows) -> list[tuple[int, int | None, int]]:
     """The ``(hash, key or None, copies)`` rows of ``data``."""
     if len(data) % ROW.size:
         raise ValueError(f"snapshot rows must be a multiple of {ROW.size} bytes, got {len(data)}")
-    rows = [(h, None if meta & KEYLESS else key, meta & ~KEYLESS) for h, key, meta in ROW.iter_unpack(data)]
+    raw = ROW.iter_unpack(data)
+    rows = [(h, None if meta & KEYLESS else key, meta & ~KEYLESS) for h, key, meta in raw]
     if any(not copies for _, _, copies in rows):
         raise ValueError("a snapshot row with 0 copies")
+    if any(key for h, key, meta in ROW.iter_unpack(data) if meta & KEYLESS):
+        raise ValueError("a keyless snapshot row with a key")
     return rows
+
+
+def check_rows(data: Rows) -> int:
+    """The number of rows in ``data``; ValueError unless every row is well formed (a multiple of
+    24 bytes, copies in [1, 2**63), a keyless row's key field 0)."""
+    return _C.check(data) if _C is not None else len(py_unpack_rows(data))
 
 
 def pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:

@@ -13,8 +13,7 @@ Invariants:
   handles it (``WriteAheadLog.append``), the daemon counts it, and ``wal_degraded`` is true until
   the next snapshot covers what could not be logged.
 - ``_capture`` copies the precise index's tables on the loop (``export_tables``: snapshot rows,
-  one C pass per table) and the encoding thread packs them: a big index never stalls the event
-  loop for a snapshot. A restore loads them in one C pass per table, in parts between turns.
+  one C pass per table); a thread encodes them: a big index never stalls the loop for a snapshot.
 - Restored stream watermarks go to the lanes when the fleet adds them; each lane then asks its
   engine's replay endpoint for what followed. Until a lane takes them they are still part of the
   state: every snapshot (the startup one, written before any lane exists, included) carries
@@ -28,16 +27,16 @@ Invariants:
   logged, never raised (``try_snapshot``): the previous snapshot and the segments it does not
   cover stay, answers stay exact, the next snapshot retries. A snapshot write cancelled (SIGTERM)
   is waited for before the next one starts.
-- Loading is linear and leaves the loop its turns: the snapshot is read and decoded in a thread
-  (into plain rows, the garbage collector off while restoring), every table is sized once for all
-  of its entries, and the entries go in ``LOAD_CHUNK`` at a time. The daemon's HTTP meanwhile
-  answers 503 "loading" and a SIGTERM cancels the restore (nothing is written: the log and the
-  final snapshot start only once the state is whole). A peer's state loads the same way.
+- Loading is linear and leaves the loop its turns: read and decoded in a thread (gc off), each
+  table sized once, its rows loaded ``LOAD_CHUNK`` at a time in one C pass each. A state with a
+  row not in the format is refused whole (kvindex starts empty, says why in one line). HTTP
+  meanwhile answers 503 "loading"; a SIGTERM cancels the restore (nothing is written: the log and
+  the final snapshot start only once the state is whole). A peer's state loads the same way.
 - A block size configured before the restore wins over the snapshot's (a contradiction is logged);
-  restored workers hold the sizes their keys were made with (the snapshot's: ``load_entries(sizes=)``)
+  restored workers hold the sizes their keys were made with (the snapshot's: ``load_tables(sizes=)``)
   while those are in force, and no other model's.
 - Only with the memory store (``--store memory://``): ``index`` and ``approx`` are its own
-  ``PreciseIndex`` and ``ApproxIndex``; logged batches are re-applied through the lanes, i.e.
+  precise index and ``ApproxIndex``; logged batches are re-applied through the lanes, i.e.
   through the store, so its stream positions are rebuilt with them. With Redis the state lives
   in Redis and the configuration refuses ``--state-dir`` and ``--peer``.
 """
@@ -47,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -128,10 +128,10 @@ class Recovery:
         yet (see ``WriteAheadLog.degraded``)."""
         return self.wal is not None and self.wal.degraded
 
-    def _capture(self) -> tuple[State, Any]:
+    def _capture(self) -> State:
         """Everything a snapshot holds, copied now (no await: consistent with the log). The precise
         index is copied as its tables' snapshot rows (one C pass each, cheap on the event loop);
-        ``_encode`` packs the rest in a thread."""
+        ``snapshots.encode`` packs the rest in a thread."""
         # restored watermarks no lane has taken yet (a snapshot before the lanes exist, e.g. at start)
         # are part of the state: without them the next start would take every stream for new
         streams = {key: list(saved) for key, saved in self._restored_streams.items()}
@@ -140,17 +140,11 @@ class Recovery:
         state = State(block_sizes=self.index.block_sizes(), approx=self.approx.export_state(), streams=streams,
                       registrations=[r.to_json() for r in self.registrations.by_key.values()], created=time.time())
         state.tables = self.index.export_tables()
-        return state, None
-
-    @staticmethod
-    def _encode(state: State, _copy: Any) -> bytes:
-        """Off the event loop: the snapshot bytes."""
-        return snapshots.encode(state)
+        return state
 
     async def state_bytes(self) -> bytes:
         """The snapshot format, for ``GET /v1/state`` (peer recovery)."""
-        state, copy = self._capture()
-        return await asyncio.to_thread(self._encode, state, copy)
+        return await asyncio.to_thread(snapshots.encode, self._capture())
 
     async def snapshot(self) -> None:
         """Write a snapshot, start a new log segment, drop the segments it covers."""
@@ -158,9 +152,9 @@ class Recovery:
             return
         async with self._snapshot_lock:
             wal = self.wal
-            state, copy = self._capture()
+            state = self._capture()
             state.wal_from = wal.rotate()
-            data = await asyncio.to_thread(self._encode, state, copy)
+            data = await asyncio.to_thread(snapshots.encode, state)
             await finished(asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME,
                                               data))
             wal.drop_before(state.wal_from)
@@ -203,7 +197,7 @@ class Recovery:
         d.mkdir(parents=True, exist_ok=True)
         path = d / snapshots.SNAPSHOT_NAME
         try:
-            st = snapshots.read_file(path, rows=True)
+            st = snapshots.read_file(path)
         except StateError as exc:
             aside = path.with_name(f"{path.name}.refused-{int(time.time())}")
             path.rename(aside)
@@ -225,12 +219,19 @@ class Recovery:
                     if r.status != 200:
                         raise StateError(f"answered HTTP {r.status}: {(await r.text())[:200]}")
                     data = await r.read()
-            return await asyncio.to_thread(lambda: snapshots.decode(data, rows=True))  # off the loop, as a local one
+            return await asyncio.to_thread(snapshots.decode, data)  # off the loop, as a local one
         except (aiohttp.ClientError, TimeoutError, OSError, StateError) as exc:
             log.error("peer %s: cannot load its state (%s: %s); starting empty", url, type(exc).__name__, exc)
             return None
 
-    async def _install(self, st: State) -> None:
+    async def _install(self, st: State) -> bool:
+        """Load a decoded state; a Dynamo peer's rows are packed first (off the loop): one that is not
+        in the row format refuses the state before anything is loaded (False, logged)."""
+        try:
+            tables = [*st.tables, *await asyncio.to_thread(tables_of, st.entries)]
+        except (ValueError, OverflowError, TypeError, struct.error) as exc:
+            log.error("state: precise entries cannot be loaded (%s); starting EMPTY", exc)
+            return False
         for model, n in st.block_sizes.items():  # a configured size (set before the restore) wins
             now = self.index.block_size(model)
             if now is None:
@@ -239,13 +240,10 @@ class Recovery:
                 log.warning("state: model %r was saved with block_size %d, configured %d: the configured size is "
                             "in force; the restored blocks (keyed with %d) hold nothing until an engine stores %d "
                             "again", model, n, now, n, n)
-        tables = [*st.tables, *await asyncio.to_thread(tables_of, st.entries)]  # rows (version 1, peers) packed off the loop
         self.index.reserve_tables(tables)  # every table sized once for all of its entries: the load is linear
-        step = LOAD_CHUNK * ROW.size
-        for pod, rank, medium, rows in tables:
-            view = memoryview(rows)
-            for i in range(0, len(view), step):  # the loop gets turns: HTTP, SIGTERM
-                self.index.load_tables([(pod, rank, medium, view[i:i + step])], sizes=st.block_sizes)  # keys made with
+        for pod, rank, medium, rows in tables:  # in parts: the loop gets turns (HTTP, SIGTERM)
+            for i in range(0, len(rows), step := LOAD_CHUNK * ROW.size):
+                self.index.load_tables([(pod, rank, medium, memoryview(rows)[i:i + step])], sizes=st.block_sizes)
                 await asyncio.sleep(0)
         lineage = getattr(self.index, "lineage", None)  # kept with --dynamo-dump only
         if lineage is not None:
@@ -261,6 +259,7 @@ class Recovery:
             except ValueError as exc:
                 log.error("state: %s", exc)
         self._restored_streams = {k: list(v) for k, v in st.streams.items()}
+        return True
 
     def _engine_for(self, key: str) -> EngineConfig | None:
         for engine in self.config.engines:
@@ -366,8 +365,8 @@ class Recovery:
             if st is not None:
                 self.restored_from = "peer"
                 st.wal_from = _NO_LOG  # the peer's log is not ours
-        if st is not None:
-            await self._install(st)
+        if st is not None and not await self._install(st):
+            st = None
         if self.config.state_dir is not None:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
             if await self._replay_log(first) and self.restored_from is None:

@@ -1,7 +1,7 @@
 """Snapshots: both indexes, every stream's seq watermark and the registrations, in one file.
 
 Format (also what ``GET /v1/state`` streams): ``[header length: u32 big-endian][header: msgpack
-map][body: msgpack map]``. The header is ``{"format": "kvindex-state", "version": 1, "created":
+map][body: msgpack map]``. The header is ``{"format": "kvindex-state", "version": 2, "created":
 <unix time>, "wal_from": <first write-ahead log segment not covered>, "body_len": n, "body_crc":
 <crc32 of the body>}``. The body (version 2; version 1 had no ``tables``, and is still read)::
 
@@ -25,10 +25,10 @@ Invariants:
 from __future__ import annotations
 
 import os
+import struct
 import time
 import zlib
 from dataclasses import dataclass, field
-from itertools import starmap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,8 +36,7 @@ from typing import Annotated, Any
 import msgpack
 import msgspec
 
-
-from kvindex.index.rows import ROW, Table, unpack_rows
+from kvindex.index.rows import Table, check_rows, tables_of, unpack_rows
 from kvindex.types import Entry, EntryRow
 
 FORMAT = "kvindex-state"
@@ -55,7 +54,7 @@ class StateError(ValueError):
 @dataclass(slots=True)
 class State:
     block_sizes: dict[str, int] = field(default_factory=dict)
-    entries: Sequence[EntryRow] = field(default_factory=list)  # Entry objects, or plain rows (decode(rows=True))
+    entries: Sequence[EntryRow] = field(default_factory=list)  # Entry objects or plain rows (a Dynamo peer's)
     tables: Sequence[Table] = field(default_factory=list)  # (pod, dp_rank, medium, rows): an index's export_tables
     approx: dict[str, Any] = field(default_factory=dict)
     streams: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -141,9 +140,10 @@ class _Body(msgspec.Struct):
 _body_decoder = msgspec.msgpack.Decoder(_Body)
 
 
-def decode(data: bytes, *, rows: bool = False) -> State:
-    """The snapshot in ``data`` (``StateError`` when it cannot be used). ``rows``: its entries as
-    plain tuples, not ``Entry`` objects (a restore of millions of entries: a third of the time)."""
+def decode(data: bytes) -> State:
+    """The snapshot in ``data`` (``StateError`` when it cannot be used). Its precise entries come
+    back as ``tables``: version 1's rows are packed here (a row that is not in the format, e.g. a
+    hash outside u64, refuses the snapshot), version 2's tables are checked row by row."""
     header, at = read_header(data)
     body_bytes = memoryview(data)[at:]
     if len(body_bytes) != header["body_len"]:
@@ -155,12 +155,17 @@ def decode(data: bytes, *, rows: bool = False) -> State:
         body = _body_decoder.decode(body_bytes)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise StateError(f"snapshot body is malformed: {str(exc).splitlines()[0]}") from None
-    entries: Sequence[EntryRow] = body.precise.entries if rows else list(starmap(Entry, body.precise.entries))
     streams = {k: [_stream(d) for d in v] for k, v in body.streams.items()}
-    for *_, packed in body.precise.tables:
-        if len(packed) % ROW.size:
-            raise StateError(f"snapshot table rows are not a multiple of {ROW.size} bytes")
-    return State(body.precise.block_sizes, entries, body.precise.tables, body.approx, streams, body.registrations,
+    for pod, rank, medium, packed in body.precise.tables:
+        try:
+            check_rows(packed)
+        except ValueError as exc:
+            raise StateError(f"snapshot table ({pod!r}, {rank}, {medium!r}): {exc}") from None
+    try:
+        tables = [*body.precise.tables, *tables_of(body.precise.entries)]
+    except (ValueError, OverflowError, TypeError, struct.error) as exc:
+        raise StateError(f"snapshot entries are not in the row format: {exc}") from None
+    return State(body.precise.block_sizes, [], tables, body.approx, streams, body.registrations,
                  header["wal_from"], float(header.get("created", 0)))
 
 
@@ -214,7 +219,7 @@ def remove_stale_temps(path: Path) -> list[str]:
     return removed
 
 
-def read_file(path: Path, *, rows: bool = False) -> State | None:
+def read_file(path: Path) -> State | None:
     """The snapshot at ``path``; None when there is none; ``StateError`` when it cannot be used."""
     try:
         data = path.read_bytes()
@@ -222,4 +227,4 @@ def read_file(path: Path, *, rows: bool = False) -> State | None:
         return None
     except OSError as exc:
         raise StateError(f"cannot read {path}: {exc.strerror}") from None
-    return decode(data, rows=rows)
+    return decode(data)
