@@ -36,6 +36,8 @@ def py_pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:
     for h, key, copies in rows:
         if type(copies) is not int or not 1 <= copies < KEYLESS:
             raise ValueError("copies must be in [1, 2**63)")
+        if not 0 <= h < 1 << 64 or not (key is None or 0 <= key < 1 << 64):
+            raise OverflowError("a hash or key must be a u64 (0 <= x < 2**64)")
         out += ROW.pack(h, 0 if key is None else key, copies | (KEYLESS if key is None else 0))
     return bytes(out)
 
