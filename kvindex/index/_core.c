@@ -37,6 +37,12 @@
 
 static inline size_t home(uint64_t x, uint32_t bits) { return (size_t)((x * MIX) >> (64 - bits)); }
 static inline int grow_at(size_t used, uint32_t bits) { return used * 4 > ((size_t)3 << bits); }
+/* Backward-shift deletion, for every table here: with a hole at i, the entry at j (home k, found
+ * further along i's probe run, wrapping around) moves into the hole unless its home lies
+ * cyclically in (i, j]. */
+static inline int moves_back(size_t i, size_t j, size_t k) {
+    return (j > i && (k <= i || k > j)) || (j < i && k <= i && k > j);
+}
 
 /* ---- the side map: entries that are not a plain keyed single copy ---------------------------- */
 typedef struct { uint64_t h, key, extra; uint8_t orphan, used; } SEnt;
@@ -88,7 +94,7 @@ static void side_del(Side *s, SEnt *at) {
         j = (j + 1) & m;
         if (!s->e[j].used) break;
         size_t k = home(s->e[j].h, s->bits);
-        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+        if (moves_back(i, j, k)) {
             s->e[i] = s->e[j];
             i = j;
         }
@@ -162,7 +168,7 @@ static void tab_del_main(Tab *t, Ent *at) {
         j = (j + 1) & m;
         if (!t->e[j].h) break;
         size_t k = home(t->e[j].h, t->bits);
-        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+        if (moves_back(i, j, k)) {
             t->e[i] = t->e[j];
             i = j;
         }
@@ -251,7 +257,7 @@ static void map_del(Masks *m, uint32_t id) {
         j = (j + 1) & mk;
         if (!m->map[j]) break;
         size_t k = home(m->hv[m->map[j]], m->mbits);
-        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+        if (moves_back(i, j, k)) {
             m->map[i] = m->map[j];
             i = j;
         }
@@ -382,7 +388,7 @@ static void hold_del(Hold *t, uint32_t *cell) {
         j = (j + 1) & m;
         if (!t->r[j]) break;
         size_t k = home(t->k[j], t->bits);
-        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+        if (moves_back(i, j, k)) {
             t->k[i] = t->k[j];
             t->r[i] = t->r[j];
             i = j;
@@ -448,7 +454,7 @@ static void dups_del_at(Dups *d, size_t i) {
         j = (j + 1) & m;
         if (!d->e[j].n) break;
         size_t k = dhome(d->e[j].key, d->e[j].ts, d->bits);
-        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+        if (moves_back(i, j, k)) {
             d->e[i] = d->e[j];
             i = j;
         }

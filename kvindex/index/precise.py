@@ -43,6 +43,7 @@ class PreciseIndex:
         self._ident: list[tuple[str, int] | None] = []  # slot -> worker
         self._media: dict[str, int] = {GPU: 0}  # medium name -> its id in the core (GPU is 0)
         self._medium_names: list[str] = [GPU]
+        self._tier_no: list[int] = [TIER_NO["gpu"]]  # medium id -> its tier's number in the core
         self._block_size: dict[str, int] = {}
         self._model_of: dict[tuple[str, int], str] = {}  # worker -> the model it last stored blocks of
         self._loaded_with: dict[tuple[str, int], dict[str, int]] = {}  # loaded worker, model not known yet -> sizes
@@ -115,6 +116,7 @@ class PreciseIndex:
         if mid is None:
             mid = self._media[name] = len(self._medium_names)
             self._medium_names.append(name)
+            self._tier_no.append(TIER_NO[tier_of(name)])
         return mid
 
     def _event_keys(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored) -> tuple[list[int], bool]:
@@ -137,9 +139,9 @@ class PreciseIndex:
     def _store(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(wid, slot, model, ev)
         medium, n = ev.medium, len(ev.block_hashes)
-        parentless = ev.parent_hash is None and medium == GPU
-        orphans, again = self._core.store(slot, self._medium(medium), TIER_NO[tier_of(medium)], ev.block_hashes,
-                                          keys, parentless)
+        mid = self._medium(medium)
+        orphans, again = self._core.store(slot, mid, self._tier_no[mid], ev.block_hashes, keys,
+                                          ev.parent_hash is None and medium == GPU)  # parentless: maybe re-announced
         done.stored_events += 1
         done.stored += 0 if again else n
         done.reannounced += n if again else 0
@@ -214,7 +216,8 @@ class PreciseIndex:
             wid = (pod, rank)
             if wid not in self._model_of:
                 self._loaded_with.setdefault(wid, made_with)
-            n += self._core.load(self._worker(wid), self._medium(medium), TIER_NO[tier_of(medium)], rows)
+            mid = self._medium(medium)
+            n += self._core.load(self._worker(wid), mid, self._tier_no[mid], rows)
         return n
 
     def load_entries(self, entries: Iterable[EntryRow], sizes: Mapping[str, int] | None = None) -> int:
@@ -226,8 +229,8 @@ class PreciseIndex:
         parts (each ``load_tables`` call then adds without growing)."""
         for pod, rank, medium, rows in tables:
             if len(rows):
-                slot, tier = self._worker((pod, rank)), TIER_NO[tier_of(medium)]
-                self._core.reserve(slot, self._medium(medium), tier, len(rows) // ROW.size)
+                mid = self._medium(medium)
+                self._core.reserve(self._worker((pod, rank)), mid, self._tier_no[mid], len(rows) // ROW.size)
 
     def memory(self) -> dict[str, int]:
         """The core's sizes: bytes, entries, side entries, keys, interned holder sets, duplicates."""

@@ -46,12 +46,13 @@ def py_unpack_rows(data: Rows) -> list[tuple[int, int | None, int]]:
     """The ``(hash, key or None, copies)`` rows of ``data``."""
     if len(data) % ROW.size:
         raise ValueError(f"snapshot rows must be a multiple of {ROW.size} bytes, got {len(data)}")
-    raw = ROW.iter_unpack(data)
-    rows = [(h, None if meta & KEYLESS else key, meta & ~KEYLESS) for h, key, meta in raw]
-    if any(not copies for _, _, copies in rows):
-        raise ValueError("a snapshot row with 0 copies")
-    if any(key for h, key, meta in ROW.iter_unpack(data) if meta & KEYLESS):
-        raise ValueError("a keyless snapshot row with a key")
+    rows = []
+    for h, key, meta in ROW.iter_unpack(data):
+        if not meta & ~KEYLESS:
+            raise ValueError("a snapshot row with 0 copies")
+        if meta & KEYLESS and key:
+            raise ValueError("a keyless snapshot row with a key")
+        rows.append((h, None if meta & KEYLESS else key, meta & ~KEYLESS))
     return rows
 
 
