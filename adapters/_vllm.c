@@ -168,6 +168,32 @@ static int next(Buf *b, Item *it) {
     }
 }
 
+/* The two readers below are the common bytes of ``next`` read in place (token ids, hashes, nil):
+   same results, no call. 1 read, 0 not such a header (nothing read: ask ``next``), -1 short. */
+static inline int uint_fast(Buf *b, uint64_t *v) {
+    if (b->p >= b->end) return -1;
+    uint8_t c = *b->p;
+    if (c <= 0x7f) { *v = c; b->p++; return 1; }
+    if (c < 0xcc || c > 0xcf) return 0;
+    size_t w = (size_t)1 << (c - 0xcc);
+    if ((size_t)(b->end - b->p) < w + 1) return -1;
+    *v = be(b->p + 1, (int)w);
+    b->p += w + 1;
+    return 1;
+}
+
+static inline int skip_scalar(Buf *b) {
+    if (b->p >= b->end) return -1;
+    uint8_t c = *b->p;
+    size_t n;
+    if (c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3) n = 1;
+    else if (c >= 0xcc && c <= 0xd3) n = 1 + ((size_t)1 << ((c - 0xcc) & 3));
+    else return 0;
+    if ((size_t)(b->end - b->p) < n) return -1;
+    b->p += n;
+    return 1;
+}
+
 static int valid_utf8(const uint8_t *s, uint32_t n) {
     uint32_t i = 0;
     while (i < n && s[i] < 0x80) i++;
@@ -185,7 +211,10 @@ static int valid_utf8(const uint8_t *s, uint32_t n) {
    invalid UTF-8, map keys that are containers, nesting beyond MAX_DEPTH. */
 static int skip(Buf *b, int depth) {
     Item it;
-    if (depth > MAX_DEPTH || next(b, &it) < 0) return -1;
+    if (depth > MAX_DEPTH) return -1;
+    int done = skip_scalar(b);
+    if (done) return done < 0 ? -1 : 0;
+    if (next(b, &it) < 0) return -1;
     switch (it.kind) {
     case K_EXT: return -1;
     case K_STR: return valid_utf8(it.s, it.n) ? 0 : -1;
@@ -221,7 +250,8 @@ static PyObject *hashes(Buf *b) {
     if (out == NULL) return NULL;
     for (uint32_t i = 0; i < it.n; i++) {
         PyObject *v = NULL;
-        if (next(b, &h) == 0 && h.kind == K_UINT) v = PyLong_FromUnsignedLongLong(h.u);
+        int fast = uint_fast(b, &h.u);
+        if (fast > 0 || (fast == 0 && next(b, &h) == 0 && h.kind == K_UINT)) v = PyLong_FromUnsignedLongLong(h.u);
         if (v == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -238,10 +268,19 @@ static PyObject *tokens(Buf *b, PyObject *array_type) {
     if (vals == NULL) return NULL;
     PyObject *out = NULL;
     uint32_t i = 0;
-    for (; i < it.n; i++) {
+    const uint8_t *p = b->p, *end = b->end;
+    for (; i < it.n && p < end; i++) { /* the token ids vLLM sends (fixint, u8, u16, u32) read in place */
+        uint8_t c = *p;
+        if (c <= 0x7f) { vals[i] = c; p++; continue; }
+        if (c == 0xcd && end - p >= 3) { vals[i] = (uint32_t)p[1] << 8 | p[2]; p += 3; continue; }
+        if (c == 0xcc && end - p >= 2) { vals[i] = p[1]; p += 2; continue; }
+        if (c == 0xce && end - p >= 5) { vals[i] = (uint32_t)be(p + 1, 4); p += 5; continue; }
+        b->p = p; /* any other header: the general reader */
         if (next(b, &t) < 0 || t.kind != K_UINT || t.u > UINT32_MAX) break;
         vals[i] = (uint32_t)t.u;
+        p = b->p;
     }
+    b->p = p;
     if (i == it.n) out = PyObject_CallFunction(array_type, "sy#", "I", (const char *)vals, (Py_ssize_t)it.n * 4);
     PyMem_Free(vals);
     return out;
@@ -404,10 +443,26 @@ static int set_field(PyObject **slot, PyObject *v) {
 }
 
 /* One map-dialect event: its type and fields. 0 ok (*tag set), -1 declined. */
+static int tag_of(Buf *b, Tag *tag) {
+    Item t;
+    if (next(b, &t) < 0) return -1;
+    if (str_is(&t, "BlockStored")) *tag = E_STORED;
+    else if (str_is(&t, "BlockRemoved")) *tag = E_REMOVED;
+    else if (str_is(&t, "AllBlocksCleared")) *tag = E_CLEARED;
+    else return -1;
+    return 0;
+}
+
 static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Removed *r) {
     const uint8_t *extra = NULL, *type = NULL, *fields_start = b->p;
+    /* "type" first (as vLLM sends it) and a store or removal: one pass, which checks each key as
+       pass 1 would; otherwise pass 1 finds it first */
+    Buf head = {b->p, b->end};
+    Item k0;
+    int one_pass = n > 0 && next(&head, &k0) == 0 && str_is(&k0, "type") && tag_of(&head, tag) == 0
+                   && *tag != E_CLEARED;
     /* pass 1: find "type" (it may come anywhere; twice is declined) and check every key */
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; !one_pass && i < n; i++) {
         Item key;
         if (next(b, &key) < 0 || key.kind != K_STR || !valid_utf8(key.s, key.n)) return -1;
         if (str_is(&key, "type")) {
@@ -416,20 +471,19 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
         }
         if (skip(b, 0) < 0) return -1;
     }
-    if (type == NULL) return -1;
-    Buf tb = {type, b->end};
-    Item t;
-    if (next(&tb, &t) < 0) return -1;
-    if (str_is(&t, "BlockStored")) *tag = E_STORED;
-    else if (str_is(&t, "BlockRemoved")) *tag = E_REMOVED;
-    else if (str_is(&t, "AllBlocksCleared")) *tag = E_CLEARED;
-    else return -1;
-    if (*tag == E_CLEARED) return 0;
+    if (!one_pass) {
+        if (type == NULL) return -1;
+        Buf tb = {type, b->end};
+        if (tag_of(&tb, tag) < 0) return -1;
+        if (*tag == E_CLEARED) return 0;
+    }
     /* pass 2: the fields this type has (others are ignored, as msgspec ignores unknown keys) */
-    Buf fb = {fields_start, b->p};
+    Buf fb = {fields_start, one_pass ? b->end : b->p};
     for (uint32_t i = 0; i < n; i++) {
         Item key;
-        next(&fb, &key);
+        if (next(&fb, &key) < 0) return -1;
+        if (one_pass && (key.kind != K_STR || !valid_utf8(key.s, key.n) || (i > 0 && str_is(&key, "type"))))
+            return -1;
         int rc = 0, known = 1;
         if (*tag == E_REMOVED) {
             if (str_is(&key, "block_hashes")) rc = set_field(&r->hashes, hashes(&fb));
@@ -451,6 +505,7 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
         if (rc < 0 || PyErr_Occurred()) return -1;
         if (!known && skip(&fb, 0) < 0) return -1;
     }
+    if (one_pass) b->p = fb.p;
     if (*tag == E_STORED && extra != NULL) {
         Buf eb = {extra, b->end};
         if (s->lora_name == NULL) s->lora_name = Py_NewRef(Py_None);
@@ -462,12 +517,7 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
 
 /* One array-dialect event: fields by position, missing trailing ones default, extra ignored. */
 static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Removed *r) {
-    Item t;
-    if (n == 0 || next(b, &t) < 0) return -1;
-    if (str_is(&t, "BlockStored")) *tag = E_STORED;
-    else if (str_is(&t, "BlockRemoved")) *tag = E_REMOVED;
-    else if (str_is(&t, "AllBlocksCleared")) *tag = E_CLEARED;
-    else return -1;
+    if (n == 0 || tag_of(b, tag) < 0) return -1;
     for (uint32_t i = 1; i < n; i++) {
         int rc = 0, known = 1;
         if (*tag == E_REMOVED && i <= 3) {

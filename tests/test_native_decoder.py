@@ -189,6 +189,59 @@ def test_boundaries_are_taken_or_declined_and_equal(payload: bytes, taken: bool)
     assert check(payload) is taken
 
 
+def _map(*pairs: tuple[bytes, object]) -> bytes:
+    """A one-event batch whose event map is written key by key (duplicate keys, any order, raw keys)."""
+    body = b"".join(k + msgpack.packb(v) for k, v in pairs)
+    return b"\x93" + msgpack.packb(1.0) + b"\x91\xde" + len(pairs).to_bytes(2, "big") + body + msgpack.packb(0)
+
+
+_KEY = {name: msgpack.packb(name) for name in _GOOD}
+
+
+@pytest.mark.parametrize("order,taken", [
+    (["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"], True),  # vLLM's: one pass
+    (["block_hashes", "type", "parent_block_hash", "token_ids", "block_size", "medium"], True),  # type later: two
+    (["block_hashes", "parent_block_hash", "token_ids", "block_size", "medium", "type"], True),
+])
+def test_the_event_maps_key_order_does_not_change_the_answer(order: list[str], taken: bool) -> None:
+    payload = _map(*((_KEY[k], _GOOD[k]) for k in order))
+    assert check(payload) is taken
+    assert _fast.decode(payload, _KINDS) == VllmDecoder(fast=None).decode(_batch())
+
+
+@pytest.mark.parametrize("extra", [
+    (_KEY["type"], "BlockStored"), (_KEY["type"], "BlockRemoved"),  # "type" twice, after it came first
+    (msgpack.packb(7), 1), (msgpack.packb(b"bin"), 1), (b"\xa2\xff\xfe", 1),  # not a key, or invalid UTF-8
+    (msgpack.packb("unknown"), {"x": [1, -1, 2.5, None]}), (msgpack.packb("unknown"), [[[]]]),
+])
+def test_a_type_first_map_is_still_checked_key_by_key(extra: tuple[bytes, object]) -> None:
+    """The one-pass read of a map that starts with "type" refuses what pass 1 refuses, at any place."""
+    for at in (1, 3, 6):
+        pairs = [(_KEY[k], _GOOD[k]) for k in ("type", "block_hashes", "parent_block_hash", "token_ids",
+                                                 "block_size", "medium")]
+        pairs.insert(at, extra)
+        check(_map(*pairs))
+    removal = _map((_KEY["type"], "BlockRemoved"), (_KEY["block_hashes"], [5]), extra)
+    check(removal)
+
+
+@pytest.mark.parametrize("width", ["fixint", "u8", "u16", "u32", "u64", "i8", "i16", "i32", "i64"])
+def test_ints_of_every_width_read_alike(width: str) -> None:
+    """Token ids and hashes in every msgpack int header (the common ones are read in place)."""
+    head, size = {"fixint": (None, 0), "u8": (0xCC, 1), "u16": (0xCD, 2), "u32": (0xCE, 4), "u64": (0xCF, 8),
+                  "i8": (0xD0, 1), "i16": (0xD1, 2), "i32": (0xD2, 4), "i64": (0xD3, 8)}[width]
+    value = 5 if head is None else (1 << (8 * size - 2)) + 3 if head < 0xD0 else (1 << (8 * size - 3)) + 3
+    packed = bytes([value]) if head is None else bytes([head]) + value.to_bytes(size, "big")
+    default = msgpack.packb(7)
+    for field in ("token_ids", "block_hashes"):
+        payload = _batch(**{field: [7] * 4})
+        at = payload.index(msgpack.packb([7] * 4))
+        body = payload[:at] + bytes([0x94]) + packed * 4 + payload[at + 1 + 4 * len(default):]
+        taken = check(body)
+        if field == "block_hashes" or value <= 0xFFFFFFFF:
+            assert taken, (width, field)
+
+
 def test_invalid_utf8_in_extra_keys_is_declined() -> None:
     good = _batch(extra_keys=[["s\u00e9"]])
     assert check(good)

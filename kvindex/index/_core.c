@@ -143,6 +143,15 @@ static Ent *tab_find(const Tab *t, uint64_t h) {
     return NULL;
 }
 
+/* store and remove ask for the cache lines of the hash (and key) AHEAD places further on while
+ * they apply one: the table lookups of a batch overlap instead of waiting for memory one by one.
+ * A prefetch changes nothing but the cache. */
+#define AHEAD 4
+
+static inline void tab_prefetch(const Tab *t, uint64_t h) {
+    if (t->e) __builtin_prefetch(&t->e[home(h, t->bits)]);
+}
+
 static Got tab_get(const Tab *t, uint64_t h) {
     Got g = {0, 0, 0, 0};
     Ent *e = tab_find(t, h);
@@ -332,69 +341,70 @@ static uint32_t masks_intern(Masks *m, const uint64_t *w) {
 }
 
 /* ---- per tier: key -> holder ref ------------------------------------------------------------ */
-typedef struct { uint64_t *k; uint32_t *r; uint32_t bits; size_t used; } Hold; /* r == 0: empty */
+/* One entry is 12 bytes, key beside its ref: a lookup touches one cache line, not two. */
+typedef struct __attribute__((packed)) { uint64_t k; uint32_t r; } HEnt; /* r == 0: empty */
+typedef struct { HEnt *e; uint32_t bits; size_t used; } Hold;
 
-static uint32_t *hold_find(const Hold *t, uint64_t key) {
+static HEnt *hold_find(const Hold *t, uint64_t key) {
     if (!t->used) return NULL;
     size_t m = ((size_t)1 << t->bits) - 1, j = home(key, t->bits);
-    while (t->r[j]) {
-        if (t->k[j] == key) return &t->r[j];
+    while (t->e[j].r) {
+        if (t->e[j].k == key) return &t->e[j];
         j = (j + 1) & m;
     }
     return NULL;
 }
 
+static inline void hold_prefetch(const Hold *t, uint64_t key) {
+    if (t->e) __builtin_prefetch(&t->e[home(key, t->bits)]);
+}
+
 static int hold_resize(Hold *t, uint32_t bits) {
-    size_t cap = (size_t)1 << bits, m = cap - 1, oldcap = t->r ? (size_t)1 << t->bits : 0;
-    uint64_t *k = PyMem_Malloc(cap * sizeof *k);
-    uint32_t *r = PyMem_Calloc(cap, sizeof *r);
-    if (!k || !r) { PyMem_Free(k); PyMem_Free(r); PyErr_NoMemory(); return -1; }
+    size_t cap = (size_t)1 << bits, m = cap - 1, oldcap = t->e ? (size_t)1 << t->bits : 0;
+    HEnt *e = PyMem_Calloc(cap, sizeof *e);
+    if (!e) { PyErr_NoMemory(); return -1; }
     for (size_t i = 0; i < oldcap; i++) {
-        if (!t->r[i]) continue;
-        size_t j = home(t->k[i], bits);
-        while (r[j]) j = (j + 1) & m;
-        k[j] = t->k[i];
-        r[j] = t->r[i];
+        if (!t->e[i].r) continue;
+        size_t j = home(t->e[i].k, bits);
+        while (e[j].r) j = (j + 1) & m;
+        e[j] = t->e[i];
     }
-    PyMem_Free(t->k);
-    PyMem_Free(t->r);
-    t->k = k;
-    t->r = r;
+    PyMem_Free(t->e);
+    t->e = e;
     t->bits = bits;
     return 0;
 }
 
 static int hold_reserve(Hold *t, size_t n) {
-    if (t->r && !grow_at(t->used + n, t->bits)) return 0;
-    uint32_t bits = t->r ? t->bits : MIN_BITS;
+    if (t->e && !grow_at(t->used + n, t->bits)) return 0;
+    uint32_t bits = t->e ? t->bits : MIN_BITS;
     while (grow_at(t->used + n, bits)) bits++;
-    return (!t->r || bits != t->bits) ? hold_resize(t, bits) : 0;
+    return (!t->e || bits != t->bits) ? hold_resize(t, bits) : 0;
 }
 
-/* The ref cell of key, added empty (0) if absent (the caller sets it nonzero): one probe. */
-static uint32_t *hold_cell(Hold *t, uint64_t key) {
+/* The entry of key, added with an empty ref (0) if absent (the caller sets it nonzero): one probe. */
+static HEnt *hold_cell(Hold *t, uint64_t key) {
     if (hold_reserve(t, 1) < 0) return NULL;
     size_t m = ((size_t)1 << t->bits) - 1, j = home(key, t->bits);
-    for (; t->r[j]; j = (j + 1) & m)
-        if (t->k[j] == key) return &t->r[j];
-    t->k[j] = key;
+    for (; t->e[j].r; j = (j + 1) & m)
+        if (t->e[j].k == key) return &t->e[j];
+    t->e[j].k = key;
     t->used++;
-    return &t->r[j];
+    return &t->e[j];
 }
 
-static void hold_del(Hold *t, uint32_t *cell) {
-    size_t m = ((size_t)1 << t->bits) - 1, i = (size_t)(cell - t->r), j = i;
+static void hold_del(Hold *t, HEnt *at) {
+    size_t m = ((size_t)1 << t->bits) - 1, i = (size_t)(at - t->e), j = i;
     for (;;) {
         j = (j + 1) & m;
-        if (!t->r[j]) break;
-        size_t k = home(t->k[j], t->bits);
+        if (!t->e[j].r) break;
+        size_t k = home(t->e[j].k, t->bits);
         if (moves_back(i, j, k)) {
-            t->k[i] = t->k[j];
-            t->r[i] = t->r[j];
+            t->e[i] = t->e[j];
             i = j;
         }
     }
-    t->r[i] = 0;
+    t->e[i].r = 0;
     t->used--;
     if (t->bits > MIN_BITS && t->used * 16 < ((size_t)1 << t->bits)) {
         uint32_t bits = MIN_BITS;
@@ -525,32 +535,32 @@ static int64_t ref_of_tmp(Core *c) {
 
 /* The worker of slot holds key in tier once more. */
 static int hold(Core *c, int tier, uint64_t key, uint32_t slot) {
-    uint32_t *cell = hold_cell(&c->hold[tier], key);
+    HEnt *cell = hold_cell(&c->hold[tier], key);
     if (!cell) return -1;
-    uint32_t ref = *cell;
-    if (!ref) { *cell = SINGLE | slot; return 0; }
+    uint32_t ref = cell->r;
+    if (!ref) { cell->r = SINGLE | slot; return 0; }
     if (ref_has(c, ref, slot)) return dups_add(&c->dups, key, ts_of(tier, slot), 1);
     ref_words(c, ref, c->tmp);
     c->tmp[slot >> 6] |= 1ULL << (slot & 63);
     int64_t nr = ref_of_tmp(c);
     if (nr < 0) return -1;
     masks_decref(&c->masks, ref);
-    *cell = (uint32_t)nr;
+    cell->r = (uint32_t)nr;
     return 0;
 }
 
 /* The bit of slot off key in tier, whatever its duplicates. */
 static int clear_bit(Core *c, int tier, uint64_t key, uint32_t slot) {
-    uint32_t *cell = hold_find(&c->hold[tier], key);
-    if (!cell || !ref_has(c, *cell, slot)) return 0;
-    uint32_t ref = *cell;
+    HEnt *cell = hold_find(&c->hold[tier], key);
+    if (!cell || !ref_has(c, cell->r, slot)) return 0;
+    uint32_t ref = cell->r;
     if (ref & SINGLE) { hold_del(&c->hold[tier], cell); return 0; } /* its lone holder */
     ref_words(c, ref, c->tmp);
     c->tmp[slot >> 6] &= ~(1ULL << (slot & 63));
     int64_t nr = ref_of_tmp(c);
     if (nr < 0) return -1;
     masks_decref(&c->masks, ref);
-    if (nr) *cell = (uint32_t)nr;
+    if (nr) cell->r = (uint32_t)nr;
     else hold_del(&c->hold[tier], cell);
     return 0;
 }
@@ -696,6 +706,14 @@ static int remove_one(Core *c, Wk *w, uint32_t slot, Med *m, uint64_t h) {
 /* ---- Python ----------------------------------------------------------------------------------- */
 static int as_u64(PyObject *o, uint64_t *out) {
     if (!PyLong_Check(o)) { PyErr_Format(PyExc_TypeError, "a hash or key must be an int, not %.50s", Py_TYPE(o)->tp_name); return -1; }
+#if PY_VERSION_HEX < 0x030D0000
+    /* up to 3.12 PyLong_AsUnsignedLongLong goes through _PyLong_AsByteArray for any int of 2^30 or
+       more (every hash): the range checked from sign and bit length, the value read as a mask */
+    if (_PyLong_Sign(o) >= 0 && _PyLong_NumBits(o) <= 64) {
+        *out = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+        return 0;
+    }
+#endif
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_SetString(PyExc_OverflowError, "a hash or key must be a u64 (0 <= x < 2**64)");
@@ -711,7 +729,7 @@ static void core_dealloc(Core *c) {
         PyMem_Free(c->wk[i].med);
     }
     PyMem_Free(c->wk);
-    for (int t = 0; t < NTIERS; t++) { PyMem_Free(c->hold[t].k); PyMem_Free(c->hold[t].r); }
+    for (int t = 0; t < NTIERS; t++) PyMem_Free(c->hold[t].e);
     PyMem_Free(c->masks.w); PyMem_Free(c->masks.rc); PyMem_Free(c->masks.hv);
     PyMem_Free(c->masks.freel); PyMem_Free(c->masks.map);
     PyMem_Free(c->dups.e);
@@ -814,6 +832,9 @@ static PyObject *core_store(Core *c, PyObject *args) {
         for (again = 1; again && orphans < n; orphans++) again = tab_get(&m->t, H[orphans]).present;
     orphans = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t a = i + AHEAD;
+        if (a < n) tab_prefetch(&m->t, H[a]);
+        if (a < nk) hold_prefetch(&c->hold[tier], K[a]);
         uint64_t key = i < nk ? K[i] : 0;
         int keyed = i < nk ? 1 : key_of(w, H[i], &key), r;
         if ((r = store_one(c, w, (uint32_t)slot, m, H[i], keyed, key, !again)) < 0) goto done;
@@ -837,6 +858,9 @@ static PyObject *core_remove(Core *c, PyObject *args) {
     if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
     Med *m = medium(w, mid, 0, 0);
     for (Py_ssize_t i = 0; m && i < n; i++) {
+        if (i + 2 * AHEAD < n) tab_prefetch(&m->t, H[i + 2 * AHEAD]);
+        Ent *e = i + AHEAD < n ? tab_find(&m->t, H[i + AHEAD]) : NULL; /* asked for AHEAD hashes ago */
+        if (e) hold_prefetch(&c->hold[m->tier], e->key);
         int r = remove_one(c, w, (uint32_t)slot, m, H[i]);
         if (r < 0) { PyMem_Free(H); return NULL; }
         removed += r;
@@ -1099,9 +1123,9 @@ static PyObject *core_match(Core *c, PyObject *args) {
         if (!known) PyErr_Clear(); /* not a u64: nobody holds it */
         memset(mw, 0, W * 8);
         for (uint32_t t = 0; t < tiers; t++) {
-            uint32_t *cell = known ? hold_find(&c->hold[t], key) : NULL;
+            HEnt *cell = known ? hold_find(&c->hold[t], key) : NULL;
             if (cell) {
-                uint32_t ref = *cell;
+                uint32_t ref = cell->r;
                 if (ref & SINGLE) { uint32_t s = ref & ~SINGLE; mw[s >> 6] |= 1ULL << (s & 63); }
                 else { const uint64_t *src = c->masks.w + (size_t)ref * W; for (uint32_t x = 0; x < W; x++) mw[x] |= src[x]; }
             }
@@ -1154,9 +1178,9 @@ static PyObject *core_holders(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iO", &tier, &ko) || as_u64(ko, &key) < 0) return NULL;
     if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
     PyObject *out = PyList_New(0);
-    uint32_t *cell = hold_find(&c->hold[tier], key);
+    HEnt *cell = hold_find(&c->hold[tier], key);
     if (!out || !cell) return out;
-    ref_words(c, *cell, c->tmp);
+    ref_words(c, cell->r, c->tmp);
     for (uint32_t x = 0; x < c->masks.W; x++)
         for (uint64_t b = c->tmp[x]; b; b &= b - 1) {
             PyObject *s = PyLong_FromUnsignedLong(x * 64 + (uint32_t)__builtin_ctzll(b));
@@ -1179,7 +1203,7 @@ static PyObject *core_stats(Core *c, PyObject *unused) {
     size_t keys = 0;
     for (int t = 0; t < NTIERS; t++) {
         keys += c->hold[t].used;
-        bytes += c->hold[t].r ? ((size_t)1 << c->hold[t].bits) * 12 : 0;
+        bytes += c->hold[t].e ? ((size_t)1 << c->hold[t].bits) * sizeof(HEnt) : 0;
     }
     size_t live = 0;
     for (uint32_t id = 1; id < c->masks.n; id++) live += c->masks.rc[id] != 0;
