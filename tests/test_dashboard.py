@@ -158,6 +158,8 @@ async def feed(h: Any, engine: Any) -> tuple[dict[str, int], int]:
             await h.get("/v1/drift?recheck=1")  # a first point of drift history, caches still cold
         if (r["tenant"], r["i"] % 2) == BYPASS:
             continue
+        for pod, seq in last.items():  # what the engines sent before the request, applied before its decision
+            await h.wait_seq(pod, seq)
         status, _ = await h.post("/v1/decisions", {"pod": f"127.0.0.1:800{r['i'] % 2}", "request": request_body(r),
                                                    "token_ids": r["prompt_token_ids"], "cached_tokens": r["cached_tokens"],
                                                    "prompt_tokens": r["prompt_tokens"]})
