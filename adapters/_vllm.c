@@ -168,8 +168,8 @@ static int next(Buf *b, Item *it) {
     }
 }
 
-/* The two readers below are the common bytes of ``next`` read in place (token ids, hashes, nil):
-   same results, no call. 1 read, 0 not such a header (nothing read: ask ``next``), -1 short. */
+/* The two readers below are the common bytes of ``next`` read in place (hashes, skipped ints and
+   nil; ``tokens`` has its own loop for the 32-bit ids): same results, no call. 1 read, 0 not such a header (nothing read: ask ``next``), -1 short. */
 static inline int uint_fast(Buf *b, uint64_t *v) {
     if (b->p >= b->end) return -1;
     uint8_t c = *b->p;
@@ -442,7 +442,7 @@ static int set_field(PyObject **slot, PyObject *v) {
     return 0;
 }
 
-/* One map-dialect event: its type and fields. 0 ok (*tag set), -1 declined. */
+/* An event's type string as its tag; -1 for any other value. */
 static int tag_of(Buf *b, Tag *tag) {
     Item t;
     if (next(b, &t) < 0) return -1;
@@ -453,6 +453,7 @@ static int tag_of(Buf *b, Tag *tag) {
     return 0;
 }
 
+/* One map-dialect event: its type and fields. 0 ok (*tag set), -1 declined. */
 static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Removed *r) {
     const uint8_t *extra = NULL, *type = NULL, *fields_start = b->p;
     /* "type" first (as vLLM sends it) and a store or removal: one pass, which checks each key as
