@@ -25,13 +25,14 @@ from kvindex.configfile import config_from_toml
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import WorkerSettings, owner_of
-from kvindex.shard.supervisor import Shards
+from kvindex.shard.supervisor import ShardedFleet, Shards
 from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, ROOT, engine_config, ipc_endpoint
 from tests.test_precise_fixtures import requests_in_order
 
 LISTENING = re.compile(r"kvindex listening on http://127\.0\.0\.1:(\d+)")
 PER_WORKER = 2
+WORKERS = 2  # serve_sharded's --workers
 
 
 class Served:
@@ -73,7 +74,7 @@ async def serve_sharded(engines: list[Any], session: aiohttp.ClientSession) -> S
     specs = [a for i, e in enumerate(engines)
              for a in ("--engine", f"endpoint={e.endpoint},replay={e.replay_address},pod=e{i}")]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvindex", "serve", "--workers", "2", "--port", "0", *specs,
+        sys.executable, "-m", "kvindex", "serve", "--workers", str(WORKERS), "--port", "0", *specs,
         stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     served = Served(proc, session)
     await served.wait_listening()
@@ -81,17 +82,10 @@ async def serve_sharded(engines: list[Any], session: aiohttp.ClientSession) -> S
 
 
 async def start_engines(make_engine: Any, tmp_path: Path) -> list[Any]:
-    """Two engines per worker (chosen by the owner of their lane key), each with a replay endpoint."""
-    by_worker: dict[int, list[str]] = {0: [], 1: []}
-    n = 0
-    while min(len(v) for v in by_worker.values()) < PER_WORKER:
-        ep = ipc_endpoint(tmp_path, f"pub{n}")
-        owner = by_worker[owner_of(f"config:{ep}", 2)]
-        if len(owner) < PER_WORKER:
-            owner.append(ep)
-        n += 1
-    eps = by_worker[0] + by_worker[1]
-    return [await make_engine(ep, replay_endpoint=ipc_endpoint(tmp_path, f"rep{i}")) for i, ep in enumerate(eps)]
+    """Two engines per worker, each with a replay endpoint: engine i runs on worker i % WORKERS
+    (configured engines are dealt out in order)."""
+    return [await make_engine(ipc_endpoint(tmp_path, f"pub{i}"), replay_endpoint=ipc_endpoint(tmp_path, f"rep{i}"))
+            for i in range(PER_WORKER * WORKERS)]
 
 
 async def pod_seqs(served: Served) -> dict[str, int | None]:
@@ -309,6 +303,37 @@ async def test_the_channel_drops_garbage_and_answers_a_failure_in_one_line() -> 
         ctx.term()
 
 
+async def test_engines_are_dealt_out_evenly_over_the_workers(tmp_path: Path) -> None:
+    """Lanes go round the workers in the order they are added (never by the luck of a hash of
+    their endpoints, which left 8 engines split 6 / 2 as often as 4 / 4); a lane added after one
+    was removed goes to the worker that then runs the fewest. Asked of the real workers."""
+    from kvindex.config import EngineConfig
+
+    ctx = zmq.asyncio.Context()
+    shards = Shards(2, WorkerSettings(), ctx)
+    await shards.start()
+    fleet = ShardedFleet(shards)
+
+    async def lanes() -> list[set[str]]:
+        return [set(await c.request(ch.Lanes())) for c in shards.channels]
+
+    try:
+        keys = [f"config:{ipc_endpoint(tmp_path, f'pub{i}')}" for i in range(6)]
+        for key in keys[:5]:
+            fleet.add(key, EngineConfig(endpoint=key.removeprefix("config:"), pod=key[-6:]))
+        await fleet.added()
+        assert await lanes() == [{keys[0], keys[2], keys[4]}, {keys[1], keys[3]}]
+        await fleet.remove(keys[0])
+        await fleet.remove(keys[2])  # worker 0 now runs one lane, worker 1 two
+        fleet.add(keys[5], EngineConfig(endpoint=keys[5].removeprefix("config:"), pod="last"))
+        await fleet.added()
+        assert await lanes() == [{keys[4], keys[5]}, {keys[1], keys[3]}]
+    finally:
+        await fleet.close()
+        await shards.stop()
+        ctx.term()
+
+
 async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_s_keys_for_all() -> None:
     """Each worker's index follows its own engines' block size. Workers that disagree were merged
     last-wins: a query chunked by one size, the other worker's pods silently 0. Now a size every
@@ -372,26 +397,26 @@ async def test_a_sharded_daemon_whose_workers_engines_disagree_answers_503(make_
     from tests.test_block_sizes import cached, life
 
     engines = await start_engines(make_engine, tmp_path)
-    first, second = engines[0], engines[PER_WORKER]  # one of worker 0, one of worker 1
+    first, second = engines[0], engines[1]  # one of worker 0, one of worker 1
     async with aiohttp.ClientSession() as session:
         served = await serve_sharded(engines, session)
         try:
             for e in engines:
                 await e.wait_subscribers(1, 10)
             frames16, _, prompt = life(4, 16, seed=5, pod="e0")
-            frames32, _, _ = life(4, 32, seed=6, pod=f"e{PER_WORKER}")
+            frames32, _, _ = life(4, 32, seed=6, pod="e1")
             for f in frames16:
                 await first.publish(f)
             for f in frames32:
                 await second.publish(f)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
-            while (seqs := await pod_seqs(served)).get("e0") != 3 or seqs.get(f"e{PER_WORKER}") != 3:
+            while (seqs := await pod_seqs(served)).get("e0") != 3 or seqs.get("e1") != 3:
                 assert loop.time() < deadline, seqs
                 await asyncio.sleep(0.02)
             status, body = await served.request("POST", "/query", {"model_name": "m", "token_ids": prompt})
             assert status == 503 and "different block sizes (16 on worker 0, 32 on worker 1)" in body["error"], body
-            status, body = await served.request("DELETE", f"/v1/pods/e{PER_WORKER}")  # its blocks gone
+            status, body = await served.request("DELETE", "/v1/pods/e1")  # its blocks gone
             assert status == 200, body
             status, body = await served.request("POST", "/query", {"model_name": "m", "token_ids": prompt})
             assert status == 200, body

@@ -13,9 +13,10 @@ answer (``Pods(Request[list[str]])``): the client decodes a reply with ``Ok[that
 so a wrong-shaped answer is an error here, never a wrong value further on.
 
 Invariants:
-- An engine lane belongs to worker ``owner_of(lane_key, N)`` (CRC-32 of its key): stable across
-  restarts and processes. Writes the parent makes itself (``ShardedPreciseStore``) belong to
-  ``owner_of(pod, N)``.
+- Engine lanes are dealt out evenly: a new lane goes to ``next_worker`` of the workers' lane counts
+  (the fewest, the lowest index among equals), so N configured engines split N // W or N // W + 1
+  per worker in configuration order, never by the luck of a hash. Writes the parent makes itself
+  (``ShardedPreciseStore``) belong to ``owner_of(pod, N)`` (CRC-32 of the pod: stable).
 - Every request has a deadline (``ShardChannel.timeout``): no answer in time, a worker known dead
   (``fail``), a reply that does not decode, or the worker's ``Failed`` raises ``StoreUnavailable``
   with a one-line reason naming the worker. An answer after its deadline is dropped.
@@ -49,8 +50,13 @@ REQUEST_TIMEOUT = 5.0  # seconds a worker may take to answer one request
 
 
 def owner_of(key: str, workers: int) -> int:
-    """The worker that owns a lane key (or, for the parent's own writes, a pod): CRC-32 of it."""
+    """The worker the parent's own writes for a pod go to: CRC-32 of it."""
     return zlib.crc32(key.encode()) % workers
+
+
+def next_worker(lanes: Sequence[int]) -> int:
+    """The worker a new lane goes to, given each worker's lane count: the fewest (lowest index first)."""
+    return min(range(len(lanes)), key=lanes.__getitem__)
 
 
 def pack_keys(keys: Iterable[int]) -> bytes:

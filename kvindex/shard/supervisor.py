@@ -7,9 +7,9 @@ workers (``Shards``), stands in for the fleet (``ShardedFleet``) and the pod dir
 (``ShardedPods``) over the channels, and merges the workers' metrics (``MergedRegistry``).
 
 Invariants:
-- An engine belongs to worker ``owner_of(lane_key, N)`` (CRC-32 of its lane key): configured
-  engines and ones registered at runtime (``POST /register``) alike; the same key always lands
-  on the same worker.
+- Engines are dealt out evenly (``next_worker``): each lane, configured or registered at runtime
+  (``POST /register``), goes to the worker running the fewest lanes then, and stays there until it
+  is removed; configured engines go round the workers in configuration order.
 - The workers are children of the parent and run the same kvindex code (its package directory
   leads their ``PYTHONPATH``): started by ``Shards.start`` (which waits until each
   answers), terminated and awaited by ``Shards.stop`` (killed after ``STOP_SECONDS``), and they
@@ -49,7 +49,7 @@ from kvindex.drift import DriftAudit
 from kvindex.index.protocol import ApproxStore, StoreUnavailable
 from kvindex.pods import remove_pod
 from kvindex.shard import channel as ch
-from kvindex.shard.channel import LaneStatus, ShardChannel, WorkerSettings, owner_of
+from kvindex.shard.channel import LaneStatus, ShardChannel, WorkerSettings, next_worker
 from kvindex.shard.store import ShardedPreciseStore
 
 log = logging.getLogger("kvindex.shard.supervisor")
@@ -109,9 +109,6 @@ class Shards:
             ping.cancel()
             raise StoreUnavailable(f"worker {chan.index} exited with code {proc.returncode} before it answered")
         return ping.result()
-
-    def owner(self, lane_key: str) -> ShardChannel:
-        return self.channels[owner_of(lane_key, self.count)]
 
     def problems(self) -> list[str]:
         return [f"worker {chan.index} {chan.dead}" for chan in self.channels if chan.dead is not None]
@@ -191,19 +188,27 @@ class ShardedFleet:
     def __init__(self, shards: Shards) -> None:
         self._shards = shards
         self._engines: dict[str, EngineConfig] = {}
+        self._worker: dict[str, int] = {}  # lane key -> the index of the worker running it
         self._adding: set[asyncio.Task[None]] = set()
 
     def add(self, key: str, engine: EngineConfig) -> RemoteLane:
         if key in self._engines:
             raise KeyError(key)
         self._engines[key] = engine
+        lanes = [0] * self._shards.count
+        for index in self._worker.values():
+            lanes[index] += 1
+        self._worker[key] = next_worker(lanes)
         task = asyncio.create_task(self._add(key, engine), name=f"add lane {key}")
         self._adding.add(task)
         task.add_done_callback(self._adding.discard)
         return RemoteLane(engine)
 
+    def _owner(self, key: str) -> ShardChannel:
+        return self._shards.channels[self._worker[key]]
+
     async def _add(self, key: str, engine: EngineConfig) -> None:
-        chan = self._shards.owner(key)
+        chan = self._owner(key)
         try:
             await chan.request(ch.AddLane(key, engine))
         except StoreUnavailable as exc:
@@ -218,7 +223,10 @@ class ShardedFleet:
         if engine is None:
             return None
         await self.added()
-        await self._shards.owner(key).request(ch.RemoveLane(key))
+        try:
+            await self._owner(key).request(ch.RemoveLane(key))
+        finally:
+            del self._worker[key]
         self._shards.lane_status.pop(key, None)
         return RemoteLane(engine)
 
@@ -241,7 +249,7 @@ class ShardedFleet:
     def lane_task_failed(self, key: str) -> str | None:
         if key not in self._engines:
             return None
-        chan = self._shards.owner(key)
+        chan = self._owner(key)
         if chan.dead is not None:
             return f"worker {chan.index} {chan.dead}"
         return self._shards.lane_status.get(key, LaneStatus()).failure
@@ -256,6 +264,7 @@ class ShardedFleet:
             task.cancel()
         await asyncio.gather(*list(self._adding), return_exceptions=True)
         self._engines.clear()
+        self._worker.clear()
 
 
 class ShardedPods:
