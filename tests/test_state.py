@@ -208,6 +208,12 @@ def _v2(tables: list, entries: list) -> bytes:
     ([], [["p", 0, "GPU", -1, 2, 1]], "not in the row format"),
     ([], [["p", 0, "GPU", 1 << 64 - 1, 2, 1], ["p", 0, "GPU", 1, -2, 1]], "not in the row format"),
     ([], [["p", 0, "GPU", 1, 2, 1 << 63]], "copies must be in"),
+    ([["p", -1, "GPU", bytes(0)]], [], "dp_rank must be an integer from 0 to 65535, got -1"),
+    ([["p", 1 << 40, "GPU", bytes(0)]], [], "dp_rank must be an integer from 0 to 65535"),
+    ([], [["p", 1 << 16, "GPU", 1, 2, 1]], "dp_rank must be an integer from 0 to 65535, got 65536"),
+    ([["p", 0, "", bytes(0)]], [], "medium must be a non-empty upper-case name, got ''"),
+    ([], [["p", 0, "gpu", 1, 2, 1]], "medium must be a non-empty upper-case name, got 'gpu'"),
+    ([["", 0, "GPU", bytes(0)]], [], "pod must be a non-empty string"),
 ])
 def test_rows_and_entries_outside_the_format_are_refused_by_decode(tables: list, entries: list, why: str) -> None:
     """Found by review: these passed ``decode`` and then crashed the daemon's restore mid-load."""
@@ -232,6 +238,9 @@ async def test_a_state_whose_entries_cannot_be_loaded_is_refused_whole(make_harn
     caplog.clear()
     assert not await h2.daemon.recovery._install(State(entries=[Entry("p", 0, "GPU", 5, 6, 1), Entry("p", 0, "GPU", -1, 2, 1)]))
     assert "must be a u64" in caplog.text and "starting EMPTY" in caplog.text and h2.daemon.index.pods() == []
+    caplog.clear()  # and one whose dp_rank no engine can have (it was loaded as rank -1: a pod no query could name)
+    assert not await h2.daemon.recovery._install(State(entries=[Entry("p", 0, "GPU", 5, 6, 1), Entry("q", -1, "GPU", 7, 8, 1)]))
+    assert "dp_rank must be an integer from 0 to 65535, got -1" in caplog.text and h2.daemon.index.pods() == []
 
 
 async def test_registrations_survive(make_harness: Any, tmp_path: Path) -> None:

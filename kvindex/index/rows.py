@@ -18,6 +18,7 @@ from operator import itemgetter
 from typing import Union
 
 from kvindex import native
+from kvindex.events import MAX_DP_RANK
 from kvindex.types import EntryRow
 
 ROW = struct.Struct("<QQQ")
@@ -28,6 +29,19 @@ Rows = Union[bytes, memoryview]  # snapshot rows, or a slice of them
 Table = tuple[str, int, str, Rows]  # (pod, dp_rank, medium, snapshot rows)
 TABLE_OF = itemgetter(0, 1, 2)  # an entry's Where
 ROW_OF = itemgetter(3, 4, 5)  # an entry's (hash, key or None, copies)
+
+
+def check_where(where: Where) -> None:
+    """ValueError unless a table's (pod, dp_rank, medium) is one the live path makes: a pod id (a
+    non-empty string), a dp_rank in [0, MAX_DP_RANK], a medium as the adapters name it (non-empty,
+    upper-case). What a snapshot, a peer or a Dynamo peer hands kvindex is held to it."""
+    pod, rank, medium = where
+    if type(pod) is not str or not pod:
+        raise ValueError(f"a table's pod must be a non-empty string, got {pod!r}")
+    if type(rank) is not int or not 0 <= rank <= MAX_DP_RANK:
+        raise ValueError(f"a table's dp_rank must be an integer from 0 to {MAX_DP_RANK}, got {rank!r}")
+    if type(medium) is not str or not medium or medium != medium.upper():
+        raise ValueError(f"a table's medium must be a non-empty upper-case name, got {medium!r}")
 
 
 def py_pack_rows(rows: Iterable[tuple[int, int | None, int]]) -> bytes:
@@ -74,5 +88,7 @@ def tables_of(entries: Iterable[EntryRow]) -> list[Table]:
     """The entries of each table packed as rows, tables in first-seen order (an export's)."""
     runs: dict[Where, list[tuple[int, int | None, int]]] = {}
     for where, run in groupby(entries, TABLE_OF):
+        if where not in runs:
+            check_where(where)
         runs.setdefault(where, []).extend(map(ROW_OF, run))
     return [(*where, pack_rows(rows)) for where, rows in runs.items()]

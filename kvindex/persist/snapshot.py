@@ -36,7 +36,7 @@ from typing import Annotated, Any
 import msgpack
 import msgspec
 
-from kvindex.index.rows import Table, check_rows, tables_of, unpack_rows
+from kvindex.index.rows import Table, check_rows, check_where, tables_of, unpack_rows
 from kvindex.types import Entry, EntryRow
 
 FORMAT = "kvindex-state"
@@ -143,7 +143,8 @@ _body_decoder = msgspec.msgpack.Decoder(_Body)
 def decode(data: bytes) -> State:
     """The snapshot in ``data`` (``StateError`` when it cannot be used). Its precise entries come
     back as ``tables``: version 1's rows are packed here (a row that is not in the format, e.g. a
-    hash outside u64, refuses the snapshot), version 2's tables are checked row by row."""
+    hash outside u64, refuses the snapshot), version 2's tables are checked row by row; a table
+    whose pod, dp_rank or medium the live path could not make (``check_where``) refuses it too."""
     header, at = read_header(data)
     body_bytes = memoryview(data)[at:]
     if len(body_bytes) != header["body_len"]:
@@ -158,6 +159,7 @@ def decode(data: bytes) -> State:
     streams = {k: [_stream(d) for d in v] for k, v in body.streams.items()}
     for pod, rank, medium, packed in body.precise.tables:
         try:
+            check_where((pod, rank, medium))
             check_rows(packed)
         except ValueError as exc:
             raise StateError(f"snapshot table ({pod!r}, {rank}, {medium!r}): {exc}") from None
