@@ -78,6 +78,7 @@ def test_a_trusted_body_template_is_bounded_in_size() -> None:
     assert len({id(t) for t in kept}) == 10 and templates.compiled == 1 + chat_template.MAX_REQUEST_COMPILED
 
 
+A4M = "{% set a = 'x' * 4000000 %}"
 COSTLY = [
     ("{{ 'x' * 100000000 }}", "'\\*' would build"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", f"{MAX_RENDER_STEPS} steps"),
@@ -96,6 +97,35 @@ COSTLY = [
     ("{{ 10 ** 100000000 }}", "'\\*\\*'"),
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "the rendered text"),
     ("{{ __kvindex_render_budget }}", "may not name"),
+    # found by review: each of these built 12-20 million characters, or repeated, without bound
+    (A4M + "{{ ([a] * 4) | join | length }}", "the filter 'join' would build"),
+    (A4M + "{{ ([a] * 4) | join(', ', attribute='x') | length }}", "the filter 'join' would build"),
+    (A4M + "{{ ([a] * 4) | map('upper') | join | length }}", "the filter 'join' would build"),
+    (A4M + "{{ ''.join([a] * 4) | length }}", "join would build"),
+    (A4M + "{{ ''.join(([a] * 4) | map('upper')) | length }}", "join would build"),
+    ("{% set l = [1] * 4000000 %}{{ [l, l, l] | sum(start=[]) | length }}", "the filter 'sum' would build"),
+    (A4M + "{{ [a, a, a] | string | length }}", "the filter 'string' would build"),
+    (A4M + "{{ [a, a, a] | pprint | length }}", "the filter 'pprint' would build"),
+    (A4M + "{{ [a, a, a] | tojson | length }}", "the filter 'tojson' would build"),
+    ("{{ [1] | tojson(indent=100000000) }}", "tojson's indent must be at most 64"),
+    ("{{ [1] | tojson(false, 100000000) }}", "tojson's indent must be at most 64"),  # HF's: (ensure_ascii, indent)
+    ("{% set ns = namespace(l=[1] * 100000) %}{% for i in range(20) %}{% set ns.l = [ns.l] %}{% endfor %}"
+     "{{ ns.l | tojson(indent=64) | length }}", "the filter 'tojson' would build"),  # 134M: a line per leaf
+    (A4M + "{{ {'k': a, 'j': a, 'l': a} | xmlattr | length }}", "the filter 'xmlattr' would build"),
+    ("{% set a = '&' * 4000000 %}{{ a | urlencode | length }}", "the filter 'urlencode' would build"),
+    ("{% set a = '<' * 4000000 %}{{ a | forceescape | length }}", "the filter 'forceescape' would build"),
+    ("{{ ('ß' * 5000000) | upper | length }}", "the filter 'upper' would build"),
+    ("{{ [1] | batch(100000000, 0) | list | length }}", "the filter 'batch' would build"),
+    ("{{ [1] | slice(100000000) | list | length }}", "slice into more than 100000 parts"),
+    ("{{ ('x'.encode() * 20000000) | length }}", "'\\*' would build"),
+    ("{{ 'x'.encode().center(100000000) | length }}", "center would build"),
+    (A4M + "{{ a.translate({120: 'yyy'}) | length }}", "translate would build"),
+    (A4M + "{{ '{a}{a}{a}'.format_map({'a': a}) | length }}", "format_map would build"),
+    (A4M + "{{ a | wordwrap(1, wrapstring='<br>') | length }}", "wordwrap would build"),
+    ("{{ lipsum(1000000) | length }}", "lipsum would build"),
+    ("{{ ('x' * 1000000).encode().replace('x'.encode(), ('y' * 20).encode()) | length }}", "replace would build"),
+    ("{{ ('\t' * 1000000).encode().expandtabs(20) | length }}", "expandtabs would build"),
+    ("{{ 'see example.com' | urlize }}", "urlize"),
 ]
 
 
@@ -105,6 +135,79 @@ def test_every_render_is_bounded(source: str, match: str) -> None:
     with pytest.raises(ChatTemplateError, match=match) as info:
         ChatTemplates(source, {}).render({"messages": HI})
     assert "\n" not in str(info.value)
+
+
+A1M = "{% set a = 'x' * 1000000 %}"
+BUILT_FIRST = [  # each builds 48 MB when its check comes after the value is built
+    A1M + "{{ ([a] * 48) | join | length }}",
+    A1M + "{{ ''.join([a] * 48) | length }}",
+    A1M + "{{ ''.join(([a] * 48) | map('lower')) | length }}",
+    A1M + "{% set l = [[1] * 1000000] * 48 %}{{ l | sum(start=[]) | length }}",
+    A1M + "{{ ([a] * 48) | string | length }}",
+    A1M + "{{ ([a] * 48) | tojson | length }}",
+    A1M + "{{ a.translate({120: 'y' * 48}) | length }}",
+    A1M + "{{ a | wordwrap(1, wrapstring='y' * 47) | length }}",
+]
+
+
+@pytest.mark.parametrize("source", BUILT_FIRST)
+def test_a_costly_value_is_refused_before_it_is_built(source: str) -> None:
+    """A check on the result alone would refuse these only once the 48 MB were allocated."""
+    import tracemalloc
+
+    template = ChatTemplates(source, {})
+    tracemalloc.start()
+    try:
+        with pytest.raises(ChatTemplateError, match="would build"):
+            template.render({"messages": HI})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+BENIGN = [
+    "{{ 'abcb' | replace('b', 'X') }}|{{ 'abcb' | replace('b', 'X', 1) }}|{{ 'ab'.replace('b', 'Y') }}",
+    "{{ 'the quick brown fox jumps' | wordwrap(9) }}|{{ 'a b c d' | wordwrap(3, wrapstring='<br>') }}",
+    "{{ [1, 'a', [2]] | join(', ') }}|{{ [{'x': 'p'}, {'x': 'q'}] | join('-', attribute='x') }}|{{ '+'.join(['u', 'v']) }}",
+    "{{ [1, 2, 3] | sum }}|{{ [[1], [2]] | sum(start=[]) }}|{{ [{'n': 2}, {'n': 5}] | sum(attribute='n') }}",
+    "{{ {'b': [1, {'c': 'd'}], 'a': None} | tojson }}|{{ [1, [2]] | tojson(indent=2) }}|{{ [1, 2] | pprint }}",
+    "{{ [1, 'x'] | string }}|{{ {'class': 'm', 'id': 3} | xmlattr }}|{{ {'q': 'a b&c'} | urlencode }}|{{ 'a/b c' | urlencode }}",
+    "{{ [1, 2, 3, 4, 5] | batch(2, 0) | list }}|{{ [1, 2, 3, 4, 5] | slice(2, 9) | list }}|{{ 'ab' | list }}",
+    "{{ 'a\nb' | indent(2, true) }}|{{ 'x' | center(7) }}|{{ '%s=%05d' | format('k', 42) }}|{{ 'long text here' | truncate(9, true, '..', 0) }}",
+    "{{ [3, 1, 2] | sort | list }}|{{ [1, 1, 2] | unique | list }}|{{ [{'r': 'u'}, {'r': 'a'}] | map(attribute='r') | join }}",
+    "{{ {'b': 1, 'a': 2} | dictsort }}|{{ [{'g': 1}, {'g': 2}, {'g': 1}] | groupby('g') | map('first') | list }}",
+    "{{ [4, 9] | min }}{{ [4, 9] | max }}|{{ [4, 9] | first }}{{ [4, 9] | last }}|{{ '<b>' | e }}{{ '<i>' | forceescape }}",
+    "{{ 'ab'.center(6, '*') }}|{{ 'a\tb'.expandtabs(4) }}|{{ 'abc'.translate({97: 'zz'}) }}|{{ '{}-{x}'.format(1, x=2) }}",
+    "{{ 'x'.encode() * 3 }}|{{ '%d'.encode() % 5 }}|{{ 'ab'.encode().center(6) }}|{{ 'Title me' | title }}{{ 'up' | upper }}",
+    "{{ 'a\tb'.encode().expandtabs(4) }}|{{ 'abcb'.encode().replace('b'.encode(), 'XY'.encode()) }}|{{ 'x\ny' | indent('> ') }}",
+]
+
+
+@pytest.mark.parametrize("source", BENIGN)
+def test_the_bounds_change_no_answer(source: str) -> None:
+    """Differential: every filter and method the bounds wrap renders exactly as Jinja's own
+    sandbox renders it (a wrapper once dropped the environment argument of ``replace`` and
+    ``wordwrap``: ``| replace(...)`` failed in every template that used it)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from adapters.template_bounds import BoundedSandbox, compile_bounded, render_bounded
+
+    options = {"trim_blocks": True, "lstrip_blocks": True}
+    env = BoundedSandbox(**options)
+    want = ImmutableSandboxedEnvironment(**options).from_string(source).render()
+    assert render_bounded(compile_bounded(env, env.parse(source)), {}) == want
+
+
+def test_the_chat_tojson_is_bounded_and_answers_as_json_dumps() -> None:
+    """The chat environment's ``tojson`` (HF's signature, set after the sandbox is made) is bounded
+    like every filter and answers ``json.dumps``'s text."""
+    value = {"b": [1, {"c": "é"}], "a": None}
+    source = "{{ v | tojson }}|{{ v | tojson(indent=2) }}|{{ v | tojson(true, 1, sort_keys=true) }}"
+    want = "|".join((json.dumps(value, ensure_ascii=False), json.dumps(value, ensure_ascii=False, indent=2),
+                     json.dumps(value, ensure_ascii=True, indent=1, sort_keys=True)))
+    assert ChatTemplates("{% set v = " + json.dumps(value).replace("null", "none") + " %}" + source, {}).render(
+        {"messages": HI}) == want
 
 
 def test_the_bounds_leave_large_real_chats_alone(tmp_path: Path) -> None:
