@@ -48,6 +48,7 @@ from kvindex import native
 from kvindex.events import (
     GPU,
     MAX_BLOCK_SIZE,
+    MAX_DP_RANK,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -169,7 +170,7 @@ class VllmDecoder:
     def _from_typed(self, wire: _MapBatch | _ArrayBatch) -> EventBatch | None:
         """Typed structs to kvindex events; None when a value needs the generic path's care."""
         rank = wire.data_parallel_rank or 0
-        if not 0 <= rank < 1 << 16:
+        if not 0 <= rank <= MAX_DP_RANK:
             return None
         events: list[KVEvent] = []
         removed: list[Any] = []  # a run of removals of one (medium, group), merged into one event
@@ -361,7 +362,7 @@ def _batch_parts(obj: Any) -> tuple[float, list[Any], int]:
         raise DecodeError("bad_batch", "events is not an array")
     if rank is None:
         rank = 0
-    if type(rank) is not int or not 0 <= rank < 1 << 16:
+    if type(rank) is not int or not 0 <= rank <= MAX_DP_RANK:
         raise DecodeError("bad_batch", "data_parallel_rank is not a small int")
     return float(ts), events, rank
 

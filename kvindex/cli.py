@@ -48,9 +48,10 @@ if Redis cannot be reached at start kvindex exits with code 2; later, queries an
 answers again."""
 
 WORKERS_HELP = """ingest worker processes (also [server] workers = N; default 1: everything in this
-process). With N >= 2 the engines are dealt out evenly (in configuration order; a registered one goes to
-the worker with the fewest) and each worker decodes and applies their events on a core of its own; this process keeps HTTP, the approximate index and drift,
-and fans each query out to every worker. A worker that dies makes /readyz and queries answer 503 with
+process). With N >= 2 the engines are dealt out evenly (in configuration order; a registered one
+goes to the worker with the fewest) and each worker decodes and applies their events on a core of
+its own; this process keeps HTTP, the approximate index and drift, and fans each query out to every
+worker. A worker that dies makes /readyz and queries answer 503 with
 the reason, and kvindex exits (code 1) 5 s later for its supervisor to restart it. Memory store only:
 refused with --store redis://, --state-dir and --peer (each worker's index lives in its own memory)."""
 

@@ -8,8 +8,8 @@ that owns it, or by asking every worker and merging the answers.
 Invariants:
 - A query needs every worker's answer: a worker that cannot answer (deadline, dead, its error)
   raises ``StoreUnavailable`` naming it — a 503, never a partial answer.
-- Reads merge to the single process's answer: a pod's ranks may sit on different workers (lanes
-  are assigned by lane key) and a pod's match is the longest over its ranks, so ``match`` merges
+- Reads merge to the single process's answer: a pod's ranks may sit on different workers (each
+  lane is dealt to a worker on its own) and a pod's match is the longest over its ranks, so ``match`` merges
   tiers by max and ``dp`` by union; ``blocks_held`` sums; ``pods``, ``block_sizes`` and
   ``export_entries`` union; ``engine_hashes`` unions ranks; ``position`` is the one worker's
   that holds the stream. ``match`` sends the keys once per worker as one packed frame.

@@ -198,17 +198,13 @@ class ShardedFleet:
         lanes = [0] * self._shards.count
         for index in self._worker.values():
             lanes[index] += 1
-        self._worker[key] = next_worker(lanes)
-        task = asyncio.create_task(self._add(key, engine), name=f"add lane {key}")
+        index = self._worker[key] = next_worker(lanes)
+        task = asyncio.create_task(self._add(key, engine, self._shards.channels[index]), name=f"add lane {key}")
         self._adding.add(task)
         task.add_done_callback(self._adding.discard)
         return RemoteLane(engine)
 
-    def _owner(self, key: str) -> ShardChannel:
-        return self._shards.channels[self._worker[key]]
-
-    async def _add(self, key: str, engine: EngineConfig) -> None:
-        chan = self._owner(key)
+    async def _add(self, key: str, engine: EngineConfig, chan: ShardChannel) -> None:
         try:
             await chan.request(ch.AddLane(key, engine))
         except StoreUnavailable as exc:
@@ -222,11 +218,9 @@ class ShardedFleet:
         engine = self._engines.pop(key, None)
         if engine is None:
             return None
+        chan = self._shards.channels[self._worker.pop(key)]  # with the engine, before any await: a new add is new
         await self.added()
-        try:
-            await self._owner(key).request(ch.RemoveLane(key))
-        finally:
-            del self._worker[key]
+        await chan.request(ch.RemoveLane(key))
         self._shards.lane_status.pop(key, None)
         return RemoteLane(engine)
 
@@ -249,7 +243,7 @@ class ShardedFleet:
     def lane_task_failed(self, key: str) -> str | None:
         if key not in self._engines:
             return None
-        chan = self._owner(key)
+        chan = self._shards.channels[self._worker[key]]
         if chan.dead is not None:
             return f"worker {chan.index} {chan.dead}"
         return self._shards.lane_status.get(key, LaneStatus()).failure
