@@ -59,7 +59,7 @@ HERE = Path(__file__).resolve()
 # -- the index content (the same in every server process) ---------------------------------------
 async def filled_daemon(blocks: int, queries: int, cache: Path | None = None) -> Any:
     """A Daemon (not started) whose in-memory index holds the workload's events, as lanes apply them."""
-    from adapters import DIALECTS
+    from adapters.dialects import DIALECTS
     from kvindex.config import Config
     from kvindex.daemon import Daemon
     from kvindex.ingest.streams import split_topic

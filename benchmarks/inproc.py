@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import BLOCK_SIZE, MODEL, QUERY_BLOCKS, Workload, latency_summary, rss_bytes  # noqa: E402
 
-from adapters import DIALECTS  # noqa: E402
+from adapters.dialects import DIALECTS  # noqa: E402
 from kvindex import keys as K  # noqa: E402
 from kvindex.approx.hashing import hash_request  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402

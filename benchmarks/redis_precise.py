@@ -45,7 +45,7 @@ from common import (  # noqa: E402
     pct,
 )
 
-from adapters import DIALECTS  # noqa: E402
+from adapters.dialects import DIALECTS  # noqa: E402
 from kvindex import keys as K  # noqa: E402
 from kvindex.events import BlockStored  # noqa: E402
 from kvindex.index.memory import MemoryPreciseStore

@@ -45,7 +45,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from adapters import DIALECTS
+from adapters.dialects import DIALECTS
 from adapters.engine_models import EnginePollers
 from adapters.engine_tokenizer import EngineTokenizer, RenderTokenizer
 from adapters.hf_tokenizer import HFTokenizer

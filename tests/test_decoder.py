@@ -7,7 +7,7 @@ from array import array
 import msgpack
 import pytest
 
-from adapters import DIALECTS
+from adapters.dialects import DIALECTS
 from adapters.vllm import VllmDecoder
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError
 

@@ -503,7 +503,7 @@ async def test_a_replica_that_lost_every_race_still_learns_the_adapters() -> Non
 
     from prometheus_client import CollectorRegistry
 
-    from adapters import DIALECTS
+    from adapters.dialects import DIALECTS
     from kvindex.config import EngineConfig
     from kvindex.index.memory import MemoryPreciseStore
     from kvindex.ingest.writer import StreamWriter
@@ -655,7 +655,7 @@ async def test_a_streams_first_batch_makes_its_model_a_base_once() -> None:
 
     from prometheus_client import CollectorRegistry
 
-    from adapters import DIALECTS
+    from adapters.dialects import DIALECTS
     from kvindex.config import EngineConfig
     from kvindex.index.memory import MemoryPreciseStore
     from kvindex.ingest.writer import StreamWriter

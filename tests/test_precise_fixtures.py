@@ -254,7 +254,7 @@ def test_the_fast_index_equals_the_reference_on_the_captures(capture: str) -> No
     """The captures straight into the fast index (its native core) and the readable
     reference (kvindex.index.reference), in process: equal counts and holdings after every batch,
     equal answers for every request's prompt at the time it was sent."""
-    from adapters import DIALECTS
+    from adapters.dialects import DIALECTS
     from kvindex import keys as K
     from kvindex.answers import cacheable_tokens
     from kvindex.index.precise import PreciseIndex

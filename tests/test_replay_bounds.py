@@ -203,7 +203,7 @@ async def test_a_replay_that_waited_for_descriptors_ends_with_its_outcome(kept: 
     any end of the wait wrote synced, also after ``replay_failed`` or ``history_lost``)."""
     from prometheus_client import CollectorRegistry
 
-    from adapters import DIALECTS
+    from adapters.dialects import DIALECTS
     from kvindex.config import EngineConfig
     from kvindex.index.memory import MemoryPreciseStore
     from kvindex.ingest.replay import NO_DESCRIPTORS, Replay

@@ -13,7 +13,7 @@ import msgpack
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
-from adapters import DIALECTS
+from adapters.dialects import DIALECTS
 from kvindex.config import EngineConfig
 from kvindex.events import Frame
 from kvindex.index.memory import MemoryPreciseStore

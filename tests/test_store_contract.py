@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from pytest import FixtureRequest
 
-from adapters import DIALECTS
+from adapters.dialects import DIALECTS
 from kvindex import keys as K
 from kvindex.answers import cacheable_tokens
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent

@@ -17,7 +17,7 @@ from random import Random
 
 import msgpack
 
-from adapters import DIALECTS
+from adapters.dialects import DIALECTS
 from kvindex import keys as K
 from kvindex.index.precise import PreciseIndex
 from kvindex.ingest.streams import split_topic

@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from adapters import DIALECTS
+from adapters.dialects import DIALECTS
 from kvindex import loops
 from kvindex.config import EngineConfig
 from kvindex.drift import DriftAudit
