@@ -51,7 +51,7 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 
-from adapters.template_bounds import RESERVED, BoundedSandbox, compile_bounded, render_bounded
+from adapters.template_bounds import BoundedSandbox, compile_bounded, render_bounded
 
 MAX_REQUEST_COMPILED = 4
 MAX_REQUEST_TEMPLATE_CHARS = 64 << 10  # a body's own template: compiling 1 MB took 10 s and ~0.5 GB
@@ -154,8 +154,6 @@ class CompiledTemplate:
     """One template: compiled, the variables it reads, the content format it wants, its clock formats."""
 
     def __init__(self, env: BoundedSandbox, source: str) -> None:
-        if RESERVED in source:
-            raise ChatTemplateError(f"chat template may not name {RESERVED}")
         try:
             tree = env.parse(source)
             self.variables = frozenset(jinja2.meta.find_undeclared_variables(tree))

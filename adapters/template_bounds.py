@@ -1,39 +1,30 @@
 """Bounds on what rendering a chat template may cost: a template is code, and a request may bring one.
 
 Invariants:
-- ``BoundedSandbox`` is Jinja's immutable sandbox in which one render (``render_bounded``) has a
-  ``RenderBudget`` of ``MAX_RENDER_STEPS`` steps: every item a ``{% for %}`` loop takes (a
-  recursive loop's ``loop(...)`` too) and every call the template makes (functions, macros,
-  methods) costs one step; the render fails when they run out (Jinja's own ``range`` already stops
-  at 100,000 items per call; nested loops do not). A step is not a unit of time: one step may
-  still copy up to the size bound below.
+- ``BoundedSandbox`` is Jinja's immutable sandbox; one render (``render_bounded``) runs under a
+  fresh ``RenderBudget`` (``adapters.template_budget``): ``MAX_RENDER_STEPS`` steps (every item a
+  ``{% for %}`` loop takes, a recursive loop's ``loop(...)`` too, every call, every filter, each
+  item ``map``/``select`` hand a filter) and ``MAX_RENDER_WORK`` units of work (every value built,
+  every item a size check walks). A step is not a unit of time: one may still copy 8 MiB.
 - No value the template builds may exceed ``MAX_RENDER_CHARS`` (characters, bytes, or items of a
-  list), and no number ``MAX_INT_BITS`` bits. Two kinds of check, each refusal saying which:
-  - **before** it is built ("would build at least N"), wherever the value could be far larger
-    than its inputs: ``*``, ``+``, ``**``, ``%`` and ``str.format`` (fields times the largest
-    printed argument, plus widths; nested ``{:{w}}`` widths are refused), ``~`` and the output of
-    a block (``{% set %}…{% endset %}``, macros, ``{% call %}``, ``{% filter %}``), the growing
-    string and bytes methods (``center``, ``ljust``, ``rjust``, ``zfill``, ``replace``,
-    ``expandtabs``, ``translate``, ``join``, ``format``, ``format_map``), the growing filters
-    (``center``, ``indent``, ``wordwrap``, ``replace``, ``format``, ``batch``), ``lipsum``, ``slice``
-    (into at most Jinja's ``MAX_RANGE`` parts), ``sum`` (also its quadratic copying), and every
-    filter that prints its value (``join``, ``string``, ``tojson`` with its indent of at most
-    ``MAX_JSON_INDENT``, ``pprint``, ``trim``, ``upper``, ...: the value is measured as printed,
-    ``printed_size``, a shared item each time it is reached, up to the bound); an iterable that
-    ``join``, ``sum`` or ``list`` consume is taken item by item up to the bound; a printed
-    container ``{{ }}`` is measured first too;
-  - **after** it returns ("built N"), for every filter (built in, or set in ``env.filters`` later:
-    ``BoundedFilters`` wraps whatever is put in it), call and operator: what grows by at most a
-    constant factor of its inputs (``escape``, ``upper``, ``encode``, ``tojson`` of non-ASCII:
-    up to ~12x) is built and then refused.
+  list), and no number ``MAX_INT_BITS`` bits. The rules are ``adapters.template_sizes``'; here
+  they are applied: **before** each ``*``, ``+``, ``**``, ``%`` (the operators intercepted), ``~``
+  (the template's ``Concat`` nodes are rewritten into a checked call at compile), str/bytes method
+  call, filter call (``before_filter``), ``lipsum``, block output (``{% set %}`` blocks, macros,
+  ``{% call %}``, ``{% filter %}``: ``concat``) and printed container (``finalize``), wherever the
+  value could be far larger than its inputs ("would build at least N"); **after** each of them,
+  and every call and filter whatever it is, on the value returned ("built N"): what grows by at
+  most a constant factor (``escape``, ``upper``, ``encode`` of an allowed codec, ``tojson`` of
+  non-ASCII: up to ~12x) is built and then refused. Every filter is wrapped as it is put in
+  ``env.filters`` (``BoundedFilters``), built in or set later, and is passed the environment or
+  context it asks for as Jinja would.
 - The rendered text is collected chunk by chunk and the render fails once it passes
-  ``MAX_RENDER_CHARS``. ``urlize`` (its output grows by its ``target`` per URL; no prompt uses
-  it) is not available: a template naming it does not compile.
+  ``MAX_RENDER_CHARS``. ``urlize`` and ``pprint`` (outputs their inputs do not bound; no prompt
+  uses them) are not available: a template naming them does not compile.
+- A template that names ``RESERVED`` anywhere (it carries the budget into the render, and could
+  be shadowed) is refused at compile (``bound_tree``).
 - Every refusal raises ``TemplateTooCostly`` (a ``jinja2.TemplateError``) with one line.
-- The reserved name ``RESERVED`` carries the budget into the render; a template that names it is
-  refused at compile (it could otherwise shadow the budget).
 """
-
 
 from __future__ import annotations
 
@@ -49,10 +40,16 @@ import jinja2.nodes as nodes
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from adapters.template_budget import (
+    MAX_RENDER_CHARS,
+    MAX_RENDER_STEPS,
+    RenderBudget,
+    TemplateTooCostly,
+    current_budget,
+    rendering,
+)
 from adapters.template_sizes import (
     FILTERS_READ_BY_NAME,
-    MAX_RENDER_CHARS,
-    TemplateTooCostly,
     before_filter,
     check_binop,
     check_method,
@@ -66,29 +63,15 @@ from adapters.template_sizes import (
 __all__ = ["MAX_RENDER_CHARS", "MAX_RENDER_STEPS", "RESERVED", "BoundedSandbox", "TemplateTooCostly",
            "compile_bounded", "render_bounded"]
 
-MAX_RENDER_STEPS = 2_000_000  # loop items + calls of one render: a large real chat needs ~10 per message
 RESERVED = "__kvindex_render_budget"
-_REMOVED_FILTERS = frozenset({"urlize"})
+_REMOVED_FILTERS = frozenset({"urlize", "pprint"})  # their output is not bounded by their input's (no prompt uses them)
 _PASSED_FIRST = ("environment", "env", "eval_ctx", "context")  # what Jinja may pass a filter before its value
 
 
-# -- steps ---------------------------------------------------------------------------------------
-class RenderBudget:
-    """One render's steps; called by the rewritten template: ``(RESERVED)("for", iterable)`` or
+# -- the tree -----------------------------------------------------------------------------------
+class TreeBudget(RenderBudget):
+    """The budget as the rewritten template calls it: ``(RESERVED)("for", iterable)`` or
     ``(RESERVED)("~", *parts)``."""
-
-    def __init__(self, steps: int = MAX_RENDER_STEPS) -> None:
-        self.left = steps
-
-    def step(self) -> None:
-        self.left -= 1
-        if self.left < 0:
-            raise TemplateTooCostly(f"the template takes more than {MAX_RENDER_STEPS} steps (loop items and calls)")
-
-    def loop(self, iterable: Any) -> Iterator[Any]:
-        for item in iterable:
-            self.step()
-            yield item
 
     def __call__(self, kind: str, *parts: Any) -> Any:
         if kind == "for":
@@ -102,7 +85,14 @@ def _budget_call(*args: Any) -> nodes.Call:
 
 
 def bound_tree(tree: nodes.Template) -> nodes.Template:
-    """``tree`` with every loop's iterable and every ``~`` passed through the render's budget."""
+    """``tree`` with every loop's iterable and every ``~`` passed through the render's budget; a
+    tree that names ``RESERVED`` anywhere (a variable, a macro, a parameter, an import) is refused:
+    it could shadow the budget."""
+    for node in tree.find_all(nodes.Node):
+        for field in node.fields:
+            value = getattr(node, field, None)
+            if value == RESERVED or (isinstance(value, (list, tuple)) and RESERVED in value):
+                raise TemplateTooCostly(f"a template may not name {RESERVED}")
     for loop in tree.find_all(nodes.For):
         loop.iter = _budget_call("for", loop.iter)
     for concat in list(tree.find_all(nodes.Concat)):
@@ -139,6 +129,9 @@ def bounded_filter(name: str, original: Callable[..., Any]) -> Callable[..., Any
                 named = signature.bind_partial(value, *rest, **kwargs).arguments
             except TypeError:
                 pass  # the filter itself says what is wrong with its arguments
+        budget = current_budget()
+        if budget is not None:
+            budget.step()
         value = before_filter(name, value, named)
         return refuse_built(original(*head, value, *rest, **kwargs), "the filter '{}'", name)
     return bounded
@@ -189,7 +182,7 @@ def _concat(parts: Iterable[str]) -> str:
     it is known to fit."""
     parts = list(parts)
     refuse_over(sum(map(len, parts)), "a block's output")
-    return "".join(parts)
+    return refuse_built("".join(parts), "{}", "a block's output")
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -231,8 +224,10 @@ def compile_bounded(env: BoundedSandbox, tree: nodes.Template) -> jinja2.Templat
 def render_bounded(template: jinja2.Template, variables: dict[str, Any]) -> str:
     """``template`` rendered with ``variables`` under a fresh budget, the output capped."""
     chunks, total = [], 0
-    for chunk in template.generate(**variables, **{RESERVED: RenderBudget()}):
-        total += len(chunk)
-        refuse_over(total, "the rendered text")
-        chunks.append(chunk)
+    with rendering(TreeBudget()) as budget:
+        for chunk in template.generate(**variables, **{RESERVED: budget}):
+            total += len(chunk)
+            refuse_over(total, "the rendered text")
+            budget.charge(len(chunk))
+            chunks.append(chunk)
     return "".join(chunks)

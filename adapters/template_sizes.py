@@ -13,40 +13,45 @@ Invariants:
   str/bytes method or a filter whose result would pass a bound; ``before_filter`` reads the
   arguments of the filters in ``FILTERS_READ_BY_NAME`` by parameter name (Jinja's and HF's
   ``tojson`` differ) and hands back the value to filter (an iterable consumed whole, taken first
-  by ``taken``, which refuses it once it passes the bound). Pure functions: no state.
+  by ``taken``, which refuses it once it passes the bound). Every value ``refuse_built`` sees and
+  every item ``printed_size`` walks is charged to the current render's budget
+  (``adapters.template_budget.charge``); otherwise no state.
+- A format's fields are read as Python reads them (``%``: a ``%(key)`` may hold brackets;
+  ``str.format``: Python's own parser); each may print its width, the largest printed argument
+  (4x for a repr) and ``FIELD_SLACK``. A ``*`` width, a nested ``{:{w}}`` field and a ``%`` field
+  that cannot be read are refused, as is an ``encode``/``decode`` codec outside ``CODECS``.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
+import string
 import typing
 from collections.abc import Iterable, Iterator, MappingView
 from itertools import chain
 from typing import Any
 
-import jinja2
 from jinja2.sandbox import MAX_RANGE
 from jinja2.utils import Namespace
 
-MAX_RENDER_CHARS = 8 << 20  # the rendered text, or any string/list the template builds (the body cap is 8 MiB)
+from adapters.template_budget import MAX_RENDER_CHARS, WALK_COST, TemplateTooCostly, charge
+
 MAX_INT_BITS = 1 << 16  # a number the template computes (Python prints at most 4,300 digits anyway)
 MAX_JSON_INDENT = 64
 MAX_SUM_COPIES = 8 * MAX_RENDER_CHARS  # items ``sum`` of sequences copies (each partial sum is a new one)
+FIELD_SLACK = 320  # what one format field may print beyond its argument's size ('%f' of 1e308: 316 characters)
+CODECS = frozenset({"utf-8", "ascii", "latin-1", "iso8859-1", "utf-16", "utf-16-le", "utf-16-be", "utf-32",
+                    "utf-32-le", "utf-32-be"})  # str.encode / bytes.decode: growth bounded, time linear
 # filters that take a container as a container (never its printed text): all others are measured first
 _CONTAINER_FILTERS = frozenset({"attr", "batch", "count", "d", "default", "dictsort", "first", "groupby", "items",
                                 "join", "last", "length", "list", "map", "max", "min", "random", "reject",
                                 "rejectattr", "reverse", "select", "selectattr", "slice", "sort", "sum", "unique"})
-_INDENT_PER_LEVEL = {"pprint": 1}  # printed with this much indentation per level of nesting
-FILTERS_READ_BY_NAME = frozenset({"join", "sum", "tojson", "batch", "slice", "center", "indent", "wordwrap", "replace",
-                    "format"})  # the filters ``before_filter`` reads arguments of (by name: signatures differ)
-_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[a-zA-Z%]")
-_BRACE_FIELD = re.compile(r"\{[^{}]*\}")
-_NESTED_FIELD = re.compile(r"\{[^{}]*\{")
+_GROWING_TEXT_FILTERS = frozenset({"center", "indent", "wordwrap", "replace", "format"})
+FILTERS_READ_BY_NAME = frozenset({"join", "sum", "tojson", "batch", "slice", *_GROWING_TEXT_FILTERS})  # (by name:
+# signatures differ, Jinja's tojson and HF's)
+_PERCENT_SPEC = re.compile(r"[-+ #0]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?([diouxXeEfFgGcrsa%])")
 _END = object()
-
-
-class TemplateTooCostly(jinja2.TemplateError):
-    """A render that would pass one of the module's bounds."""
 
 
 def refuse_over(size: int, what: str) -> None:
@@ -59,9 +64,11 @@ def refuse_over(size: int, what: str) -> None:
 def refuse_built(value: Any, what: str, name: str) -> Any:
     """The check after a value is built: ``value``, unless it is past a bound (``what`` names the
     operation, with ``{}`` for ``name``: formatted only for a refusal)."""
-    if isinstance(value, (str, bytes, list, tuple)) and len(value) > MAX_RENDER_CHARS:
-        raise TemplateTooCostly(f"{what.format(name)} built {len(value)} characters or items; "
-                                f"the bound is {MAX_RENDER_CHARS}")
+    if isinstance(value, (str, bytes, list, tuple)):
+        if len(value) > MAX_RENDER_CHARS:
+            raise TemplateTooCostly(f"{what.format(name)} built {len(value)} characters or items; "
+                                    f"the bound is {MAX_RENDER_CHARS}")
+        charge(len(value))
     if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
         raise TemplateTooCostly(f"{what.format(name)} built a number of {value.bit_length()} bits; "
                                 f"the bound is {MAX_INT_BITS}")
@@ -85,7 +92,10 @@ def _scalar_size(value: Any) -> int:
         return len(value)
     if isinstance(value, int):
         return value.bit_length() * 3 // 10 + 1  # decimal digits, at least
-    return 1
+    try:
+        return len(str(value))  # a float, a macro, a method: small things, printed
+    except Exception:  # noqa: BLE001 (whatever its __str__ raises, printing it raises too)
+        return 1
 
 
 def printed_size(value: Any, indent: int = 0) -> int:
@@ -96,7 +106,7 @@ def printed_size(value: Any, indent: int = 0) -> int:
     top = _children(value)
     if top is None:
         return _scalar_size(value)
-    seen, stack = 2, [(top, 1)]
+    seen, walked, stack = 2, 0, [(top, 1)]
     while stack and seen <= MAX_RENDER_CHARS:
         items, depth = stack[-1]
         item = next(items, _END)
@@ -105,8 +115,10 @@ def printed_size(value: Any, indent: int = 0) -> int:
             continue
         inner = _children(item)
         seen += (2 if inner is not None else _scalar_size(item) + 2) + depth * indent  # brackets or ", "
+        walked += 1
         if inner is not None:
             stack.append((inner, depth + 1))
+    charge(walked * WALK_COST)
     return seen
 
 
@@ -117,7 +129,7 @@ def walks(value: Any) -> bool:
 
 def _join_size(items: list[Any], sep: Any) -> int:
     """What ``sep.join`` of ``items`` (each printed) builds, at least; stops past the bound."""
-    total = _scalar_size(sep) * max(len(items) - 1, 0)
+    total = printed_size(sep) * max(len(items) - 1, 0)
     for item in items:
         total += printed_size(item)
         if total > MAX_RENDER_CHARS:
@@ -127,7 +139,7 @@ def _join_size(items: list[Any], sep: Any) -> int:
 
 def _spread(chars: int, sep: Any) -> int:
     """What joining ``chars`` single characters with ``sep`` builds."""
-    return chars + max(chars - 1, 0) * _scalar_size(sep)
+    return chars + max(chars - 1, 0) * printed_size(sep)
 
 
 def taken(value: Any, what: str) -> list[Any]:
@@ -145,29 +157,59 @@ def taken(value: Any, what: str) -> list[Any]:
 
 
 # -- format strings ------------------------------------------------------------------------------
-def _formatted_size(fmt: str, args: Iterable[Any], percent: bool, what: str) -> int:
-    """What formatting ``fmt`` with ``args`` builds, at most: its text, its widths, and each field
-    filled with the largest printed argument."""
-    if percent:
-        fields = _PERCENT_FIELD.findall(fmt)
-        if any("*" in pair for pair in fields):
+def _percent_fields(fmt: str, what: str) -> list[tuple[str, str, str]]:
+    """(width, precision, conversion) of each field of a ``%`` format, read as CPython reads it (a
+    ``%(key)`` may hold brackets); a ``*`` width or a field it cannot read is refused."""
+    fields, at = [], fmt.find("%")
+    while at >= 0:
+        at += 1
+        if at < len(fmt) and fmt[at] == "(":
+            depth = 0
+            while at < len(fmt):
+                depth += {"(": 1, ")": -1}.get(fmt[at], 0)
+                at += 1
+                if depth == 0:
+                    break
+        spec = _PERCENT_SPEC.match(fmt, at)
+        if spec is None:
+            raise TemplateTooCostly(f"{what} with a field this check cannot read is refused")
+        if "*" in spec.group(1, 2):
             raise TemplateTooCostly(f"{what} with a '*' width is refused")
-        widths = sum(max(int(w or 0), int(p or 0)) for w, p in fields)
-    else:
-        if _NESTED_FIELD.search(fmt):
+        if spec.group(3) != "%":
+            fields.append((spec.group(1) or "", spec.group(2) or "", spec.group(3)))
+        at = fmt.find("%", spec.end())
+    return fields
+
+
+def _brace_fields(fmt: str, what: str) -> list[tuple[str, str, str]]:
+    """(width, precision, conversion) of each field of a ``str.format`` string, parsed by Python's
+    own parser; a width or precision given by another field (``{:{w}}``) is refused."""
+    fields = []
+    for _, name, spec, conversion in string.Formatter().parse(fmt):
+        if name is None:
+            continue
+        if "{" in (spec or ""):
             raise TemplateTooCostly(f"{what} with a nested {{...{{}}}} field is refused")
-        fields = _BRACE_FIELD.findall(fmt)
-        widths = sum(int(n) for field in fields for n in re.findall(r"\d+", field))
+        numbers = re.findall(r"\d+", spec or "")
+        fields.append((str(sum(map(int, numbers))), "", "r" if conversion in ("r", "a") else "s"))
+    return fields
+
+
+def _formatted_size(fmt: str, fields: list[tuple[str, str, str]], args: Iterable[Any]) -> int:
+    """What formatting ``fmt`` builds, at most: its text, and each field its width, the largest
+    printed argument (4x for a repr: escapes) and ``FIELD_SLACK`` (numbers printed in full)."""
     largest = max((printed_size(a) for a in args), default=0)
-    return len(fmt) + widths + len(fields) * largest
+    return len(fmt) + sum(max(int(w or 0), int(p or 0)) + largest * (4 if conv in "ra" else 1) + FIELD_SLACK
+                          for w, p, conv in fields)
 
 
 def _format_args(right: Any) -> list[Any]:
-    """The values ``fmt % right`` may print: a tuple's items, a mapping's values, or ``right``."""
+    """The values ``fmt % right`` may print: a tuple's items, or ``right`` itself and, for a
+    mapping, its values (``%s`` prints the whole mapping, ``%(k)s`` one value)."""
     if isinstance(right, tuple):
         return list(right)
     if isinstance(right, dict):
-        return list(right.values())
+        return [right, *right.values()]
     return [right]
 
 
@@ -186,7 +228,8 @@ def check_binop(op: str, left: Any, right: Any) -> None:
         if (abs(left).bit_length() - 1) * right > MAX_INT_BITS:  # the result has at least that many bits
             raise TemplateTooCostly(f"'**' would build a number of more than {MAX_INT_BITS} bits")
     elif op == "%" and isinstance(left, (str, bytes)):
-        refuse_over(_formatted_size(_text(left), _format_args(right), True, "'%'"), "'%'")
+        text = _text(left)
+        refuse_over(_formatted_size(text, _percent_fields(text, "'%'"), _format_args(right)), "'%'")
 
 
 def _text(value: str | bytes) -> str:
@@ -212,17 +255,26 @@ def check_method(name: str, subject: str | bytes, args: tuple[Any, ...], kwargs:
     elif name == "expandtabs":
         tab = _arg(args, kwargs, 0, "tabsize", 8)
         refuse_over(len(text) + text.count("\t") * (tab if isinstance(tab, int) else 8), name)
-    elif name == "translate" and args and isinstance(args[0], dict):
-        longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
-        refuse_over(len(text) * max(longest, 1), name)
+    elif name == "translate" and args:
+        table = args[0].values() if isinstance(args[0], dict) else args[0] if isinstance(args[0], (list, tuple)) else ()
+        refuse_over(len(text) * max(max((printed_size(v) for v in table), default=1), 1), name)
+    elif name in ("encode", "decode"):
+        codec = _arg(args, kwargs, 0, "encoding", "utf-8")
+        try:
+            known = codecs.lookup(codec).name if isinstance(codec, str) else None
+        except LookupError:
+            known = None
+        if known not in CODECS:
+            raise TemplateTooCostly(f"{name} with the codec {codec!r} is refused (these are allowed: "
+                                    f"{', '.join(sorted(CODECS))})")
     elif name == "join" and args and isinstance(args[0], (list, tuple)):  # (``call`` takes an iterator first)
         refuse_over(_join_size(list(args[0]) if isinstance(args[0], tuple) else args[0], subject), name)
     elif name == "join" and args and isinstance(args[0], (str, bytes)):
         refuse_over(_spread(len(args[0]), subject), name)
     elif name == "format" and kind is str:
-        refuse_over(_formatted_size(text, [*args, *kwargs.values()], False, name), name)
+        refuse_over(_formatted_size(text, _brace_fields(text, name), [*args, *kwargs.values()]), name)
     elif name == "format_map" and kind is str and args and isinstance(args[0], dict):
-        refuse_over(_formatted_size(text, args[0].values(), False, name), name)
+        refuse_over(_formatted_size(text, _brace_fields(text, name), args[0].values()), name)
 
 
 def _replaced(text: str, old: str, new_len: int, count: Any, what: str) -> None:
@@ -245,12 +297,15 @@ def before_filter(name: str, value: Any, named: dict[str, Any]) -> Any:
             refuse_over(_join_size(value, named.get("d", "")), what)
         elif name == "sum":
             _check_sum(value, named.get("start", 0), what)
-    elif name not in _CONTAINER_FILTERS and walks(value):  # a filter of text, handed a container: str() of it
-        indent = named.get("indent") if name == "tojson" else _INDENT_PER_LEVEL.get(name, 0)
-        if name == "tojson":
-            _check_json_indent(indent)
+    elif name == "tojson":
+        indent = named.get("indent")
+        _check_json_layout(indent, named.get("separators"))
         refuse_over(printed_size(value, len(indent) if isinstance(indent, str) else indent or 0), what)
-    elif isinstance(value, (str, bytes)):
+    elif name not in _CONTAINER_FILTERS and walks(value):  # a filter of text, handed a container: str() of it
+        refuse_over(printed_size(value), what)
+        if name in _GROWING_TEXT_FILTERS:
+            _check_text_filter(name, str(value), named, what)
+    elif name in _GROWING_TEXT_FILTERS and isinstance(value, (str, bytes)):
         _check_text_filter(name, _text(value), named, what)
     if name == "batch" and named.get("fill_with") is not None:
         refuse_over(named.get("linecount", 0), what)  # the last batch is filled up to linecount
@@ -259,10 +314,13 @@ def before_filter(name: str, value: Any, named: dict[str, Any]) -> Any:
     return value
 
 
-def _check_json_indent(indent: Any) -> None:
-    if isinstance(indent, int) and not 0 <= indent <= MAX_JSON_INDENT or isinstance(indent, str) and len(
-            indent) > MAX_JSON_INDENT:
+def _check_json_layout(indent: Any, separators: Any) -> None:
+    """tojson's indent and separators: each at most ``MAX_JSON_INDENT`` characters."""
+    if (isinstance(indent, int) and not 0 <= indent <= MAX_JSON_INDENT) or (
+            isinstance(indent, str) and len(indent) > MAX_JSON_INDENT):
         raise TemplateTooCostly(f"tojson's indent must be from 0 to {MAX_JSON_INDENT}")
+    if separators is not None and printed_size(separators) > 2 * MAX_JSON_INDENT:
+        raise TemplateTooCostly(f"tojson's separators must be at most {MAX_JSON_INDENT} characters each")
 
 
 def _check_sum(items: list[Any], start: Any, what: str) -> None:
@@ -286,8 +344,16 @@ def _check_text_filter(name: str, text: str, named: dict[str, Any], what: str) -
     elif name == "wordwrap":  # at worst a line per character, each ended by the wrap string
         wrap = named.get("wrapstring")
         refuse_over(len(text) + (len(text) + 1) * (len(wrap) if isinstance(wrap, str) else 1), what)
-    elif name == "replace" and isinstance(named.get("old"), str) and isinstance(named.get("new"), str):
-        _replaced(text, named["old"], len(named["new"]), named.get("count"), what)
+    elif name == "replace" and "old" in named and "new" in named:  # Jinja prints both
+        _replaced(text, _as_text(named["old"], what), printed_size(named["new"]), named.get("count"), what)
     elif name == "format":
-        refuse_over(_formatted_size(text, [*named.get("args", ()), *named.get("kwargs", {}).values()], True, what),
-                     what)
+        kwargs = named.get("kwargs", {})
+        args = [*named.get("args", ()), kwargs, *kwargs.values()]  # '%s' % kwargs prints the whole mapping
+        refuse_over(_formatted_size(text, _percent_fields(text, what), args), what)
+
+
+def _as_text(value: Any, what: str) -> str:
+    """``str(value)``, once its printed size is known to fit."""
+    if walks(value):
+        refuse_over(printed_size(value), what)
+    return str(value)

@@ -105,7 +105,7 @@ COSTLY = [
     (A4M + "{{ ''.join(([a] * 4) | map('upper')) | length }}", "join would build"),
     ("{% set l = [1] * 4000000 %}{{ [l, l, l] | sum(start=[]) | length }}", "the filter 'sum' would build"),
     (A4M + "{{ [a, a, a] | string | length }}", "the filter 'string' would build"),
-    (A4M + "{{ [a, a, a] | pprint | length }}", "the filter 'pprint' would build"),
+    (A4M + "{{ [a, a, a] | pprint | length }}", "No filter named 'pprint'"),  # removed: not bounded by its input
     (A4M + "{{ [a, a, a] | tojson | length }}", "the filter 'tojson' would build"),
     ("{{ [1] | tojson(indent=100000000) }}", "tojson's indent must be from 0 to 64"),
     ("{{ [1] | tojson(false, 100000000) }}", "tojson's indent must be from 0 to 64"),
@@ -139,6 +139,27 @@ COSTLY = [
     (A4M + "{{ ('ab' * 8) | join(a) | length }}", "the filter 'join' would build"),
     (A4M + "{{ a.join('ab' * 8) | length }}", "join would build"),
     (A4M + "{% set d = {a: 1, a ~ 'y': 2, a ~ 'z': 3} %}{{ d | join | length }}", "the filter 'join' would build"),
+    # found by a third review (scaled up to the full size: each built 1-32 GB)
+    ("{{ '%(a())1000000000s' % {'a()': 1} }}", "'%' would build"),
+    (A4M + "{{ ('%s' % {'a': a, 'b': a, 'c': a}) | length }}", "'%' would build"),
+    ("{{ '{0[}]:>1000000000}'.format({'}': 1}) | length }}", "format would build"),
+    ("{{ (('%f' * 30000) % ((1e308,) * 30000)) | length }}", "'%' would build"),  # 9.5 MB; 883 MB at 2.8M
+    ("{{ (['' * 1] * 4000000) | join(['y' * 1000]) | length }}", "the filter 'join' would build"),
+    ("{% set s = ' ' * 8000000 %}{{ ([0] * 1000) | tojson(separators=(s, ':')) }}", "separators must be at most 64"),
+    ("{{ ('x' * 10000) | replace('x', 10 ** 4000) | length }}", "the filter 'replace' would build"),
+    ("{{ ['x' * 4000000] | replace('x', 'y' * 20) | length }}", "the filter 'replace' would build"),
+    ("{{ (['%1000000000s'] | format(1)) | length }}", "the filter 'format' would build"),
+    ("{{ ('x' * 1000000).translate(['y' * 200] * 200) | length }}", "translate would build"),
+    ("{{ 'abc'.encode('punycode') }}", "codec 'punycode' is refused"),
+    ("{% set a = 'x' * 4000000 %}{% set x %}{% for i in range(1000) %}{{ a ~ i }}{% endfor %}{% endset %}",
+     "builds more than 134217728 characters or items in all"),
+    ("{% set ns = namespace(l=[]) %}{% for i in range(1000) %}{% set ns.l = ns.l + ['x' * 8000000] %}{% endfor %}",
+     "in all"),
+    ("{% set a = 'x' * 8388000 %}{% for i in range(100000) %}{% set b = a ~ 'y' %}{% endfor %}", "in all"),
+    ("{% set l = [''] * 4194000 %}{{ ([l] * 8000000) | map('int') | sum }}", "in all"),
+    ("{{ ('x' * 8000000) | map('upper') | unique | list | length }}", f"{MAX_RENDER_STEPS} steps"),
+    ("{% macro __kvindex_render_budget(k, it) %}{{ it }}{% endmacro %}{% for c in 'x' * 3000 %}{% endfor %}",
+     "may not name"),
 ]
 
 
@@ -182,7 +203,7 @@ def test_a_costly_value_is_refused_before_it_is_built(source: str) -> None:
     template = ChatTemplates(source, {})
     tracemalloc.start()
     try:
-        with pytest.raises(ChatTemplateError, match="would build"):
+        with pytest.raises(ChatTemplateError, match="would build|in all"):  # measured first, or the walk's cost
             template.render({"messages": HI})
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -195,7 +216,7 @@ BENIGN = [
     "{{ 'the quick brown fox jumps' | wordwrap(9) }}|{{ 'a b c d' | wordwrap(3, wrapstring='<br>') }}",
     "{{ [1, 'a', [2]] | join(', ') }}|{{ [{'x': 'p'}, {'x': 'q'}] | join('-', attribute='x') }}|{{ '+'.join(['u', 'v']) }}",
     "{{ [1, 2, 3] | sum }}|{{ [[1], [2]] | sum(start=[]) }}|{{ [{'n': 2}, {'n': 5}] | sum(attribute='n') }}",
-    "{{ {'b': [1, {'c': 'd'}], 'a': None} | tojson }}|{{ [1, [2]] | tojson(indent=2) }}|{{ [1, 2] | pprint }}",
+    "{{ {'b': [1, {'c': 'd'}], 'a': None} | tojson }}|{{ [1, [2]] | tojson(indent=2) }}",
     "{{ [1, 'x'] | string }}|{{ {'class': 'm', 'id': 3} | xmlattr }}|{{ {'q': 'a b&c'} | urlencode }}|{{ 'a/b c' | urlencode }}",
     "{{ [1, 2, 3, 4, 5] | batch(2, 0) | list }}|{{ [1, 2, 3, 4, 5] | slice(2, 9) | list }}|{{ 'ab' | list }}",
     "{{ 'a\nb' | indent(2, true) }}|{{ 'x' | center(7) }}|{{ '%s=%05d' | format('k', 42) }}|{{ 'long text here' | truncate(9, true, '..', 0) }}",
