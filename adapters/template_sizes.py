@@ -35,11 +35,21 @@ from typing import Any
 from jinja2.sandbox import MAX_RANGE
 from jinja2.utils import Namespace
 
-from adapters.template_budget import MAX_RENDER_CHARS, WALK_COST, TemplateTooCostly, charge
+from adapters.template_budget import (
+    ITEM_COST,
+    MAX_RENDER_CHARS,
+    MAX_RENDER_ITEMS,
+    WALK_COST,
+    TemplateTooCostly,
+    charge,
+)
 
 MAX_INT_BITS = 1 << 16  # a number the template computes (Python prints at most 4,300 digits anyway)
 MAX_JSON_INDENT = 64
 MAX_SUM_COPIES = 8 * MAX_RENDER_CHARS  # items ``sum`` of sequences copies (each partial sum is a new one)
+MAX_WRAP_CHARS = 256 << 10  # wordwrap's input: its time grows with the square of a long word
+_CONSUMING_FILTERS = frozenset({"list", "sort", "unique", "batch", "slice", "groupby", "dictsort", "min", "max",
+                                "reverse", "wordcount"})  # a list of (about) one item per item or character
 FIELD_SLACK = 320  # what one format field may print beyond its argument's size ('%f' of 1e308: 316 characters)
 CODECS = frozenset({"utf-8", "ascii", "latin-1", "iso8859-1", "utf-16", "utf-16-le", "utf-16-be", "utf-32",
                     "utf-32-le", "utf-32-be"})  # str.encode / bytes.decode: growth bounded, time linear
@@ -61,14 +71,25 @@ def refuse_over(size: int, what: str) -> None:
                                 f"the bound is {MAX_RENDER_CHARS}")
 
 
+def refuse_items(count: int, what: str) -> None:
+    """The check before a list or tuple is built."""
+    if count > MAX_RENDER_ITEMS:
+        raise TemplateTooCostly(f"{what} would build a list of at least {count} items; the bound is {MAX_RENDER_ITEMS}")
+
+
 def refuse_built(value: Any, what: str, name: str) -> Any:
     """The check after a value is built: ``value``, unless it is past a bound (``what`` names the
-    operation, with ``{}`` for ``name``: formatted only for a refusal)."""
-    if isinstance(value, (str, bytes, list, tuple)):
+    operation, with ``{}`` for ``name``: formatted only for a refusal); its size charged."""
+    if isinstance(value, (list, tuple)):
+        if len(value) > MAX_RENDER_ITEMS:
+            raise TemplateTooCostly(f"{what.format(name)} built a list of {len(value)} items; "
+                                    f"the bound is {MAX_RENDER_ITEMS}")
+        charge(len(value) * ITEM_COST)
+    elif isinstance(value, (str, bytes)):
         if len(value) > MAX_RENDER_CHARS:
-            raise TemplateTooCostly(f"{what.format(name)} built {len(value)} characters or items; "
+            raise TemplateTooCostly(f"{what.format(name)} built {len(value)} characters; "
                                     f"the bound is {MAX_RENDER_CHARS}")
-        charge(len(value))
+        charge(len(value) if isinstance(value, bytes) or value.isascii() else 4 * len(value))
     if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
         raise TemplateTooCostly(f"{what.format(name)} built a number of {value.bit_length()} bits; "
                                 f"the bound is {MAX_INT_BITS}")
@@ -153,6 +174,7 @@ def taken(value: Any, what: str) -> list[Any]:
         items.append(item)
         total += 1 + (len(item) if isinstance(item, (str, bytes, list, tuple)) else 0)
         refuse_over(total, what)
+        refuse_items(len(items), what)
     return items
 
 
@@ -218,12 +240,16 @@ def check_binop(op: str, left: Any, right: Any) -> None:
     """Refuse ``left <op> right`` when its result would pass a bound."""
     if op == "*":
         for seq, times in ((left, right), (right, left)):
-            if isinstance(seq, (str, bytes, list, tuple)) and isinstance(times, int):
+            if isinstance(seq, (str, bytes)) and isinstance(times, int):
                 refuse_over(len(seq) * times, "'*'")
+            elif isinstance(seq, (list, tuple)) and isinstance(times, int):
+                refuse_items(len(seq) * times, "'*'")
         if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
             raise TemplateTooCostly(f"'*' would build a number of more than {MAX_INT_BITS} bits")
-    elif op == "+" and isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
+    elif op == "+" and isinstance(left, (str, bytes)) and isinstance(right, (str, bytes)):
         refuse_over(len(left) + len(right), "'+'")
+    elif op == "+" and isinstance(left, (list, tuple)) and isinstance(right, (list, tuple)):
+        refuse_items(len(left) + len(right), "'+'")
     elif op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
         if (abs(left).bit_length() - 1) * right > MAX_INT_BITS:  # the result has at least that many bits
             raise TemplateTooCostly(f"'**' would build a number of more than {MAX_INT_BITS} bits")
@@ -267,6 +293,10 @@ def check_method(name: str, subject: str | bytes, args: tuple[Any, ...], kwargs:
         if known not in CODECS:
             raise TemplateTooCostly(f"{name} with the codec {codec!r} is refused (these are allowed: "
                                     f"{', '.join(sorted(CODECS))})")
+    elif name in ("split", "rsplit", "splitlines"):  # a list of up to one item per separator
+        sep = _arg(args, kwargs, 0, "sep") if name != "splitlines" else None
+        seps = text.count(_text(sep)) if isinstance(sep, (str, bytes)) and sep else sum(map(text.count, " \t\n\r\v\f"))
+        refuse_items(seps + 1, name)
     elif name == "join" and args and isinstance(args[0], (list, tuple)):  # (``call`` takes an iterator first)
         refuse_over(_join_size(list(args[0]) if isinstance(args[0], tuple) else args[0], subject), name)
     elif name == "join" and args and isinstance(args[0], (str, bytes)):
@@ -297,6 +327,8 @@ def before_filter(name: str, value: Any, named: dict[str, Any]) -> Any:
             refuse_over(_join_size(value, named.get("d", "")), what)
         elif name == "sum":
             _check_sum(value, named.get("start", 0), what)
+    elif name in _CONSUMING_FILTERS and isinstance(value, (str, bytes, list, tuple)):
+        refuse_items(len(value), what)
     elif name == "tojson":
         indent = named.get("indent")
         _check_json_layout(indent, named.get("separators"))
@@ -308,7 +340,7 @@ def before_filter(name: str, value: Any, named: dict[str, Any]) -> Any:
     elif name in _GROWING_TEXT_FILTERS and isinstance(value, (str, bytes)):
         _check_text_filter(name, _text(value), named, what)
     if name == "batch" and named.get("fill_with") is not None:
-        refuse_over(named.get("linecount", 0), what)  # the last batch is filled up to linecount
+        refuse_items(named.get("linecount", 0), what)  # the last batch is filled up to linecount
     elif name == "slice" and isinstance(slices := named.get("slices"), int) and slices > MAX_RANGE:
         raise TemplateTooCostly(f"{what} into more than {MAX_RANGE} parts is refused")
     return value
@@ -342,8 +374,11 @@ def _check_text_filter(name: str, text: str, named: dict[str, Any], what: str) -
         width = named.get("width", 4)
         refuse_over(len(text) + (text.count("\n") + 1) * (len(width) if isinstance(width, str) else width), what)
     elif name == "wordwrap":  # at worst a line per character, each ended by the wrap string
+        if len(text) > MAX_WRAP_CHARS:
+            raise TemplateTooCostly(f"{what} of more than {MAX_WRAP_CHARS} characters is refused (its time grows "
+                                    "with the square of a long word)")
         wrap = named.get("wrapstring")
-        refuse_over(len(text) + (len(text) + 1) * (len(wrap) if isinstance(wrap, str) else 1), what)
+        refuse_over(len(text) + (len(text) + 1) * max(len(wrap) if isinstance(wrap, str) else 1, 1), what)
     elif name == "replace" and "old" in named and "new" in named:  # Jinja prints both
         _replaced(text, _as_text(named["old"], what), printed_size(named["new"]), named.get("count"), what)
     elif name == "format":

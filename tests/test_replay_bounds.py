@@ -229,7 +229,7 @@ async def test_a_replay_that_waited_for_descriptors_ends_with_its_outcome(kept: 
         await writer.waiting(st, *how)
         shown.append(await store.position(st.ref))
 
-    replay = Replay(ctx, engine.replay_address, 0.5, metrics, on_wait=waiting, descriptor_wait=0.6)
+    replay = Replay(ctx, engine.replay_address, 2.0, metrics, on_wait=waiting, descriptor_wait=1.5)  # room for a loaded CI
     try:
         for f in frames:
             await engine.publish(f)
