@@ -97,6 +97,9 @@ def refuse_built(value: Any, what: str, name: str) -> Any:
 
 
 # -- how big a value is, printed ----------------------------------------------------------------
+_WALKED = (dict, list, tuple, set, frozenset, MappingView, Namespace)  # what prints its items (``_children``)
+
+
 def _children(value: Any) -> Iterator[Any] | None:
     """What ``value`` prints of itself (a container's items, a namespace's attributes), or None."""
     if isinstance(value, dict):
@@ -145,7 +148,7 @@ def printed_size(value: Any, indent: int = 0) -> int:
 
 def walks(value: Any) -> bool:
     """Whether measuring ``value`` printed means walking it (a container, a namespace)."""
-    return _children(value) is not None
+    return isinstance(value, _WALKED)
 
 
 def _join_size(items: list[Any], sep: Any) -> int:
@@ -272,8 +275,7 @@ def check_method(name: str, subject: str | bytes, args: tuple[Any, ...], kwargs:
     the bound (Python's own parameters; a ``Markup`` subject is a str)."""
     text, kind = _text(subject), (str if isinstance(subject, str) else bytes)
     if name in ("center", "ljust", "rjust", "zfill"):
-        width = _arg(args, kwargs, 0, "width", 0)
-        refuse_over(max(len(text), width if isinstance(width, int) else 0), name)
+        _padded(text, _arg(args, kwargs, 0, "width", 0), name)
     elif name == "replace":
         old, new, count = _arg(args, kwargs, 0, "old"), _arg(args, kwargs, 1, "new"), _arg(args, kwargs, 2, "count", -1)
         if isinstance(old, kind) and isinstance(new, kind):
@@ -305,6 +307,11 @@ def check_method(name: str, subject: str | bytes, args: tuple[Any, ...], kwargs:
         refuse_over(_formatted_size(text, _brace_fields(text, name), [*args, *kwargs.values()]), name)
     elif name == "format_map" and kind is str and args and isinstance(args[0], dict):
         refuse_over(_formatted_size(text, _brace_fields(text, name), args[0].values()), name)
+
+
+def _padded(text: str, width: Any, what: str) -> None:
+    """``text`` padded to ``width`` (``center``, ``ljust``, ``rjust``, ``zfill``)."""
+    refuse_over(max(len(text), width if isinstance(width, int) else 0), what)
 
 
 def _replaced(text: str, old: str, new_len: int, count: Any, what: str) -> None:
@@ -368,8 +375,7 @@ def _check_sum(items: list[Any], start: Any, what: str) -> None:
 def _check_text_filter(name: str, text: str, named: dict[str, Any], what: str) -> None:
     """The growing filters of a string, by their parameters."""
     if name == "center":
-        width = named.get("width", 80)
-        refuse_over(max(len(text), width if isinstance(width, int) else 0), what)
+        _padded(text, named.get("width", 80), what)
     elif name == "indent":
         width = named.get("width", 4)
         refuse_over(len(text) + (text.count("\n") + 1) * (len(width) if isinstance(width, str) else width), what)
