@@ -1,12 +1,14 @@
 /* adapters._vllm: the vLLM KV-event payload decoded in C, for the batches engines really send.
  *
  * decode(payload, kinds, groups=None) -> EventBatch | None
- *   kinds = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array_type, GPU, NON_PREFIX_GROUP)
+ *   kinds = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array("I", [0]), array("Q", [0]), GPU,
+ *            NON_PREFIX_GROUP)
  *   groups = the decoder's [prefix group or None] (adapters/vllm_groups.py), set when learned
  *
  * adapters/vllm.py is the reference: VllmDecoder's typed path (msgspec structs, then
  * ``_from_typed``). This twin parses the msgpack bytes itself and builds the same kvindex events,
- * with token ids going straight into an array("I") (no Python int per token). Contract:
+ * with token ids going straight into an array("I") and block hashes into an array("Q") (no Python
+ * int per token or per block). Contract:
  * - For any payload, the result is None or equal to ``VllmDecoder().decode(payload)``; tests hold
  *   it to that on the recorded vLLM captures, the benchmark workloads and fuzzed bytes.
  * - None means "not the common case, decode it in Python": anything the typed path would refuse
@@ -33,6 +35,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../kvindex/kx_u64s.h"
+
 #define MAX_DEPTH 32
 #define MAX_BLOCK_SIZE (1u << 16) /* adapters/vllm.py MAX_BLOCK_SIZE */
 
@@ -51,7 +55,7 @@ typedef struct {
 } Item;
 
 typedef struct {
-    PyObject *stored, *removed, *cleared, *batch, *array_type, *gpu, *non_prefix;
+    PyObject *stored, *removed, *cleared, *batch, *u32_one, *u64_one, *gpu, *non_prefix;
 } Kinds;
 
 static int take(Buf *b, size_t n, const uint8_t **out) {
@@ -242,34 +246,29 @@ static int str_is(const Item *it, const char *s) {
 
 /* -- fields ------------------------------------------------------------------------------- */
 
-/* A non-empty array of u64 hashes (the common case: anything else goes to Python). */
-static PyObject *hashes(Buf *b) {
+/* A non-empty array of u64 hashes, as one array("Q"): no Python int per hash (anything else goes to Python). */
+static PyObject *hashes(Buf *b, const Kinds *k) {
     Item it, h;
+    uint64_t *vals;
     if (next(b, &it) < 0 || it.kind != K_ARRAY || it.n == 0) return NULL;
-    PyObject *out = PyTuple_New(it.n);
-    if (out == NULL) return NULL;
-    for (uint32_t i = 0; i < it.n; i++) {
-        PyObject *v = NULL;
+    PyObject *out = kx_zeros(k->u64_one, it.n, (void **)&vals);
+    for (uint32_t i = 0; out != NULL && i < it.n; i++) {
         int fast = uint_fast(b, &h.u);
-        if (fast > 0 || (fast == 0 && next(b, &h) == 0 && h.kind == K_UINT)) v = PyLong_FromUnsignedLongLong(h.u);
-        if (v == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyTuple_SET_ITEM(out, i, v);
+        if (fast > 0 || (fast == 0 && next(b, &h) == 0 && h.kind == K_UINT)) vals[i] = h.u;
+        else Py_CLEAR(out);
     }
     return out;
 }
 
-static PyObject *tokens(Buf *b, PyObject *array_type) {
+static PyObject *tokens(Buf *b, const Kinds *k) {
     Item it, t;
+    uint32_t *vals;
     if (next(b, &it) < 0 || it.kind != K_ARRAY) return NULL;
-    uint32_t *vals = PyMem_Malloc((it.n ? it.n : 1) * sizeof *vals);
-    if (vals == NULL) return NULL;
-    PyObject *out = NULL;
-    uint32_t i = 0;
+    PyObject *out = kx_zeros(k->u32_one, it.n, (void **)&vals);
+    if (out == NULL) return NULL;
+    uint32_t i = 0, n = it.n; /* n a local: the stores into vals could alias it.n */
     const uint8_t *p = b->p, *end = b->end;
-    for (; i < it.n && p < end; i++) { /* the token ids vLLM sends (fixint, u8, u16, u32) read in place */
+    for (; i < n && p < end; i++) { /* the token ids vLLM sends (fixint, u8, u16, u32) read in place */
         uint8_t c = *p;
         if (c <= 0x7f) { vals[i] = c; p++; continue; }
         if (c == 0xcd && end - p >= 3) { vals[i] = (uint32_t)p[1] << 8 | p[2]; p += 3; continue; }
@@ -281,8 +280,7 @@ static PyObject *tokens(Buf *b, PyObject *array_type) {
         p = b->p;
     }
     b->p = p;
-    if (i == it.n) out = PyObject_CallFunction(array_type, "sy#", "I", (const char *)vals, (Py_ssize_t)it.n * 4);
-    PyMem_Free(vals);
+    if (i != n) Py_CLEAR(out);
     return out;
 }
 
@@ -401,7 +399,7 @@ static void stored_clear(Stored *s) {
 /* Defaults of a field the event does not carry (msgspec's struct defaults). */
 static int stored_defaults(Stored *s, const Kinds *k) {
     if (s->parent == NULL) s->parent = Py_NewRef(Py_None);
-    if (s->tokens == NULL && (s->tokens = PyObject_CallFunction(k->array_type, "s", "I")) == NULL) return -1;
+    if (s->tokens == NULL && (s->tokens = PySequence_Repeat(k->u32_one, 0)) == NULL) return -1;
     if (s->medium == NULL) s->medium = Py_NewRef(Py_None);
     if (s->lora_name == NULL) s->lora_name = Py_NewRef(Py_None);
     if (s->salt == NULL) s->salt = Py_NewRef(Py_None);
@@ -487,14 +485,14 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
             return -1;
         int rc = 0, known = 1;
         if (*tag == E_REMOVED) {
-            if (str_is(&key, "block_hashes")) rc = set_field(&r->hashes, hashes(&fb));
+            if (str_is(&key, "block_hashes")) rc = set_field(&r->hashes, hashes(&fb, k));
             else if (str_is(&key, "medium")) rc = set_field(&r->medium, opt_medium(&fb, k->gpu));
             else if (str_is(&key, "group_idx")) rc = set_field(&r->group, opt_int(&fb));
             else known = 0;
         } else {
-            if (str_is(&key, "block_hashes")) rc = set_field(&s->hashes, hashes(&fb));
+            if (str_is(&key, "block_hashes")) rc = set_field(&s->hashes, hashes(&fb, k));
             else if (str_is(&key, "parent_block_hash")) rc = set_field(&s->parent, parent(&fb));
-            else if (str_is(&key, "token_ids")) rc = set_field(&s->tokens, tokens(&fb, k->array_type));
+            else if (str_is(&key, "token_ids")) rc = set_field(&s->tokens, tokens(&fb, k));
             else if (str_is(&key, "block_size")) rc = set_field(&s->block_size, block_size(&fb));
             else if (str_is(&key, "medium")) rc = set_field(&s->medium, opt_medium(&fb, k->gpu));
             else if (str_is(&key, "lora_name")) rc = set_field(&s->lora_name, opt_str(&fb));
@@ -522,13 +520,13 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
     for (uint32_t i = 1; i < n; i++) {
         int rc = 0, known = 1;
         if (*tag == E_REMOVED && i <= 3) {
-            rc = i == 1 ? set_field(&r->hashes, hashes(b))
+            rc = i == 1 ? set_field(&r->hashes, hashes(b, k))
                : i == 2 ? set_field(&r->medium, opt_medium(b, k->gpu)) : set_field(&r->group, opt_int(b));
         } else if (*tag == E_STORED && i <= 9 && i != 5) {
             switch (i) {
-            case 1: rc = set_field(&s->hashes, hashes(b)); break;
+            case 1: rc = set_field(&s->hashes, hashes(b, k)); break;
             case 2: rc = set_field(&s->parent, parent(b)); break;
-            case 3: rc = set_field(&s->tokens, tokens(b, k->array_type)); break;
+            case 3: rc = set_field(&s->tokens, tokens(b, k)); break;
             case 4: rc = set_field(&s->block_size, block_size(b)); break;
             case 6: rc = set_field(&s->medium, opt_medium(b, k->gpu)); break;
             case 7: rc = set_field(&s->lora_name, opt_str(b)); break;
@@ -551,15 +549,13 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
 
 /* A run of removals of one (medium, group), merged into one BlockRemoved as in Python. */
 typedef struct {
-    PyObject *hashes; /* list, or NULL when no run is open */
+    PyObject *hashes; /* array("Q"), or NULL when no run is open */
     PyObject *medium, *group;
 } Run;
 
 static int flush(Run *run, PyObject *events, const Kinds *k) {
     if (run->hashes == NULL) return 0;
-    PyObject *t = PyList_AsTuple(run->hashes);
-    PyObject *ev = t ? PyObject_CallFunctionObjArgs(k->removed, t, run->medium, run->group, NULL) : NULL;
-    Py_XDECREF(t);
+    PyObject *ev = PyObject_CallFunctionObjArgs(k->removed, run->hashes, run->medium, run->group, NULL);
     Py_CLEAR(run->hashes);
     if (ev == NULL) return -1;
     int rc = PyList_Append(events, ev);
@@ -576,13 +572,18 @@ static int add_removal(Run *run, Removed *r, PyObject *events, const Kinds *k) {
         int same = run->hashes != NULL && PyObject_RichCompareBool(medium, run->medium, Py_EQ) == 1
                    && PyObject_RichCompareBool(group, run->group, Py_EQ) == 1;
         if (!same && flush(run, events, k) < 0) goto done;
-        if (run->hashes == NULL) {
-            if ((run->hashes = PyList_New(0)) == NULL) goto done;
+        if (run->hashes == NULL) { /* the run's first removal: its hashes, the run's to extend */
+            run->hashes = Py_NewRef(r->hashes);
             Py_XSETREF(run->medium, Py_NewRef(medium));
             Py_XSETREF(run->group, Py_NewRef(group));
+            rc = 0;
+        } else {
+            PyObject *more = PySequence_InPlaceConcat(run->hashes, r->hashes); /* array += array: in place */
+            if (more != NULL) {
+                Py_SETREF(run->hashes, more);
+                rc = 0;
+            }
         }
-        Py_ssize_t end = PyList_GET_SIZE(run->hashes);
-        rc = PyList_SetSlice(run->hashes, end, end, r->hashes);
     }
 done:
     Py_XDECREF(medium);
@@ -661,9 +662,15 @@ static PyObject *events_of(Buf *b, uint32_t n, const Kinds *k, Prefix *pre, Py_s
 }
 
 static int parse_kinds(PyObject *obj, Kinds *k) {
-    return PyArg_ParseTuple(obj, "OOOOOUU;kinds must be (BlockStored, BlockRemoved, AllBlocksCleared, "
-                            "EventBatch, array type, GPU, NON_PREFIX_GROUP)", &k->stored, &k->removed, &k->cleared,
-                            &k->batch, &k->array_type, &k->gpu, &k->non_prefix);
+    if (!PyArg_ParseTuple(obj, "OOOOOOUU;kinds must be (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, "
+                          "array('I', [0]), array('Q', [0]), GPU, NON_PREFIX_GROUP)", &k->stored, &k->removed,
+                          &k->cleared, &k->batch, &k->u32_one, &k->u64_one, &k->gpu, &k->non_prefix))
+        return 0;
+    if (PyObject_Length(k->u32_one) != 1 || PyObject_Length(k->u64_one) != 1) { /* each repeats into an array */
+        PyErr_SetString(PyExc_ValueError, "kinds: the array templates must hold one item each");
+        return 0;
+    }
+    return 1;
 }
 
 /* [ts, events, dp_rank?] with a numeric ts and a small rank; NULL (no error set) to decline. */
@@ -706,7 +713,7 @@ PyDoc_STRVAR(decode_doc,
 "decode(payload, kinds, groups=None) -> EventBatch | None\n\n"
 "The payload's events, as adapters.vllm.VllmDecoder would decode them; None when it is not the\n"
 "common case (then decode it in Python). kinds: (BlockStored, BlockRemoved, AllBlocksCleared,\n"
-"EventBatch, array type, GPU, NON_PREFIX_GROUP); groups: the decoder's [prefix group or None], set when learned.");
+"EventBatch, array('I', [0]), array('Q', [0]), GPU, NON_PREFIX_GROUP); groups: the decoder's [prefix group or None], set when learned.");
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer payload;

@@ -123,7 +123,8 @@ class _ArrayBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 _STORES = (_MapStored, _ArrayStored)
 _TYPED: tuple[msgspec.msgpack.Decoder[Any], ...] = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
-_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array, GPU, G.NON_PREFIX_GROUP)  # what adapters._vllm builds
+_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared, EventBatch, array("I", [0]), array("Q", [0]), GPU,
+          G.NON_PREFIX_GROUP)  # what adapters._vllm builds (token ids and hashes: repeats of the arrays)
 
 
 class VllmDecoder:
@@ -283,10 +284,10 @@ class VllmDecoder:
             group_idx=small_int(f.get("group_idx"), 0),
         )
 
-    def _hashes(self, value: Any) -> tuple[int, ...]:
+    def _hashes(self, value: Any) -> array:
         if not isinstance(value, list) or not value:
             raise Skip("bad_block_hashes")
-        return tuple(self._hash(h) for h in value)
+        return array("Q", [self._hash(h) for h in value])
 
     def _hash(self, value: Any) -> int:
         if type(value) is int:
@@ -313,13 +314,12 @@ def _accepted_stores(raw_events: list[Any], decode_stored: Callable[[dict[str, A
             pass
 
 
-def _plain_hashes(values: list[Any]) -> tuple[int, ...] | None:
-    """Hashes that are already u64 ints (the common case), checked in C; else None."""
+def _plain_hashes(values: list[Any]) -> array | None:
+    """Hashes that are already u64 ints (the common case), packed and checked in C; else None."""
     try:
-        array("Q", values)
+        return array("Q", values)
     except (OverflowError, TypeError):
         return None
-    return tuple(values)
 
 
 def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:

@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kx_u64s.h"
 #include "kx_xxh3.h"
 
 #define LOCAL_SEED 1337ULL
@@ -76,33 +77,37 @@ static int token_buffer(PyObject *tokens, Py_buffer *view) {
     return 0;
 }
 
+/* The module's state: array("Q", [0]), which every answer is a repeat of (made at import). */
+typedef struct {
+    PyObject *u64_one;
+} State;
+
+static PyObject *u64_one(PyObject *module) { return ((State *)PyModule_GetState(module))->u64_one; }
+
 /* One hash per full block of ``tokens`` (at most ``limit``): the block's local hash, or with
-   ``chained`` its key, chained from ``key`` (the root). A new list, or NULL with an exception. */
-static PyObject *per_block(PyObject *tokens, PyObject *bs_obj, Py_ssize_t limit, int chained, uint64_t key) {
+   ``chained`` its key, chained from ``key`` (the root). A new array("Q"), or NULL with an exception. */
+static PyObject *per_block(PyObject *module, PyObject *tokens, PyObject *bs_obj, Py_ssize_t limit, int chained,
+                           uint64_t key) {
     Py_ssize_t block_size = 1;
     int sized = block_size_arg(bs_obj, &block_size);
     if (sized < 0) return NULL;
     Py_buffer view;
     if (token_buffer(tokens, &view) < 0) return NULL;
     Py_ssize_t n = sized ? full_blocks(view.len, block_size, limit) : 0;
-    PyObject *out = PyList_New(n);
+    uint64_t *out_items;
+    PyObject *out = kx_zeros(u64_one(module), n, (void **)&out_items);
     const unsigned char *data = view.buf;
     size_t width = (size_t)(4 * block_size); /* n > 0 only when 4 * block_size <= view.len */
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         uint64_t local = kx_xxh3_64(data + i * width, width, LOCAL_SEED);
-        PyObject *h = PyLong_FromUnsignedLongLong(chained ? (key = chain(key, local)) : local);
-        if (h == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, h);
+        out_items[i] = chained ? (key = chain(key, local)) : local;
     }
     PyBuffer_Release(&view);
     return out;
 }
 
 PyDoc_STRVAR(prompt_keys_doc,
-"prompt_keys(root, tokens, block_size, limit=-1) -> list[int]\n\n"
+"prompt_keys(root, tokens, block_size, limit=-1) -> array('Q')\n\n"
 "Chained keys of the full blocks of ``tokens`` (a buffer of u32, e.g. array('I')), at most\n"
 "``limit`` blocks when limit >= 0.");
 
@@ -112,22 +117,22 @@ static PyObject *prompt_keys(PyObject *self, PyObject *args) {
     uint64_t root;
     if (!PyArg_ParseTuple(args, "OOO|n", &root_obj, &tokens, &bs_obj, &limit)) return NULL;
     if (as_u64(root_obj, &root) < 0) return NULL;
-    return per_block(tokens, bs_obj, limit, 1, root);
+    return per_block(self, tokens, bs_obj, limit, 1, root);
 }
 
 PyDoc_STRVAR(local_hashes_doc,
-"local_hashes(tokens, block_size, limit=-1) -> list[int]\n\n"
+"local_hashes(tokens, block_size, limit=-1) -> array('Q')\n\n"
 "Dynamo's per-block hashes (XXH3-64, seed 1337) of the full blocks of ``tokens``.");
 
 static PyObject *local_hashes(PyObject *self, PyObject *args) {
     PyObject *tokens, *bs_obj;
     Py_ssize_t limit = -1;
     if (!PyArg_ParseTuple(args, "OO|n", &tokens, &bs_obj, &limit)) return NULL;
-    return per_block(tokens, bs_obj, limit, 0, 0);
+    return per_block(self, tokens, bs_obj, limit, 0, 0);
 }
 
 PyDoc_STRVAR(chain_keys_doc,
-"chain_keys(root, locals) -> list[int]\n\n"
+"chain_keys(root, locals) -> array('Q')\n\n"
 "key_i = XXH3-64(LE64(key_{i-1}) || LE64(locals[i])), starting from ``root``.");
 
 static PyObject *chain_keys(PyObject *self, PyObject *args) {
@@ -135,23 +140,26 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     uint64_t key;
     if (!PyArg_ParseTuple(args, "OO", &root_obj, &locals)) return NULL;
     if (as_u64(root_obj, &key) < 0) return NULL;
+    Py_buffer view;
+    uint64_t *out_items;
+    PyObject *out;
+    if (kx_u64_view(locals, &view)) { /* an array("Q") (the HTTP bodies' hashes): read in place */
+        Py_ssize_t n = view.len / 8;
+        const uint64_t *in = view.buf;
+        if ((out = kx_zeros(u64_one(self), n, (void **)&out_items)) != NULL)
+            for (Py_ssize_t i = 0; i < n; i++) out_items[i] = key = chain(key, in[i]);
+        PyBuffer_Release(&view);
+        return out;
+    }
     PyObject *seq = PySequence_Fast(locals, "locals must be a sequence of ints");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *out = PyList_New(n);
+    out = kx_zeros(u64_one(self), n, (void **)&out_items);
     for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
         uint64_t local;
-        PyObject *k = NULL;
-        if (as_u64(items[i], &local) == 0) {
-            key = chain(key, local);
-            k = PyLong_FromUnsignedLongLong(key);
-        }
-        if (k == NULL) {
-            Py_CLEAR(out);
-            break;
-        }
-        PyList_SET_ITEM(out, i, k);
+        if (as_u64(items[i], &local) < 0) Py_CLEAR(out);
+        else out_items[i] = key = chain(key, local);
     }
     Py_DECREF(seq);
     return out;
@@ -208,9 +216,29 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static int state_clear(PyObject *module) {
+    Py_CLEAR(((State *)PyModule_GetState(module))->u64_one);
+    return 0;
+}
+
+static int state_traverse(PyObject *module, visitproc visit, void *arg) {
+    Py_VISIT(((State *)PyModule_GetState(module))->u64_one);
+    return 0;
+}
+
+static void state_free(void *module) { state_clear((PyObject *)module); }
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvindex._keys",
-    "kvindex's chained block keys in C (kvindex/keys.py is the reference).", -1, methods,
+    "kvindex's chained block keys in C (kvindex/keys.py is the reference).", sizeof(State), methods,
+    NULL, state_traverse, state_clear, state_free,
 };
 
-PyMODINIT_FUNC PyInit__keys(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__keys(void) {
+    PyObject *m = PyModule_Create(&module), *array = m ? PyImport_ImportModule("array") : NULL;
+    State *st = m ? PyModule_GetState(m) : NULL;
+    if (array != NULL) st->u64_one = PyObject_CallMethod(array, "array", "s[i]", "Q", 0);
+    Py_XDECREF(array);
+    if (m != NULL && (st == NULL || st->u64_one == NULL)) Py_CLEAR(m);
+    return m;
+}

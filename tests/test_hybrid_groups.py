@@ -21,7 +21,7 @@ import msgpack
 from adapters.vllm import VllmDecoder
 from kvindex.config import Config
 from kvindex.events import NON_PREFIX_GROUP, BlockRemoved, BlockStored
-from tests.conftest import engine_config, ipc_endpoint, wait_for
+from tests.conftest import engine_config, ipc_endpoint, q, wait_for
 from tests.test_native_decoder import check
 
 VLLM_BYTES = bytes.fromhex(
@@ -67,10 +67,10 @@ def test_the_builder_writes_what_vllm_writes() -> None:
 def test_only_the_prefix_group_is_decoded_on_both_paths() -> None:
     for decoder in (VllmDecoder(), VllmDecoder(fast=None)):
         got = decoder.decode(VLLM_BYTES)
-        assert got.events == (BlockStored((11, 12), None, got.events[0].token_ids, 4),)  # type: ignore[union-attr]
+        assert got.events == (BlockStored(q(11, 12), None, got.events[0].token_ids, 4),)  # type: ignore[union-attr]
         assert got.skipped == (NON_PREFIX_GROUP, NON_PREFIX_GROUP) and decoder.groups == [0]
         later = decoder.decode(batch(*removed([12], 1), *removed([12], 0)))  # group_idx alone says which
-        assert later.events == (BlockRemoved((12,)),) and later.skipped == (NON_PREFIX_GROUP,)
+        assert later.events == (BlockRemoved(q(12)),) and later.skipped == (NON_PREFIX_GROUP,)
 
 
 def test_the_prefix_group_is_the_first_full_attention_group_even_when_removals_come_first() -> None:
@@ -146,7 +146,7 @@ def test_a_rejected_store_teaches_no_prefix_group() -> None:
         first = decoder.decode(stream[0])
         assert first.events == () and first.skipped == ("bad_block_size",) and decoder.groups == [None]
         assert [type(e).__name__ for e in decoder.decode(stream[1]).events] == ["BlockStored"]
-        assert decoder.decode(stream[2]).events == (BlockRemoved((6,)),) and decoder.groups == [0]
+        assert decoder.decode(stream[2]).events == (BlockRemoved(q(6)),) and decoder.groups == [0]
     # the rejected store ahead of a valid one in one batch: the valid one's group is the prefix group
     mixed = batch(bad, stored([6], None, TOKENS[:BS], 0, "full_attention"), *removed([6], 3))
     for decoder in (VllmDecoder(), VllmDecoder(fast=None)):

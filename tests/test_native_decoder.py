@@ -21,7 +21,7 @@ from kvindex import native
 from kvindex.events import DecodeError, EventBatch
 from kvindex.tools.engine_sim import SimulatedCache, encode_batch
 from kvindex.tools.workload import Workload
-from tests.conftest import CONFIGS, FIXTURES, need_native
+from tests.conftest import CONFIGS, FIXTURES, need_native, q
 from tests.test_decoder import A, B, C
 
 _fast = native.load("adapters._vllm")
@@ -266,7 +266,7 @@ def test_a_tier_placeholder_is_taken_and_block_size_0_elsewhere_is_bad(path: str
     batch = dec.decode(msgpack.packb([1.0, [placeholder], 0]))
     assert batch.skipped == () and len(batch.events) == 1
     ev = batch.events[0]
-    assert (ev.block_hashes, ev.block_size, list(ev.token_ids), ev.medium, ev.parent_hash) == ((9,), 0, [], "CPU", None)
+    assert (ev.block_hashes, ev.block_size, list(ev.token_ids), ev.medium, ev.parent_hash) == (q(9), 0, [], "CPU", None)
     for bad in ({"medium": "GPU"}, {"medium": None}, {"token_ids": [1, 2]}):
         batch = dec.decode(msgpack.packb([1.0, [{**placeholder, **bad}], 0]))
         assert batch.events == () and batch.skipped == ("bad_block_size",), bad

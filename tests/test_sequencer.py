@@ -3,10 +3,10 @@ No sockets, no store, no event loop."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Set as AbstractSet
 
 import pytest
+import xxhash
 from prometheus_client import CollectorRegistry
 
 from kvindex.config import EngineConfig
@@ -18,7 +18,7 @@ from kvindex.metrics import Metrics
 from kvindex.sequence import Outcome, Position
 
 P = b"payload"
-CRC = zlib.crc32(P)
+CRC = S.payload_digest(P)
 
 
 OTHER = {n: CRC + 1 for n in range(8)}  # the stream remembers other bytes at seqs 0..7 (an earlier life)
@@ -182,25 +182,33 @@ def test_life_of(frames: list[Frame], complete: bool, want: bool | None) -> None
     ([], False, None),
     ([f(6)], True, None),
 ])
-def test_same_life_without_the_watermark_crc(frames: list[Frame], complete: bool, want: bool | None) -> None:
+def test_same_life_without_the_watermark_digest(frames: list[Frame], complete: bool, want: bool | None) -> None:
     assert S.same_life(frames, complete, "t", 5, None) is want
 
 
-@pytest.mark.parametrize(("last_seq", "last_crc", "want"), [(None, None, False), (5, None, False), (None, CRC, False),
+@pytest.mark.parametrize(("last_seq", "last_digest", "want"), [(None, None, False), (5, None, False), (None, CRC, False),
                                                             (5, CRC, True)])
-def test_restored_life_needs_the_watermark_and_its_crc(last_seq: int | None, last_crc: int | None, want: bool) -> None:
-    assert S.restored_life(last_seq, last_crc) is want
+def test_restored_life_needs_the_watermark_and_its_digest(last_seq: int | None, last_digest: int | None, want: bool) -> None:
+    assert S.restored_life(last_seq, last_digest) is want
 
 
-def test_stream_remembers_the_recent_crcs_of_its_life() -> None:
+def test_stream_remembers_the_recent_digests_of_its_life() -> None:
     st = new_stream(EngineConfig(endpoint="tcp://127.0.0.1:1"), "kv@p@m", 0, Metrics(CollectorRegistry()))
-    for n in range(S.RECENT_CRCS + 10):
+    for n in range(S.RECENT_DIGESTS + 10):
         st.handled(n, n * 7)
-    assert len(st.recent) == S.RECENT_CRCS and min(st.recent) == 10 and st.last_crc == (S.RECENT_CRCS + 9) * 7
+    assert len(st.recent) == S.RECENT_DIGESTS and min(st.recent) == 10 and st.last_digest == (S.RECENT_DIGESTS + 9) * 7
     st.reset(Position(None, 1), 0)  # a new life: nothing of the old one is remembered
-    assert st.recent == {} and st.last_crc is None
-    st.restore({"last_seq": 9, "last_crc": 123})
-    assert st.recent == {9: 123} and st.last_crc == 123
+    assert st.recent == {} and st.last_digest is None
+    st.restore({"last_seq": 9, "last_digest": 123})
+    assert st.recent == {9: 123} and st.last_digest == 123
+    older = new_stream(EngineConfig(endpoint="tcp://127.0.0.1:1"), "kv@p@m", 0, Metrics(CollectorRegistry()))
+    older.restore({"last_seq": 9, "last_crc": 123})  # an older snapshot's CRC-32: not a digest, not read
+    assert older.recent == {} and older.last_digest is None and not S.restored_life(older.last_seq, older.last_digest)
+
+
+def test_the_payload_digest_is_xxh3_64() -> None:
+    """Saved in snapshots: changing the function would make every restored watermark a new life."""
+    assert S.payload_digest(b"") == 0x2D06800538D394C2 and S.payload_digest(P) == xxhash.xxh3_64_intdigest(P)
 
 
 @pytest.mark.parametrize(("frames", "complete", "want"), [

@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../kx_u64s.h"
+
 #define MIX 0x9E3779B97F4A7C15ULL
 #define NTIERS 3
 #define SINGLE 0x80000000u /* a holder ref: SINGLE | slot, or an interned mask id (>= 1) */
@@ -524,9 +526,11 @@ static int ref_has(const Core *c, uint32_t ref, uint32_t slot) {
 
 /* The ref of tmp (W words), one reference taken; 0 for an empty set. -1 on no memory. */
 static int64_t ref_of_tmp(Core *c) {
-    uint32_t W = c->masks.W, ones = 0, at = 0;
-    for (uint32_t i = 0; i < W; i++)
-        if (c->tmp[i]) { ones += (uint32_t)__builtin_popcountll(c->tmp[i]); at = i; }
+    uint32_t W = c->masks.W, ones = 0, at = 0; /* ones: 0, 1 or 2 (two or more) */
+    for (uint32_t i = 0; i < W && ones < 2; i++) {
+        uint64_t w = c->tmp[i];
+        if (w) { ones += (w & (w - 1)) ? 2 : 1; at = i; } /* no popcount: without -mpopcnt it is a call */
+    }
     if (ones == 0) return 0;
     if (ones == 1) return SINGLE | (at * 64 + (uint32_t)__builtin_ctzll(c->tmp[at]));
     uint32_t id = masks_intern(&c->masks, c->tmp);
@@ -796,12 +800,32 @@ static PyObject *core_free_worker(Core *c, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* The u64s of a sequence of ints, all converted before anything changes (an event applies whole
- * or not at all); *out is PyMem-owned. */
+/* The u64s of a packed buffer of them (an adapter's array("Q")): one copy, no int read. -2 when
+ * seq is no such buffer (the caller reads it as a sequence), -1 on no memory. */
+static Py_ssize_t packed_u64s(PyObject *seq, uint64_t **out) {
+    Py_buffer view;
+    if (!kx_u64_view(seq, &view)) return -2;
+    Py_ssize_t n = view.len / 8;
+    uint64_t *v = PyMem_Malloc((size_t)(view.len ? view.len : 8));
+    if (v) {
+        memcpy(v, view.buf, (size_t)view.len);
+        *out = v;
+    } else {
+        PyErr_NoMemory();
+        n = -1;
+    }
+    PyBuffer_Release(&view);
+    return n;
+}
+
+/* The u64s of a packed buffer or a sequence of ints, all converted before anything changes (an
+ * event applies whole or not at all); *out is PyMem-owned. */
 static Py_ssize_t u64s(PyObject *seq, const char *what, uint64_t **out) {
+    Py_ssize_t n = packed_u64s(seq, out);
+    if (n != -2) return n;
     PyObject *f = PySequence_Fast(seq, what);
     if (!f) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    n = PySequence_Fast_GET_SIZE(f);
     PyObject **items = PySequence_Fast_ITEMS(f);
     uint64_t *v = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *v);
     if (!v) { Py_DECREF(f); PyErr_NoMemory(); return -1; }
@@ -1084,10 +1108,44 @@ static int cmp_depth(const void *a, const void *b) {
  * Each slot's depth in a tier is the longest prefix of keys whose every key it holds in that
  * tier or a faster one (tiers are cumulative); only slots in allowed (an int mask) answer, and
  * only those with a depth >= 1 in some tier are listed. */
+/* A walk's keys: a packed buffer of u64s (an array("Q"), read in place) or a sequence of ints
+ * (each read when the walk reaches it; one that is not a u64 is a key nobody holds). */
+typedef struct {
+    Py_buffer view;
+    const uint64_t *packed; /* NULL: read from fast */
+    PyObject *fast;
+    Py_ssize_t n;
+} Keys;
+
+static int keys_open(PyObject *o, Keys *k) {
+    memset(k, 0, sizeof *k);
+    if (kx_u64_view(o, &k->view)) {
+        k->packed = k->view.buf;
+        k->n = k->view.len / 8;
+        return 0;
+    }
+    if (!(k->fast = PySequence_Fast(o, "keys must be a sequence"))) return -1;
+    k->n = PySequence_Fast_GET_SIZE(k->fast);
+    return 0;
+}
+
+static int key_at(const Keys *k, Py_ssize_t i, uint64_t *key) {
+    if (k->packed) { *key = k->packed[i]; return 1; }
+    if (as_u64(PySequence_Fast_ITEMS(k->fast)[i], key) == 0) return 1;
+    PyErr_Clear();
+    return 0;
+}
+
+static void keys_close(Keys *k) {
+    if (k->packed) PyBuffer_Release(&k->view);
+    Py_XDECREF(k->fast);
+}
+
 static PyObject *core_match(Core *c, PyObject *args) {
-    PyObject *ks, *allowed, *kf, *out = NULL;
+    PyObject *ks, *allowed, *out = NULL;
+    Keys kf;
     if (!PyArg_ParseTuple(args, "OO!", &ks, &PyLong_Type, &allowed)) return NULL;
-    if (!(kf = PySequence_Fast(ks, "keys must be a sequence"))) return NULL;
+    if (keys_open(ks, &kf) < 0) return NULL;
     uint32_t W = c->masks.W, nwk = c->nwk, tiers = (c->hold[1].used || c->hold[2].used) ? 3 : 1;
     uint64_t *ag = c->acc, *ac = ag + W, *ad = ac + W, *mw = ad + W;
     memset(ag, 0, W * sizeof *ag);
@@ -1098,7 +1156,7 @@ static PyObject *core_match(Core *c, PyObject *args) {
         PyObject *m1 = lim ? PyNumber_Subtract(lim, one) : NULL, *cut = m1 ? PyNumber_And(allowed, m1) : NULL;
         int bad = !cut || _PyLong_AsByteArray((PyLongObject *)cut, (unsigned char *)ag, W * 8, 1, 0) < 0;
         Py_XDECREF(mask); Py_XDECREF(one); Py_XDECREF(sh); Py_XDECREF(lim); Py_XDECREF(m1); Py_XDECREF(cut);
-        if (bad) { Py_DECREF(kf); return NULL; }
+        if (bad) { keys_close(&kf); return NULL; }
     }
     if (nwk < W * 64) { /* no bits past the live slots */
         for (uint32_t s = nwk; s < W * 64; s++) ag[s >> 6] &= ~(1ULL << (s & 63));
@@ -1107,20 +1165,18 @@ static PyObject *core_match(Core *c, PyObject *args) {
     memcpy(ad, ag, W * 8);
     if (c->depthcap < 3 * (nwk ? nwk : 1)) {
         int32_t *d = PyMem_Realloc(c->depth, 3 * (size_t)(nwk ? nwk : 1) * sizeof *d);
-        if (!d) { Py_DECREF(kf); return PyErr_NoMemory(); }
+        if (!d) { keys_close(&kf); return PyErr_NoMemory(); }
         c->depth = d;
         c->depthcap = 3 * (nwk ? nwk : 1);
     }
     int32_t *dg = c->depth, *dc = dg + nwk, *dd = dc + nwk;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(kf), i;
-    PyObject **K = PySequence_Fast_ITEMS(kf);
+    Py_ssize_t n = kf.n, i;
     for (uint32_t s = 0; s < nwk; s++) dg[s] = dc[s] = dd[s] = -1;
     uint64_t *accs[3] = {ag, ac, ad};
     int32_t *deps[3] = {dg, dc, dd};
     for (i = 0; i < n; i++) {
         uint64_t key = 0, any = 0;
-        int known = as_u64(K[i], &key) == 0;
-        if (!known) PyErr_Clear(); /* not a u64: nobody holds it */
+        int known = key_at(&kf, i, &key);
         memset(mw, 0, W * 8);
         for (uint32_t t = 0; t < tiers; t++) {
             HEnt *cell = known ? hold_find(&c->hold[t], key) : NULL;
@@ -1166,7 +1222,7 @@ static PyObject *core_match(Core *c, PyObject *args) {
         PyMem_Free(pairs);
     }
 done:
-    Py_DECREF(kf);
+    keys_close(&kf);
     return out;
 }
 

@@ -36,7 +36,7 @@ class Lineage:
         self._mark = MIN_PRUNE
         self._index: dict[int, tuple[int, int]] | None = None
 
-    def add(self, parent: int, locals_: Sequence[int], keys: list[int]) -> list[int]:
+    def add(self, parent: int, locals_: Sequence[int], keys: array) -> array:
         """Records the keys of one stored event (``keys[i]`` chains ``locals_[i]`` from the key
         before it, the first from ``parent``); returns ``keys``."""
         if keys and keys[-1] not in self._recs:  # the last key names the whole chain: a re-store adds nothing

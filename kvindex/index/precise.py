@@ -119,7 +119,7 @@ class PreciseIndex:
             self._tier_no.append(TIER_NO[tier_of(name)])
         return mid
 
-    def _event_keys(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored) -> tuple[list[int], bool]:
+    def _event_keys(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored) -> tuple[Sequence[int], bool]:
         """Keys for the event's blocks (shorter than its hashes where tokens run out; none on a lower tier)."""
         bs, size, device = ev.block_size, self._block_size.get(model), ev.medium == GPU
         if device and size != bs and (size is None or not self._held(model)):

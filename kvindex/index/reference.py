@@ -149,7 +149,7 @@ class ReferenceIndex:
             self._loaded_with.pop((pod, dp_rank), None)
         return done
 
-    def _keys(self, w: Worker, model: str, ev: BlockStored) -> list[int]:
+    def _keys(self, w: Worker, model: str, ev: BlockStored) -> Sequence[int]:
         """The keys the event's tokens give its blocks (fewer than its hashes when they run out)."""
         parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else w.key_of(ev.parent_hash)
         if parent is None or self._block_size[model] != ev.block_size:

@@ -22,7 +22,7 @@ Invariants:
   recovers ``[last_seq + 1, seq)`` from the engine's replay endpoint and then applies, with
   ``force=<reason>`` when history is gone (the stream is then unsynced in the store); BEHIND (the
   store lost writes) resynchronises the stream: clear, then replay the engine's history.
-- A seq that goes back with the very bytes the stream had there (its payload CRC, remembered for
+- A seq that goes back with the very bytes the stream had there (its payload digest, remembered for
   the current life's recent batches; past them the engine's replay is asked about the watermark)
   is a duplicate: dropped and counted (``kvindex_batches_skipped_total{outcome="duplicate"}``).
   With other bytes the engine restarted: ``store.restart(stream, epoch, ranks)`` clears

@@ -5,14 +5,14 @@ and a restored watermark (a restart kvindex could not see). The rules are the se
 
 Invariants:
 - A seq that went back past what the stream remembers (``Live.CHECK_LIFE``) is a duplicate when
-  the engine's replay still holds the stream's watermark batch (same seq, same payload CRC), a
+  the engine's replay still holds the stream's watermark batch (same seq, same payload digest), a
   restart when it holds other bytes there or its history stops before it (or the engine has no
   replay endpoint). When the replay cannot tell (it failed, timed out, was cut, no longer reaches
   the watermark) the batch is rejected (``kvindex_decode_errors_total{reason="life_unknown"}``)
   and the stream unsynced (``life_unknown``) until an answer says the watermark is still the
   engine's (synced again) or not (the restart). One watermark is asked about at most once per
   ``LIFE_CHECK_SECONDS``; in between the last answer holds (``sequencer.recheck_life``).
-- A restored stream's watermark (``last_seq`` and the CRC of the batch there, saved together) is
+- A restored stream's watermark (``last_seq`` and the digest of the batch there, saved together) is
   checked against the engine's replay before catching up: other bytes at that seq, or a history
   that stops before it, mean the engine restarted while kvindex was down. The stream is then
   restarted (its pod cleared) and replayed from the first seq, unsynced (``RESTARTED_UNSEEN``)
@@ -45,7 +45,7 @@ class EngineReplay(Protocol):
 
     async def life_of(self, st: Stream, seq: int, payload: bytes) -> bool | None: ...
 
-    async def same_life(self, st: Stream, seq: int, crc: int | None) -> bool | None: ...
+    async def same_life(self, st: Stream, seq: int, digest: int | None) -> bool | None: ...
 
     async def history_ends_before(self, st: Stream, seq: int) -> bool: ...
 
@@ -99,7 +99,7 @@ class Lives:
         adopted. Checks are spaced (every ``LIFE_CHECK_EVERY`` STALE batches in a row)."""
         st.stale_run += 1
         if not seqr.check_life(st.stale_run) or not await self._replay.life_of(st, seq, payload):
-            st.last_seq, st.last_crc = seq, None  # handled, not applied: no CRC of this life's batch there
+            st.last_seq, st.last_digest = seq, None  # handled, not applied: no digest of this life's batch there
             return ApplyResult(Outcome.STALE, pos)
         log.info("pod %s: the store is at epoch %d (another replica saw the engine restart): adopting it",
                  st.pod, pos.epoch)
@@ -114,12 +114,12 @@ class Lives:
         if not self._replay.endpoint:
             return seqr.went_back_to(None, False)
         now, last = time.monotonic(), st.life_check
-        if last is not None and last[:2] == (st.last_seq, st.last_crc) and not seqr.recheck_life(last[2], now):
+        if last is not None and last[:2] == (st.last_seq, st.last_digest) and not seqr.recheck_life(last[2], now):
             same = last[3]  # asked about this watermark a moment ago: the answer holds
         else:
             assert st.last_seq is not None
-            same = await self._replay.same_life(st, st.last_seq, st.last_crc)
-            st.life_check = (st.last_seq, st.last_crc, now, same)
+            same = await self._replay.same_life(st, st.last_seq, st.last_digest)
+            st.life_check = (st.last_seq, st.last_digest, now, same)
         step = seqr.went_back_to(same, True)
         if step is Live.LIFE_UNKNOWN:
             self._writer.reject(st.pod, LIFE_UNKNOWN, f"seq {seq} went back past seq {st.last_seq} and the engine's "
@@ -133,10 +133,10 @@ class Lives:
     async def restarted_unseen(self, st: Stream) -> bool:
         """Whether a restored stream's watermark is of an earlier life of the engine (its replay
         holds other bytes at that seq, or its history stops before it)."""
-        if not seqr.restored_life(st.last_seq, st.last_crc):
+        if not seqr.restored_life(st.last_seq, st.last_digest):
             return False
-        assert st.last_seq is not None and st.last_crc is not None
-        return await self._replay.same_life(st, st.last_seq, st.last_crc) is False
+        assert st.last_seq is not None and st.last_digest is not None
+        return await self._replay.same_life(st, st.last_seq, st.last_digest) is False
 
     async def restart_restored(self, st: Stream, replay_from: RecoverFrom) -> str | None:
         """The engine restarted while kvindex was down: clear the stream, replay the engine's

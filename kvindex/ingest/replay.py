@@ -12,7 +12,7 @@ Invariants:
   (``ReplayWalk``). An answer cut short by a bound leaves the stream unsynced with the bound's
   name (``replay_timeout``, ``replay_too_large``, ``replay_too_many_frames``). It yields to the
   event loop every ``YIELD_EVERY`` batches applied. Batches applied ahead of the live socket
-  (``stop`` None) are remembered by CRC in ``Stream.replayed`` so their live copies are dropped.
+  (``stop`` None) are remembered by digest in ``Stream.replayed`` so their live copies are dropped.
 - Metrics: ``kvindex_replays_total{pod, result}`` per recovery (``ok``, ``history_lost``,
   ``failed``, or the bound that cut it).
 - Out of file descriptors (the DEALER cannot be made: ``EMFILE``/``ENFILE``, or the request timed
@@ -30,7 +30,6 @@ import asyncio
 import errno
 import logging
 import socket
-import zlib
 from collections.abc import Awaitable, Callable
 
 import zmq
@@ -38,7 +37,7 @@ import zmq.asyncio
 
 from kvindex.events import Frame
 from kvindex.ingest import sequencer
-from kvindex.ingest.sequencer import NOT_THIS_LIFE, Recovered, ReplayWalk, Walk
+from kvindex.ingest.sequencer import NOT_THIS_LIFE, Recovered, ReplayWalk, Walk, payload_digest
 from kvindex.ingest.streams import Stream
 from kvindex.ingest.transport import (
     MAX_REPLAY_BYTES,
@@ -116,13 +115,13 @@ class Replay:
             return None
         return sequencer.life_of(result.frames, result.complete, st.topic, seq, payload)
 
-    async def same_life(self, st: Stream, seq: int, crc: int | None) -> bool | None:
-        """Whether the engine still holds, at ``seq``, the batch with payload CRC ``crc``
+    async def same_life(self, st: Stream, seq: int, digest: int | None) -> bool | None:
+        """Whether the engine still holds, at ``seq``, the batch with payload digest ``digest``
         (``sequencer.same_life``); None also without a replay endpoint or when the replay failed."""
         result = await self.peek(st, seq, 64)
         if result is None:
             return None
-        return sequencer.same_life(result.frames, result.complete, st.topic, seq, crc)
+        return sequencer.same_life(result.frames, result.complete, st.topic, seq, digest)
 
     async def history_ends_before(self, st: Stream, seq: int) -> bool:
         """Whether the engine's replay history stops before ``seq`` (so the store holds batches of
@@ -185,7 +184,7 @@ class Replay:
                     walk.failed()
                     break
                 if walk.stop is None:  # ahead of the live socket: its copies of these batches are duplicates
-                    st.replayed[frame.seq] = zlib.crc32(frame.payload)
+                    st.replayed[frame.seq] = payload_digest(frame.payload)
                 walk.applied()
                 applied += 1
                 if applied % YIELD_EVERY == 0:

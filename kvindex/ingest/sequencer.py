@@ -7,9 +7,9 @@ judgement (``kvindex.sequence.judge``, atomic with the apply, shared by every re
 rules decide what this replica does around it.
 
 Invariants:
-- A seq that goes back is a duplicate or an engine restart, told apart by payload CRC: the stream
-  remembers the CRCs of its last ``RECENT_CRCS`` batches of the engine's current life; the same
-  seq with the same CRC is a duplicate (``Live.DUPLICATE``: dropped, counted), with other bytes a
+- A seq that goes back is a duplicate or an engine restart, told apart by ``payload_digest``
+  (XXH3-64 of the payload): the stream remembers the digests of its last ``RECENT_DIGESTS``
+  batches of the engine's current life; the same seq with the same digest is a duplicate (``Live.DUPLICATE``: dropped, counted), with other bytes a
   restart (``Live.RESTART``), but only a batch with a usable event is evidence enough
   (``Live.NO_EVIDENCE``; the lane judges it as the new life would decode the batch: what the old
   one learned, a hybrid model's prefix group, may skip all of it). A seq older than that memory asks the engine's replay whether it still
@@ -21,8 +21,8 @@ Invariants:
   there is, restarts on it (``went_back_to``). A stream asks at most once per
   ``LIFE_CHECK_SECONDS`` about one watermark (``recheck_life``); in between the last answer holds.
   A batch a replay already applied ahead of the live socket (same seq,
-  same CRC) is dropped silently (``Live.REPLAYED``).
-- The engine's incarnation does not depend on seq going back: the CRC of the watermark batch is
+  same digest) is dropped silently (``Live.REPLAYED``).
+- The engine's incarnation does not depend on seq going back: the digest of the watermark batch is
   saved with the watermark; a restored stream asks the replay for that seq (``same_life``): other
   bytes there, or a history that stops before it, is a life kvindex did not see.
 - A stream whose stored history is unknown and whose first batch is past the first seq joined
@@ -36,9 +36,10 @@ Invariants:
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping, Sequence
 from enum import Enum
+
+import xxhash
 
 from kvindex.events import Frame
 from kvindex.sequence import Outcome, Position
@@ -46,10 +47,15 @@ from kvindex.sequence import Outcome, Position
 NOT_THIS_LIFE = "not_this_life"  # a recovery's verdict: the engine's history ends before the batch
 HISTORY_LOST = "history_lost"
 LIFE_CHECK_EVERY = 64  # STALE batches in a row between two replay checks of the batch's engine life
-RECENT_CRCS = 256  # a stream's remembered (seq -> payload CRC) of its current life, for duplicates
+RECENT_DIGESTS = 256  # a stream's remembered (seq -> payload digest) of its current life, for duplicates
 RESTARTED_UNSEEN = "engine_restarted_unseen"  # unsynced while a life kvindex did not see is replayed
 LIFE_UNKNOWN = "life_unknown"  # unsynced: a seq went back and the engine's replay could not tell why
 LIFE_CHECK_SECONDS = 1.0  # between two replay checks of one watermark (``recheck_life``)
+
+payload_digest = xxhash.xxh3_64_intdigest
+"""A batch's identity within its engine life: XXH3-64 of the payload, a third of CRC-32's time on a
+batch (snapshots save the watermark's as ``last_digest``; their ``last_crc`` before was a CRC-32,
+not read: such a stream restores as one of an older snapshot, without it)."""
 
 
 class Live(Enum):
@@ -74,15 +80,15 @@ _OFFER, _LIVE_AGAIN, _REPLAYED, _RESTART, _NO_EVIDENCE, _DUP, _CHECK = (
 def live(last_seq: int | None, replayed: Mapping[int, int], seq: int, payload: bytes, has_events: bool,
          recent: Mapping[int, int]) -> Live:
     """The step for live batch ``seq`` of a stream that last handled ``last_seq``; ``recent`` maps
-    the seqs of the stream's current life it remembers to their payload CRCs."""
+    the seqs of the stream's current life it remembers to their payload digests."""
     if replayed:
-        if replayed.get(seq) == zlib.crc32(payload):
+        if replayed.get(seq) == payload_digest(payload):
             return _REPLAYED
         if last_seq is not None and seq > last_seq:
             return _LIVE_AGAIN
     if last_seq is not None and seq <= last_seq:
         known = recent.get(seq)
-        if known is not None and known == zlib.crc32(payload):
+        if known is not None and known == payload_digest(payload):
             return _DUP
         if not has_events:
             return _NO_EVIDENCE
@@ -191,25 +197,25 @@ def life_of(frames: Sequence[Frame], complete: bool, topic: str, seq: int, paylo
     """Whether batch ``seq`` is of the engine's current life, by its replay from ``seq``: True (it
     holds these very bytes at ``seq``), False (other bytes there, or its history stops before),
     None (its history no longer reaches ``seq``)."""
-    return same_life(frames, complete, topic, seq, zlib.crc32(payload))
+    return same_life(frames, complete, topic, seq, payload_digest(payload))
 
 
-def same_life(frames: Sequence[Frame], complete: bool, topic: str, seq: int, crc: int | None) -> bool | None:
-    """Whether the engine's replay from ``seq`` holds, at ``seq``, the batch whose payload CRC is
-    ``crc`` (the same life of the engine): True, False (other bytes there, or its history stops
+def same_life(frames: Sequence[Frame], complete: bool, topic: str, seq: int, digest: int | None) -> bool | None:
+    """Whether the engine's replay from ``seq`` holds, at ``seq``, the batch whose payload digest is
+    ``digest`` (the same life of the engine): True, False (other bytes there, or its history stops
     before ``seq``: a new life), None (its history no longer reaches ``seq``, or the answer was
-    cut short, or a batch is there and ``crc`` is unknown: cannot tell)."""
+    cut short, or a batch is there and ``digest`` is unknown: cannot tell)."""
     mine = _of(frames, topic)
     at = next((f for f in mine if f.seq == seq), None)
     if at is not None:
-        return None if crc is None else zlib.crc32(at.payload) == crc
+        return None if digest is None else payload_digest(at.payload) == digest
     return False if not mine and complete else None
 
 
-def restored_life(last_seq: int | None, last_crc: int | None) -> bool:
+def restored_life(last_seq: int | None, last_digest: int | None) -> bool:
     """Whether a restored stream can ask the engine's replay if its watermark is of the engine's
-    current life (it holds a watermark and the CRC of the batch at it)."""
-    return last_seq is not None and last_crc is not None
+    current life (it holds a watermark and the digest of the batch at it)."""
+    return last_seq is not None and last_digest is not None
 
 
 def history_ends_before(frames: Sequence[Frame], complete: bool, topic: str) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvindex.config import MAX_BLOCKS_PER_POD
-from kvindex.ingest.sequencer import RECENT_CRCS
+from kvindex.ingest.sequencer import RECENT_DIGESTS
 from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
@@ -91,7 +91,7 @@ class Stream:
     last_applied: float | None = None  # wall clock
     last_event: float | None = None  # time.monotonic() of the last batch received (/v1/pods' age)
     ranks: set[int] = field(default_factory=set)  # dp ranks this stream's batches carried
-    replayed: dict[int, int] = field(default_factory=dict)  # seq -> CRC of batches a replay applied
+    replayed: dict[int, int] = field(default_factory=dict)  # seq -> payload digest of batches a replay applied
                                                              # ahead of the live socket
     stored: Position | None = None  # the stream's position as the store last answered
     seeded: bool = False  # the stored position has been read since the stream appeared
@@ -100,23 +100,23 @@ class Stream:
     held: int = 0  # batches of this stream waiting in the lane's buffer
     model_told: bool = False  # its model told to on_lora as a base model (kvindex.ingest.writer, once)
     stale_run: int = 0  # STALE batches in a row (replay checks of their engine life are spaced)
-    last_crc: int | None = None  # payload CRC of the batch at last_seq (saved with it: the engine's life)
-    recent: dict[int, int] = field(default_factory=dict)  # seq -> payload CRC, the last RECENT_CRCS
+    last_digest: int | None = None  # payload digest of the batch at last_seq (saved with it: the engine's life)
+    recent: dict[int, int] = field(default_factory=dict)  # seq -> payload digest, the last RECENT_DIGESTS
                                                            # batches of this life (duplicates)
-    life_check: tuple[int | None, int | None, float, bool | None] | None = None  # (last_seq, last_crc,
+    life_check: tuple[int | None, int | None, float, bool | None] | None = None  # (last_seq, last_digest,
     # when, the replay's answer) of the last check of the watermark's engine life (``recheck_life``)
 
     @property
     def baseline_unknown(self) -> bool:
         return self.stored is None or self.stored.last_seq is None
 
-    def handled(self, seq: int, crc: int) -> None:
-        """Batch ``seq`` (payload CRC ``crc``) of the engine's current life was applied or judged
-        a duplicate: remembered, the oldest forgotten past ``RECENT_CRCS``."""
-        self.last_crc = crc
+    def handled(self, seq: int, digest: int) -> None:
+        """Batch ``seq`` (payload digest ``digest``) of the engine's current life was applied or judged
+        a duplicate: remembered, the oldest forgotten past ``RECENT_DIGESTS``."""
+        self.last_digest = digest
         recent = self.recent
-        recent[seq] = crc
-        if len(recent) > RECENT_CRCS:
+        recent[seq] = digest
+        if len(recent) > RECENT_DIGESTS:
             del recent[next(iter(recent))]
 
     def sorted_ranks(self) -> list[int] | None:
@@ -139,7 +139,7 @@ class Stream:
         self.expect_from = expect_from
         self.replayed.clear()
         self.recent.clear()
-        self.last_crc = None
+        self.last_digest = None
         self.life_check = None
         self.force = None
         self.observe(pos)
@@ -156,10 +156,10 @@ class Stream:
                      "restarts", "batches"):
             if name in saved:
                 setattr(self, name, saved[name])
-        crc = saved.get("last_crc")
-        if type(crc) is int and self.last_seq is not None:  # older snapshots have none
-            self.last_crc = crc
-            self.recent = {self.last_seq: crc}
+        digest = saved.get("last_digest")  # older snapshots have none (theirs, last_crc, was a CRC-32)
+        if type(digest) is int and self.last_seq is not None:
+            self.last_digest = digest
+            self.recent = {self.last_seq: digest}
         self.seeded = True
         return Position(self.last_seq, self.epoch, self.synced, self.unsynced_reason)
 

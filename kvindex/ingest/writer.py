@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
@@ -111,7 +110,7 @@ class StreamWriter:
             self._applied(st, seq, batch, payload, result.applied)
             if result.applied is not None and result.applied.block_size_mismatch:
                 await self._mismatch(st, events, result.applied.block_size_mismatch)
-            st.handled(seq, zlib.crc32(payload))
+            st.handled(seq, seqr.payload_digest(payload))
             if await self._capacity.applied(st.pod, result.applied) and result.position.synced:
                 pos = result.position
                 pos = Position(pos.last_seq, pos.epoch, False, OVER_CAPACITY)
@@ -124,7 +123,7 @@ class StreamWriter:
             if outcome is DUPLICATE:
                 st.ranks.add(rank)
                 st.last_seq = seq
-                st.handled(seq, zlib.crc32(payload))
+                st.handled(seq, seqr.payload_digest(payload))
         return result
 
     def duplicate(self, st: Stream, seq: int) -> None:

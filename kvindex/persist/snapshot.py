@@ -9,8 +9,12 @@ map][body: msgpack map]``. The header is ``{"format": "kvindex-state", "version"
                  "tables": [[pod, dp_rank, medium, <bin: snapshot rows, kvindex.index.rows>], ...]},
      "approx": <ApproxIndex.export_state()>,
      "streams": {lane_key: [{"topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason",
-                             "gaps", "replays", "restarts", "batches", "epoch", "last_crc"}, ...]},
+                             "gaps", "replays", "restarts", "batches", "epoch", "last_digest"}, ...]},
      "registrations": [{"instance_id", "model", "group", "block_size", "dp_rank", "endpoint", "replay"}, ...]}
+
+``last_digest`` is the XXH3-64 of the watermark batch's payload (``ingest.sequencer.payload_digest``);
+snapshots before it saved a CRC-32 as ``last_crc``, which is not read (such a stream restores
+without its watermark's digest, as one whose snapshot saved none).
 
 Invariants:
 - ``decode`` refuses (``StateError``, one clear line) anything that is not a complete snapshot of a
@@ -44,7 +48,7 @@ VERSION = 2
 READS = (1, 2)  # the versions decode accepts
 SNAPSHOT_NAME = "state.snap"
 STREAM_FIELDS = ("topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays",
-                 "restarts", "batches", "epoch", "last_crc")
+                 "restarts", "batches", "epoch", "last_digest")
 
 
 class StateError(ValueError):

@@ -20,8 +20,9 @@ Invariants:
 - Every request has a deadline (``ShardChannel.timeout``): no answer in time, a worker known dead
   (``fail``), a reply that does not decode, or the worker's ``Failed`` raises ``StoreUnavailable``
   with a one-line reason naming the worker. An answer after its deadline is dropped.
-- Events cross as ``WireStored`` / ``WireRemoved`` / ``WireCleared`` (``token_ids`` as the packed
-  u32 bytes) and come out as the same ``KVEvent`` values (``to_wire`` / ``from_wire``).
+- Events cross as ``WireStored`` / ``WireRemoved`` / ``WireCleared`` (``token_ids`` and
+  ``block_hashes`` as their packed u32 / u64 bytes) and come out as the same ``KVEvent`` values
+  (``to_wire`` / ``from_wire``; hashes as an ``array("Q")``, whatever sequence went in).
 """
 
 from __future__ import annotations
@@ -60,13 +61,19 @@ def next_worker(lanes: Sequence[int]) -> int:
 
 
 def pack_keys(keys: Iterable[int]) -> bytes:
-    return array("Q", keys).tobytes()
+    """Keys or hashes as u64s in native byte order (an ``array("Q")``, as kvindex.keys and the
+    adapters make them, as it is: one copy)."""
+    return (keys if isinstance(keys, array) and keys.typecode == "Q" else array("Q", keys)).tobytes()
 
 
 def unpack_keys(raw: bytes) -> array:
-    keys = array("Q")
-    keys.frombytes(raw)
-    return keys
+    return _unpacked(raw, "Q")
+
+
+def _unpacked(data: bytes, typecode: str) -> array:
+    out = array(typecode)
+    out.frombytes(data)
+    return out
 
 
 class WorkerSettings(msgspec.Struct, frozen=True):
@@ -90,7 +97,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
 
 # -- events on the wire ----------------------------------------------------------------------------
 class WireStored(msgspec.Struct, frozen=True, tag="s", array_like=True):
-    block_hashes: tuple[int, ...]
+    block_hashes: bytes  # array("Q").tobytes(): native byte order, as token_ids
     parent_hash: int | None
     token_ids: bytes  # array("I").tobytes(): native byte order (both ends on one host, ipc://)
     block_size: int
@@ -101,7 +108,7 @@ class WireStored(msgspec.Struct, frozen=True, tag="s", array_like=True):
 
 
 class WireRemoved(msgspec.Struct, frozen=True, tag="r", array_like=True):
-    block_hashes: tuple[int, ...]
+    block_hashes: bytes
     medium: str
     group_idx: int
 
@@ -115,10 +122,10 @@ WireEvent = WireStored | WireRemoved | WireCleared
 
 def to_wire(ev: KVEvent) -> WireEvent:
     if isinstance(ev, BlockStored):
-        return WireStored(ev.block_hashes, ev.parent_hash, ev.token_ids.tobytes(), ev.block_size, ev.medium,
-                          ev.lora_name, ev.cache_salt, ev.group_idx)
+        return WireStored(pack_keys(ev.block_hashes), ev.parent_hash, ev.token_ids.tobytes(), ev.block_size,
+                          ev.medium, ev.lora_name, ev.cache_salt, ev.group_idx)
     if isinstance(ev, BlockRemoved):
-        return WireRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+        return WireRemoved(pack_keys(ev.block_hashes), ev.medium, ev.group_idx)
     return WireCleared()
 
 
@@ -128,12 +135,10 @@ def events_to_wire(events: Sequence[KVEvent]) -> tuple[WireEvent, ...]:
 
 def from_wire(ev: WireEvent) -> KVEvent:
     if isinstance(ev, WireStored):
-        tokens = array("I")
-        tokens.frombytes(ev.token_ids)
-        return BlockStored(ev.block_hashes, ev.parent_hash, tokens, ev.block_size, ev.medium, ev.lora_name,
-                           ev.cache_salt, ev.group_idx)
+        return BlockStored(unpack_keys(ev.block_hashes), ev.parent_hash, _unpacked(ev.token_ids, "I"),
+                           ev.block_size, ev.medium, ev.lora_name, ev.cache_salt, ev.group_idx)
     if isinstance(ev, WireRemoved):
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+        return BlockRemoved(unpack_keys(ev.block_hashes), ev.medium, ev.group_idx)
     return AllBlocksCleared()
 
 
