@@ -9,9 +9,9 @@ rules decide what this replica does around it.
 Invariants:
 - A seq that goes back is a duplicate or an engine restart, told apart by ``payload_digest``
   (XXH3-64 of the payload): the stream remembers the digests of its last ``RECENT_DIGESTS``
-  batches of the engine's current life; the same seq with the same digest is a duplicate (``Live.DUPLICATE``: dropped, counted), with other bytes a
-  restart (``Live.RESTART``), but only a batch with a usable event is evidence enough
-  (``Live.NO_EVIDENCE``; the lane judges it as the new life would decode the batch: what the old
+  batches of the engine's current life; the same seq with the same digest is a duplicate
+  (``Live.DUPLICATE``: dropped, counted), with other bytes a restart (``Live.RESTART``), but only
+  a batch with a usable event is evidence enough (``Live.NO_EVIDENCE``; the lane judges it as the new life would decode the batch: what the old
   one learned, a hybrid model's prefix group, may skip all of it). A seq older than that memory asks the engine's replay whether it still
   holds the stream's watermark batch (``Live.CHECK_LIFE``, ``same_life``): it does, a duplicate;
   it does not (other bytes there, or its history stops before it), a restart. When the replay
