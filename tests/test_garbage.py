@@ -236,6 +236,33 @@ async def _valid_next_seq_applies(f: Fixture, seq: int, *, map_batch: bool) -> N
     assert (st.restarts, st.gaps, st.synced) == (0, 0, True)
 
 
+async def test_a_burst_mixing_bad_frame_counts_and_good_batches(loaded: Fixture) -> None:
+    """Published back to back, the messages queue up and the subscriber drains them without
+    awaiting, reading each part's ``more`` flag itself: a message with too few or too many parts
+    is one frame_count error, and the good batch queued right after it still applies whole."""
+    f, h = loaded, loaded.h
+    hashes = h.daemon.index.engine_hashes(POD)[0]
+    parent = next(hh for hh, k in sorted(hashes.items()) if k is not None)
+
+    def stored(seq: int) -> bytes:
+        ev = {"type": "BlockStored", "block_hashes": [0xB0B0000000000000 + seq], "parent_block_hash": parent,
+              "token_ids": [2000 + seq + i for i in range(BS)], "block_size": BS}
+        return msgpack.packb([1.7e9, [ev], 0])
+
+    before = decode_errors_of(await counters(h, "kvindex_decode_errors"))
+    burst = [[TOPIC], [TOPIC, seq8(18), stored(18)], [TOPIC, seq8(19), stored(19), b"extra"],
+             [TOPIC, seq8(19), stored(19)], [TOPIC, seq8(20)], [TOPIC, seq8(20), stored(20), b"", b""],
+             [TOPIC, seq8(20), stored(20)]]
+    for frames in burst:
+        await f.send(frames)
+    await f.settle()
+    after = decode_errors_of(await counters(h, "kvindex_decode_errors"))
+    assert delta(before, after) == {(f.endpoint, "frame_count"): 4}
+    assert h.daemon.index.engine_hashes(POD)[0].keys() == hashes.keys() | {0xB0B0000000000000 + s for s in (18, 19, 20)}
+    st = h.stream(POD)
+    assert (st.last_seq, st.restarts, st.gaps, st.synced) == (20, 0, 0, True)
+
+
 async def test_bad_events_in_a_good_batch_are_skipped_and_counted(loaded: Fixture) -> None:
     """A well-formed batch whose events are unusable is a real batch: its seq applies (next seq),
     its bad events are skipped and counted by reason, and no block held changes. A BlockStored

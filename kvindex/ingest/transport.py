@@ -120,6 +120,19 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
     return Frame(topic_s, int.from_bytes(seq, "big"), payload)
 
 
+def queued_parts(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """The parts of the next queued message (``zmq.Again``: none yet), as ``recv_multipart`` reads
+    them but ~1.5 µs cheaper: each part's ``more`` flag is read from its frame, where
+    ``recv_multipart`` asks ``getsockopt(RCVMORE)`` (~1 µs a call) after every part. ZeroMQ delivers
+    a message's parts together, so after the first part the rest are already queued."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        parts.append(frame.bytes)
+    return parts
+
+
 class Subscriber:
     """One SUB socket. ``messages()`` yields until the socket is closed or the task cancelled."""
 
@@ -157,7 +170,7 @@ class Subscriber:
             yield parse_message(await self._sock.recv_multipart())
             for _ in range(DRAIN_BURST):
                 try:
-                    parts = drain.recv_multipart(zmq.NOBLOCK)
+                    parts = queued_parts(drain)
                 except zmq.Again:
                     break
                 yield parse_message(parts)
