@@ -71,5 +71,6 @@ setup(
                   optional=True),
         Extension("kvindex.index._core", ["kvindex/index/_core.c"], depends=["kvindex/kx_u64s.h"],
                   extra_compile_args=FLAGS, optional=True),
+        Extension("kvindex.ingest._drain", ["kvindex/ingest/_drain.c"], extra_compile_args=FLAGS, optional=True),
     ],
 )

@@ -47,7 +47,7 @@ def prof_lane(wl: common.Workload) -> None:
             await lane.handle(Frame(topic, seq, payload))
 
     asyncio.run(feed())
-    daemon.ctx.term()
+    daemon.intake.ctx.term()
 
 
 def _queries(wl: common.Workload) -> list[dict]:

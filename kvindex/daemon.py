@@ -66,7 +66,8 @@ from kvindex.index.protocol import StoreUnavailable
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
-from kvindex.ingest.transport import ingest_context, raise_nofile
+from kvindex.ingest.intake import Intake
+from kvindex.ingest.transport import raise_nofile
 from kvindex.logs import BurstLog
 from kvindex.lora import LoraAdapters, checked_adapters
 from kvindex.metrics import Metrics, StateCollector
@@ -111,7 +112,7 @@ class Daemon:
         memory = self._wire_stores(config)
         self._gauges: tuple[list[dict[str, Any]], int] = ([], 0)
         self._gauges_at = float("-inf")
-        self.ctx = ingest_context(config.max_message_bytes)  # the lanes' SUB and replay DEALER sockets
+        self.intake = Intake.for_process(config.max_message_bytes)  # the lanes' ZeroMQ context and SUB sockets
         self.shards = self._wire_shards(config)
         self.failure: str | None = None  # why a worker died (the daemon then exits)
         self._fatal = asyncio.Event()
@@ -187,7 +188,7 @@ class Daemon:
                                   replay_max_bytes=config.replay_max_bytes,
                                   max_blocks_per_pod=config.max_blocks_per_pod,
                                   silent_seconds=config.engine_silent_seconds)
-        shards = Shards(config.workers, settings, self.ctx, on_failure=self._worker_failed)
+        shards = Shards(config.workers, settings, self.intake.ctx, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None
         return shards
@@ -216,7 +217,7 @@ class Daemon:
                                 store_buffer=self.config.store_buffer, replay_max_bytes=self.config.replay_max_bytes,
                                 max_blocks_per_pod=self.config.max_blocks_per_pod,
                                 silent_seconds=self.config.engine_silent_seconds)
-        lane = EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
+        lane = EngineLane(engine, intake=self.intake, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)
         lane.writer.on_lora = self.lora.learn_from_events  # a lora_name in its events: an adapter of its model
@@ -377,7 +378,7 @@ class Daemon:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-        self.ctx.term()
+        self.intake.ctx.term()
         log.info("kvindex stopped")
 
     async def run_forever(self, stop: asyncio.Event) -> None:

@@ -7,7 +7,9 @@ Invariants:
   ``kvindex._jsontokens``  a body's token ids (``msgspec.json.decode`` / ``go_json_loads``);
   ``kvindex.index._core``  the precise index's memory and loops (``PreciseIndex``); its twin is the
                            readable ``kvindex.index.reference.ReferenceIndex``, which serves without it;
-  ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``).
+  ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``);
+  ``kvindex.ingest._drain`` a socket's queued messages in one call (``transport.queued``, through
+                           pyzmq), on the libzmq pyzmq loaded (``kvindex.ingest.libzmq``).
 - A C compiler is all the build needs (XXH3 is kvindex's own, ``kvindex/kx_xxh3.h``).
 - ``load(name)`` (a module path) returns the compiled module, or None when it is not built (no C
   compiler at install time) or ``KVINDEX_PURE_PYTHON=1`` is set.
@@ -25,7 +27,7 @@ import os
 import shutil
 from types import ModuleType
 
-ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex.index._core", "adapters._vllm")
+ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex.index._core", "adapters._vllm", "kvindex.ingest._drain")
 HINT = "install a C compiler (Debian: apt-get install gcc libc6-dev), then pip install -e . again"
 COMPILERS = ("cc", "gcc", "clang")
 REBUILD = "then pip install -e . again (or python setup.py build_ext --inplace)"

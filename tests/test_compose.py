@@ -163,7 +163,7 @@ def exported_metric_names() -> set[str]:
                 names.add(family.name)
         return names
     finally:
-        daemon.ctx.term()
+        daemon.intake.ctx.term()
 
 
 def test_grafana_dashboard_queries_exported_metrics() -> None:

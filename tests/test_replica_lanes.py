@@ -17,6 +17,7 @@ from adapters.dialects import DIALECTS
 from kvindex.config import EngineConfig
 from kvindex.events import Frame
 from kvindex.index.memory import MemoryPreciseStore
+from kvindex.ingest.intake import Intake
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
 from kvindex.logs import BurstLog
@@ -57,7 +58,7 @@ def lanes(store: MemoryPreciseStore, n: int, ctx: zmq.asyncio.Context, *, replay
     import logging
 
     dialect = DIALECTS["vllm"]
-    return [EngineLane(EngineConfig(endpoint=endpoint, replay=replay), ctx=ctx, decoder=dialect.decoder(),
+    return [EngineLane(EngineConfig(endpoint=endpoint, replay=replay), intake=Intake(ctx), decoder=dialect.decoder(),
                        first_seq=dialect.first_seq, store=store, metrics=Metrics(CollectorRegistry()),
                        settings=LaneSettings(replay_timeout=2.0), burst=BurstLog(logging.getLogger("test")))
             for _ in range(n)]

@@ -7,8 +7,9 @@ endpoint (``ingest.replay``), the store-outage buffer (``ingest.buffer``), the o
 and the restored state.
 
 Invariants:
-- A lane owns one SUB socket and processes its messages strictly in order, one at a time; while
-  it fetches a replay, live messages wait in the socket (they are held, not dropped).
+- A lane owns one SUB socket (``ingest.intake``) and processes its messages strictly in order, one
+  at a time, a burst under its lock at once; while it fetches a replay, live messages wait in
+  the socket (they are held, not dropped).
 - A payload is decoded before its seq is looked at: garbage never moves a watermark, never
   triggers a restart, and changes nothing held; it is counted by reason.
 - The store's ``Position`` of a stream (``StreamRef.of(pod, topic|publisher, model)``, the
@@ -60,19 +61,18 @@ from collections.abc import Awaitable, Callable
 from time import monotonic
 from typing import Any
 
-import zmq
-import zmq.asyncio
 
 from kvindex.config import EngineConfig
 from kvindex.events import Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore, StoreUnavailable
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.buffer import StoreBuffer
+from kvindex.ingest.intake import Intake
 from kvindex.ingest.life import Lives
 from kvindex.ingest.replay import Replay
 from kvindex.ingest.sequencer import NOT_THIS_LIFE, After, Live
 from kvindex.ingest.streams import MAX_TOPICS, LaneSettings, LaneState, Stream
-from kvindex.ingest.transport import Malformed, Subscriber
+from kvindex.ingest.transport import Malformed
 from kvindex.ingest.watch import ConnectionWatch
 from kvindex.ingest.writer import StreamWriter
 from kvindex.logs import BurstLog
@@ -97,7 +97,7 @@ class EngineLane:
         self,
         engine: EngineConfig,
         *,
-        ctx: zmq.asyncio.Context,
+        intake: Intake,
         decoder: Decoder,
         first_seq: int,
         store: PreciseStore,
@@ -108,7 +108,7 @@ class EngineLane:
     ) -> None:
         self.engine = engine
         self.state = LaneState()
-        self._ctx = ctx
+        self._intake = intake  # the process's ZeroMQ context and how its SUB sockets read
         self._first_seq = first_seq
         self._store = store
         self._metrics = metrics
@@ -117,7 +117,7 @@ class EngineLane:
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
                                    metrics=metrics, burst=burst, max_blocks_per_pod=settings.max_blocks_per_pod)
-        self._replay = Replay(ctx, engine.replay, settings.replay_timeout, metrics, settings.replay_max_bytes,
+        self._replay = Replay(intake.ctx, engine.replay, settings.replay_timeout, metrics, settings.replay_max_bytes,
                               self.writer.waiting)
         self._lives = Lives(self.writer, self._replay, first_seq)  # which engine life a batch is of
         self._buffer = StoreBuffer(engine.name, self.state.streams, settings.store_buffer, metrics, self._lock,
@@ -148,15 +148,16 @@ class EngineLane:
         e = self.engine
         await self.install_restored()
         await self._catch_up()
-        sub = Subscriber(self._ctx, e.endpoint, bind=e.bind, rcvhwm=self._settings.rcvhwm)
+        sub = self._intake.subscriber(e.endpoint, bind=e.bind, rcvhwm=self._settings.rcvhwm)
         watch = ConnectionWatch(e, self.state, self._settings.silent_seconds)  # logs: subscribing, connected
         watch.starting()
         tasks = (asyncio.create_task(sub.watch_peers(watch.peers), name=f"monitor {e.endpoint}"),
                  asyncio.create_task(watch.warn_if_silent(), name=f"silence {e.endpoint}"))
         try:
-            async for msg in sub.messages():
-                async with self._lock:
-                    await self.handle(msg)
+            async for burst in sub.bursts():
+                async with self._lock:  # once per burst: a resync or a buffer drain waits for its end
+                    for msg in burst:
+                        await self.handle(msg)
         finally:
             for task in tasks:
                 task.cancel()

@@ -2,8 +2,12 @@
 
 Invariants:
 - The transport yields ``Frame`` (3 frames: topic, 8-byte big-endian seq, payload) or
-  ``Malformed(reason)``; it never decodes payloads and never drops a message silently. A topic
-  over ``MAX_TOPIC_BYTES`` is ``Malformed("topic_too_long")``.
+  ``Malformed(reason)``, in bursts (``Subscriber.bursts``: the message a wake-up awaited, then up
+  to ``DRAIN_BURST`` in all of what is already queued); it never decodes payloads and never drops
+  a message silently. A topic over ``MAX_TOPIC_BYTES`` is ``Malformed("topic_too_long")``.
+- Queued messages are read by a reader (``queued``, on pyzmq's calls; or its native twin,
+  ``kvindex.ingest.libzmq``): the same parts in the same order (tests/test_drain.py). Framing
+  (``parse_message``) is judged here, once, whichever reader read the parts.
 - The SUB socket connects (vLLM binds its PUB) or binds (llm-d-inference-sim dials us).
 - A replay request is ``[b"", seq8]`` on a fresh DEALER; both reply shapes are accepted:
   ``[b"", topic, seq8, payload]`` ... end ``[b"", b"", ff*8, b""]`` (vLLM >= #45177) and
@@ -47,6 +51,8 @@ import zmq
 import zmq.asyncio
 
 from kvindex.events import MAX_SEQ, Frame
+from kvindex.ingest.backlog import BacklogRelease
+from kvindex.ingest.libzmq import Reader
 from kvindex.limits import MAX_TOPIC_BYTES
 
 log = logging.getLogger("kvindex.ingest.transport")
@@ -133,13 +139,33 @@ def queued_parts(sock: zmq.Socket[bytes]) -> list[bytes]:
     return parts
 
 
+def queued(handle: int) -> Callable[[int], list[list[bytes]]]:
+    """The reference reader of the socket at ``handle``: ``read(limit)`` is up to ``limit`` queued
+    messages' parts, through pyzmq (``queued_parts``); ``kvindex.ingest.libzmq`` has its native twin."""
+    sock: zmq.Socket[bytes] = zmq.Socket.shadow(handle)
+
+    def read(limit: int) -> list[list[bytes]]:
+        out: list[list[bytes]] = []
+        for _ in range(limit):
+            try:
+                out.append(queued_parts(sock))
+            except zmq.Again:
+                break
+        return out
+
+    return read
+
+
 class Subscriber:
     """One SUB socket. ``messages()`` yields until the socket is closed or the task cancelled."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int,
-                 max_message_bytes: int | None = None) -> None:
+                 max_message_bytes: int | None = None, reader: Reader | None = None,
+                 backlog: BacklogRelease | None = None) -> None:
         self.endpoint = endpoint
+        self._backlog = backlog  # told of every burst handled (memory back to the OS after a backlog)
         self._sock = ctx.socket(zmq.SUB)
+        self._queued = (reader or queued)(self._sock.underlying)  # limit -> the queued messages' parts
         self.monitor: zmq.asyncio.Socket | None = None
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -161,21 +187,26 @@ class Subscriber:
             self.close()
             raise
 
-    async def messages(self) -> AsyncIterator[Frame | Malformed]:
-        """Every message, in order. After each wake-up the socket is drained without awaiting
-        (non-blocking reads of what is already queued), yielding the event loop to other tasks
-        (HTTP queries) every ``DRAIN_BURST`` messages."""
-        drain: zmq.Socket[bytes] = zmq.Socket.shadow(self._sock.underlying)
+    async def bursts(self) -> AsyncIterator[list[Frame | Malformed]]:
+        """Every message, in order, in bursts: one wake-up's worth, the first message awaited and
+        then what is already queued (non-blocking, at most ``DRAIN_BURST`` in all), so a consumer
+        pays its per-await costs (a lock, a coroutine) once per burst, not once per message. After
+        a full burst the event loop gets a turn (HTTP queries) before the next."""
         while True:
-            yield parse_message(await self._sock.recv_multipart())
-            for _ in range(DRAIN_BURST):
-                try:
-                    parts = queued_parts(drain)
-                except zmq.Again:
-                    break
-                yield parse_message(parts)
-            else:
+            first = parse_message(await self._sock.recv_multipart())
+            queued = self._queued(DRAIN_BURST - 1)
+            yield [first, *map(parse_message, queued)]
+            full = len(queued) == DRAIN_BURST - 1  # more may be queued: behind its engine
+            if self._backlog is not None:  # told once the burst was handled (the next one is asked for)
+                self._backlog.handled(self, full, sum(len(parts[-1]) for parts in queued) if full else 0)
+            if full:
                 await asyncio.sleep(0)
+
+    async def messages(self) -> AsyncIterator[Frame | Malformed]:
+        """Every message, in order, one at a time (``bursts``, flattened)."""
+        async for burst in self.bursts():
+            for msg in burst:
+                yield msg
 
     async def watch_peers(self, on_change: Callable[[int], None]) -> None:
         """Count the connected peers from the socket's monitor events, handing each new count to
@@ -196,6 +227,8 @@ class Subscriber:
             on_change(peers)
 
     def close(self) -> None:
+        if self._backlog is not None:
+            self._backlog.forget(self)
         if self.monitor is not None:
             try:  # stop the monitor from the monitored side first, or libzmq may never reap either socket
                 self._sock.disable_monitor()

@@ -44,7 +44,7 @@ from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.ingest.fleet import Fleet
 from kvindex.ingest.lane import EngineLane
 from kvindex.ingest.streams import LaneSettings
-from kvindex.ingest.transport import ingest_context
+from kvindex.ingest.intake import Intake
 from kvindex.logs import BurstLog, one_line_logs
 from kvindex.lora import MAX_LEARNED_ADAPTERS
 from kvindex.metrics import Metrics
@@ -68,7 +68,7 @@ class Worker:
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.store = MemoryPreciseStore()
-        self.ctx = ingest_context(settings.max_message_bytes)
+        self.intake = Intake.for_process(settings.max_message_bytes)  # the lanes' ZeroMQ context and SUB sockets
         self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet = Fleet(self._make_lane)
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
@@ -96,7 +96,7 @@ class Worker:
         dialect = DIALECTS[engine.dialect]
         s = self.settings
         seen = self._lora.setdefault(engine, {})
-        lane = EngineLane(engine, ctx=self.ctx, decoder=dialect.decoder(), first_seq=dialect.first_seq,
+        lane = EngineLane(engine, intake=self.intake, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics,
                           settings=LaneSettings(replay_timeout=s.replay_timeout, rcvhwm=s.rcvhwm,
                                                 store_buffer=s.store_buffer, replay_max_bytes=s.replay_max_bytes,
@@ -166,7 +166,7 @@ class Worker:
         await sock.send_multipart([ident, rid, ch.encode(reply)])
 
     async def serve(self, stop: asyncio.Event) -> None:
-        sock = self.ctx.socket(zmq.ROUTER)
+        sock = self.intake.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.channel)
         watchdog = asyncio.create_task(_parent_watch(stop), name="parent watch")
@@ -181,7 +181,7 @@ class Worker:
             for task in list(self._tasks):
                 task.cancel()
             sock.close(linger=0)
-            self.ctx.term()
+            self.intake.ctx.term()
             if watchdog.done() and not watchdog.cancelled():  # the parent is gone: nobody else cleans up
                 _remove_channel(self.channel)
 
