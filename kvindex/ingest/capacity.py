@@ -76,17 +76,30 @@ class PodCapacity:
         if p is not None and p.over:
             self._metrics.pod_over_capacity.labels(pod).set(0)
 
-    async def applied(self, pod: str, done: Applied | None) -> bool:
-        """After an applied batch: re-read the count when due; True when the pod is (still) over."""
-        p = self._pods.setdefault(pod, _Pod())
+    def counted(self, pod: str, done: Applied | None) -> bool:
+        """After an applied batch: its stores and removals counted; True when the store's count is
+        due to be read (``recount``) before ``over`` judges the pod (a plain call: the common batch
+        awaits nothing here)."""
+        p = self._pods.get(pod)
+        if p is None:
+            p = self._pods[pod] = _Pod()
         if done is not None:
             p.held += done.stored - done.removed
             p.unchecked += done.stored if p.unchecked >= 0 else 0
         due = p.unchecked < 0 or p.unchecked >= self._every or (done is not None and done.cleared > 0) \
             or p.refused >= OVER_CHECK_EVERY
-        if due or (p.held > self.cap) != p.over or (p.over and p.held <= self.cap * RESUME):
-            held = await self._store.blocks_held(pod)
-            p.held, p.unchecked, p.refused = held["gpu"] + held["cpu"] + held["disk"], 0, 0
+        return due or (p.held > self.cap) != p.over or (p.over and p.held <= self.cap * RESUME)
+
+    async def recount(self, pod: str) -> None:
+        """The pod's count read from the store (every tier's copies)."""
+        held = await self._store.blocks_held(pod)
+        p = self._pods[pod]
+        p.held, p.unchecked, p.refused = held["gpu"] + held["cpu"] + held["disk"], 0, 0
+
+    def over(self, pod: str) -> bool:
+        """Whether the pod counted (``counted``) is over the cap now; a crossing either way is logged and set
+        in ``kvindex_pod_over_capacity``."""
+        p = self._pods[pod]
         if not p.over and p.held > self.cap:
             p.over = True
             self._metrics.pod_over_capacity.labels(pod).set(1)

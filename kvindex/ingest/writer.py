@@ -111,7 +111,10 @@ class StreamWriter:
             if result.applied is not None and result.applied.block_size_mismatch:
                 await self._mismatch(st, events, result.applied.block_size_mismatch)
             st.handled(seq, seqr.payload_digest(payload))
-            if await self._capacity.applied(st.pod, result.applied) and result.position.synced:
+            cap = self._capacity
+            if cap.counted(st.pod, result.applied):
+                await cap.recount(st.pod)
+            if cap.over(st.pod) and result.position.synced:
                 pos = result.position
                 pos = Position(pos.last_seq, pos.epoch, False, OVER_CAPACITY)
                 await self._store.set_position(st.ref, pos)  # it lacks the blocks refused
