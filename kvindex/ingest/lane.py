@@ -61,7 +61,6 @@ from collections.abc import Awaitable, Callable
 from time import monotonic
 from typing import Any
 
-
 from kvindex.config import EngineConfig
 from kvindex.events import Decoder, EventBatch, Frame
 from kvindex.index.protocol import ApplyResult, PreciseStore, StoreUnavailable

@@ -157,7 +157,8 @@ def queued(handle: int) -> Callable[[int], list[list[bytes]]]:
 
 
 class Subscriber:
-    """One SUB socket. ``messages()`` yields until the socket is closed or the task cancelled."""
+    """One SUB socket. ``bursts()`` (and ``messages()``, one at a time) yield until the socket is
+    closed or the task cancelled."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int,
                  max_message_bytes: int | None = None, reader: Reader | None = None,
