@@ -188,7 +188,7 @@ class Daemon:
                                   replay_max_bytes=config.replay_max_bytes,
                                   max_blocks_per_pod=config.max_blocks_per_pod,
                                   silent_seconds=config.engine_silent_seconds)
-        shards = Shards(config.workers, settings, self.intake.ctx, on_failure=self._worker_failed)
+        shards = Shards(config.workers, settings, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None
         return shards

@@ -7,18 +7,18 @@ must equal the single process's and the engine's own ``cached_tokens``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from kvindex.config import Config, ConfigError
 from kvindex.configfile import config_from_toml
@@ -279,28 +279,30 @@ def test_benchmark_smoke_run(tmp_path: Path) -> None:
 
 async def test_the_channel_drops_garbage_and_answers_a_failure_in_one_line() -> None:
     """A request that is no ``REQUESTS`` member is dropped (the worker keeps answering); a request
-    that fails comes back as ``StoreUnavailable`` naming the worker, in one line."""
-    ctx = zmq.asyncio.Context()
-    shards = Shards(2, WorkerSettings(), ctx)
+    that fails comes back as ``StoreUnavailable`` naming the worker, in one line; a connection whose
+    framing breaks is closed, and the worker goes on answering the others."""
+    from kvindex.shard.frames import framed, read_message
+
+    shards = Shards(2, WorkerSettings())
     await shards.start()
     try:
-        raw = ctx.socket(zmq.DEALER)
-        raw.connect(shards.channels[0].endpoint)
+        reader, writer = await asyncio.open_unix_connection(shards.channels[0].path)
         for frames in ([b"1", b"\xc1"], [b"2", msgpack.packb(["no_such_op"])], [b"3", msgpack.packb(["match", None])],
                        [b"5", msgpack.packb(["add", "k", {"endpoint": "ipc:///x", "dialect": "no-such-dialect"}])],
                        [b"4"]):
-            await raw.send_multipart(frames)
-        await raw.send_multipart([b"9", ch.encode(ch.Ping())])  # answered in order: after the garbage
-        rid, reply = await asyncio.wait_for(raw.recv_multipart(), 10)
-        raw.close(linger=0)
+            writer.write(framed(frames))
+        writer.write(framed([b"9", ch.encode(ch.Ping())]))  # answered in order: after the garbage
+        rid, reply = await asyncio.wait_for(read_message(reader), 10)
         assert rid == b"9" and ch.decode_reply(ch.Ping, reply) == shards.procs[0].pid
+        writer.write(b"\x00" + framed([b"10", ch.encode(ch.Ping())]))  # a message of 0 frames: unframed
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # the worker closed this connection
+        writer.close()
         first = shards.channels[0]
         with pytest.raises(StoreUnavailable, match=r"^worker 0: ValueError: [^\n]+$"):
             await first.request(ch.Match(None, None), extra=b"not eight bytes per key")
         assert await first.request(ch.Lanes()) == {}
     finally:
         await shards.stop()
-        ctx.term()
 
 
 async def test_engines_are_dealt_out_evenly_over_the_workers(tmp_path: Path) -> None:
@@ -309,8 +311,7 @@ async def test_engines_are_dealt_out_evenly_over_the_workers(tmp_path: Path) -> 
     was removed goes to the worker that then runs the fewest. Asked of the real workers."""
     from kvindex.config import EngineConfig
 
-    ctx = zmq.asyncio.Context()
-    shards = Shards(2, WorkerSettings(), ctx)
+    shards = Shards(2, WorkerSettings())
     await shards.start()
     fleet = ShardedFleet(shards)
 
@@ -331,7 +332,42 @@ async def test_engines_are_dealt_out_evenly_over_the_workers(tmp_path: Path) -> 
     finally:
         await fleet.close()
         await shards.stop()
-        ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def two_worker_store() -> AsyncIterator[tuple[Any, list[str], Callable[..., Awaitable[None]]]]:
+    """A ``ShardedPreciseStore`` over two real worker processes, a pod each worker owns, and
+    ``store_blocks(worker, bs, epoch=0)``: one ``BlockStored`` of model m (tokens 1..bs) from its pod."""
+    from array import array
+
+    from kvindex.events import BlockStored
+    from kvindex.sequence import StreamRef
+    from kvindex.shard.client import ShardChannel
+    from kvindex.shard.store import ShardedPreciseStore
+
+    shards = Shards(2, WorkerSettings())
+    await shards.start()
+    channels = [ShardChannel(c.index, c.path) for c in shards.channels]
+    for c in channels:
+        c.start()
+    store = ShardedPreciseStore(channels)
+    pods = [next(f"p{i}" for i in range(100) if owner_of(f"p{i}", 2) == w) for w in (0, 1)]
+    seqs = dict.fromkeys(pods, 0)
+
+    async def store_blocks(worker: int, bs: int, epoch: int = 0) -> None:
+        pod = pods[worker]
+        if epoch:  # the engine's new life: its stream starts again
+            seqs[pod] = 0
+        ev = BlockStored((seqs[pod] + 1,), None, array("I", range(1, bs + 1)), bs)
+        done = await store.apply(StreamRef.of(pod, f"kv@{pod}@m", "m"), seqs[pod], epoch, 0, (ev,))
+        assert done.applied is not None and done.applied.orphans == 0
+        seqs[pod] += 1
+
+    try:
+        yield store, pods, store_blocks
+    finally:
+        await store.close()
+        await shards.stop()
 
 
 async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_s_keys_for_all() -> None:
@@ -340,36 +376,14 @@ async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_
     worker takes is agreed (a worker holding none of the model's blocks follows), workers whose
     engines hold different sizes answer 503 saying so, and a worker whose size moved on since
     ``block_size`` answered makes ``match`` raise ``BlockSizeChanged`` (the query asks again)."""
-    from array import array
-
     from kvindex import keys as K
-    from kvindex.events import BlockStored
     from kvindex.index.protocol import BlockSizeChanged
     from kvindex.sequence import StreamRef
-    from kvindex.shard.channel import ShardChannel
-    from kvindex.shard.store import ShardedPreciseStore
 
-    ctx = zmq.asyncio.Context()
-    shards = Shards(2, WorkerSettings(), ctx)
-    await shards.start()
-    channels = [ShardChannel(ctx, c.index, c.endpoint) for c in shards.channels]
-    for c in channels:
-        c.start()
-    store = ShardedPreciseStore(channels)
-    try:
-        p = next(f"p{i}" for i in range(100) if owner_of(f"p{i}", 2) == 0)
-        q = next(f"q{i}" for i in range(100) if owner_of(f"q{i}", 2) == 1)
-        tokens = list(range(1, 17))
-        seqs = {p: 0, q: 0}
-
-        async def store_blocks(pod: str, bs: int, epoch: int = 0) -> None:
-            ev = BlockStored((seqs[pod] + 1,), None, array("I", tokens[:bs]), bs)
-            done = await store.apply(StreamRef.of(pod, f"kv@{pod}@m", "m"), seqs[pod], epoch, 0, (ev,))
-            assert done.applied is not None and done.applied.orphans == 0
-            seqs[pod] += 1
-
-        await store_blocks(p, 4)
-        await store_blocks(q, 8)
+    tokens = list(range(1, 17))
+    async with two_worker_store() as (store, (p, q), store_blocks):
+        await store_blocks(0, 4)
+        await store_blocks(1, 8)
         with pytest.raises(StoreUnavailable, match=r"^model 'm': .*different block sizes \(4 on worker 0, 8 on "
                                                    r"worker 1\); its queries answer 503 until they agree$"):
             await store.block_size("m")
@@ -378,16 +392,35 @@ async def test_workers_whose_engines_run_different_block_sizes_never_answer_one_
         await store.restart(StreamRef.of(q, f"kv@{q}@m", "m"), 0, None)  # q's engine restarted: cleared
         assert await store.block_size("m") == 4 and await store.block_sizes() == {"m": 4}  # worker 1 follows
         assert (await store.match(K.prompt_keys(K.root_key("m"), tokens, 4), model="m"))[p].gpu == 1
-        seqs[q] = 0
-        await store_blocks(q, 8, epoch=1)  # worker 1 (nobody holds its 4) follows its engine's new life
+        await store_blocks(1, 8, epoch=1)  # worker 1 (nobody holds its 4) follows its engine's new life
+        assert await store.block_size("m") == 4  # remembered: the walk is what finds out
         with pytest.raises(BlockSizeChanged):
             await store.match(K.prompt_keys(K.root_key("m"), tokens, 4), model="m")
         with pytest.raises(StoreUnavailable, match="4 on worker 0, 8 on worker 1"):
             await store.block_size("m")
-    finally:
-        await store.close()
-        await shards.stop()
-        ctx.term()
+
+
+async def test_a_query_of_a_known_block_size_is_one_round_trip_per_worker() -> None:
+    """Asking every worker the model's block size before every walk doubled a sharded query's
+    latency (~130 µs per round trip here). Once agreed, the size is remembered: a query sends one
+    ``Match`` per worker; an engine's new size is found by that walk and the query asks again."""
+    from kvindex import keys as K
+    from kvindex.index.protocol import BlockSizeChanged
+    from kvindex.sequence import StreamRef
+
+    async with two_worker_store() as (store, (p, _), store_blocks):
+        await store_blocks(0, 4)
+        assert await store.block_size("m") == 4
+        sent = [c.sent for c in store.channels]
+        for _ in range(3):
+            keys = K.prompt_keys(K.root_key("m"), list(range(1, 17)), await store.block_size("m"))
+            assert sum(m.gpu for m in (await store.match(keys, model="m")).values()) == 1
+        assert [c.sent - s for c, s in zip(store.channels, sent)] == [3, 3]
+        await store.restart(StreamRef.of(p, f"kv@{p}@m", "m"), 0, None)  # the engine restarted
+        await store_blocks(0, 8, epoch=1)  # its new life, another size
+        with pytest.raises(BlockSizeChanged):
+            await store.match(keys, model="m")
+        assert await store.block_size("m") == 8  # asked again
 
 
 async def test_a_sharded_daemon_whose_workers_engines_disagree_answers_503(make_engine: Any, tmp_path: Path) -> None:

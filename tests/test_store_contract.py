@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-import zmq.asyncio
 from pytest import FixtureRequest
 
 from adapters.dialects import DIALECTS
@@ -37,7 +36,8 @@ from kvindex.index.protocol import (
 from kvindex.index.redis_precise import RedisPreciseStore
 from kvindex.index.reference import ReferenceIndex
 from kvindex.sequence import Outcome, Position, StreamRef
-from kvindex.shard.channel import ShardChannel, WorkerSettings, owner_of
+from kvindex.shard.channel import WorkerSettings, owner_of
+from kvindex.shard.client import ShardChannel
 from kvindex.shard.store import ShardedPreciseStore
 from kvindex.shard.supervisor import Shards
 from kvindex.tools.capture import load_capture
@@ -75,13 +75,12 @@ async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseSt
 async def sharded_peers(request: FixtureRequest, clients: list[aioredis.Redis],
                         cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
     """Two worker processes; each call a new client of them (its own channels)."""
-    ctx = zmq.asyncio.Context()
-    shards = Shards(2, WorkerSettings(), ctx)
+    shards = Shards(2, WorkerSettings())
     await shards.start()
     clients: list[ShardedPreciseStore] = []
 
     async def make() -> PreciseStore:
-        channels = [ShardChannel(ctx, c.index, c.endpoint) for c in shards.channels]
+        channels = [ShardChannel(c.index, c.path) for c in shards.channels]
         for c in channels:
             c.start()
         clients.append(ShardedPreciseStore(channels))
@@ -91,7 +90,6 @@ async def sharded_peers(request: FixtureRequest, clients: list[aioredis.Redis],
         for client in clients:
             await client.close()
         await shards.stop()
-        ctx.term()
     cleanup.append(close)
     return make
 

@@ -13,9 +13,12 @@ Invariants:
   tiers by max and ``dp`` by union; ``blocks_held`` sums; ``pods``, ``block_sizes`` and
   ``export_entries`` union; ``engine_hashes`` unions ranks; ``position`` is the one worker's
   that holds the stream. ``match`` sends the keys once per worker as one packed frame.
-- A model's block size is asked of the workers by every query (it follows the engines' lives:
-  an engine restarted with another block size changes it), so a query is two round trips per
-  worker; configured block sizes must agree (``StoreMisconfigured``). Each worker's size follows
+- A model's block size follows the engines' lives (an engine restarted with another block size
+  changes it). Once the workers agreed on one, ``block_size`` answers it from memory and a query is
+  one round trip per worker: ``match`` sends the size its keys were chunked by, a worker whose own
+  size is another answers none, and ``match`` forgets the size and raises ``BlockSizeChanged`` (the
+  query asks the workers again). An unknown size is asked every time; configured block sizes must
+  agree (``StoreMisconfigured``). Each worker's size follows
   its own engines: when workers answer different sizes, ``block_size`` offers each to all of them
   (a worker whose engines hold no blocks of the model takes it); if none is taken by all, the
   engines of the model really run different sizes and ``block_size`` raises ``StoreUnavailable``
@@ -48,7 +51,8 @@ from kvindex.index.protocol import (
 )
 from kvindex.sequence import Position, StreamRef
 from kvindex.shard import channel as ch
-from kvindex.shard.channel import ShardChannel, owner_of, pack_keys
+from kvindex.shard.channel import owner_of, pack_keys
+from kvindex.shard.client import ShardChannel
 from kvindex.types import Entry, PodMatch, merged
 
 R = TypeVar("R")
@@ -116,6 +120,11 @@ class ShardedPreciseStore:
         return None
 
     async def block_size(self, model: str) -> int | None:
+        known = self._answered.get(model)  # ``match`` forgets it when a worker's size moved on
+        return known if known is not None else await self._agreed_block_size(model)
+
+    async def _agreed_block_size(self, model: str) -> int | None:
+        """The workers' size of ``model``, asked of them; sizes that disagree are settled here."""
         known = sorted({bs for bs in await self._all(ch.BlockSize(model)) if bs is not None})
         if len(known) > 1:  # offered to all: workers whose engines hold none of the model's blocks take it
             for bs in known:
@@ -143,7 +152,7 @@ class ShardedPreciseStore:
                 seen.setdefault(model, set()).add(bs)
         sizes: dict[str, int] = {}
         for model, found in seen.items():
-            agreed = found.pop() if len(found) == 1 else await self.block_size(model)
+            agreed = found.pop() if len(found) == 1 else await self._agreed_block_size(model)
             if agreed is not None:
                 sizes[model] = agreed
         return sizes
@@ -152,6 +161,7 @@ class ShardedPreciseStore:
         if configured and self._configured.setdefault(model, block_size) != block_size:
             raise StoreMisconfigured(f"model {model!r} is configured with block_size {block_size} and "
                                      f"{self._configured[model]} ([models] and [[engines]] must agree)")
+        self._answered.pop(model, None)
         sizes = await self._all(ch.SetBlockSize(model, block_size))
         return next((bs for bs in sizes if bs != block_size), block_size)
 

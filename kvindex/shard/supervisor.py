@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -38,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import zmq.asyncio
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -49,7 +49,8 @@ from kvindex.drift import DriftAudit
 from kvindex.index.protocol import ApproxStore, StoreUnavailable
 from kvindex.pods import remove_pod
 from kvindex.shard import channel as ch
-from kvindex.shard.channel import LaneStatus, ShardChannel, WorkerSettings, next_worker
+from kvindex.shard.channel import LaneStatus, WorkerSettings, next_worker
+from kvindex.shard.client import ShardChannel
 from kvindex.shard.store import ShardedPreciseStore
 
 log = logging.getLogger("kvindex.shard.supervisor")
@@ -57,6 +58,7 @@ R = TypeVar("R")
 START_SECONDS = 20.0  # a worker must answer its first ping within this (imports, socket bind)
 STOP_SECONDS = 5.0  # SIGTERM, then SIGKILL after this
 WATCH_SECONDS = 0.5
+LOST_SECONDS = 2.0  # a worker whose connection ended must have exited within this
 RESYNC_SECONDS = 30.0  # a resync awaits the engine's replay
 
 
@@ -74,14 +76,15 @@ class ShardFailed(RuntimeError):
 class Shards:
     """The worker processes and their channels."""
 
-    def __init__(self, count: int, settings: WorkerSettings, ctx: zmq.asyncio.Context, *,
+    def __init__(self, count: int, settings: WorkerSettings, *,
                  on_failure: Callable[[str], None] | None = None, log_level: str | None = None) -> None:
         self.count = count
         self.settings = settings
         self.on_failure = on_failure
         self._log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self._dir = tempfile.mkdtemp(prefix="kvi-shards-")
-        self.channels = [ShardChannel(ctx, i, f"ipc://{self._dir}/w{i}") for i in range(count)]
+        self.channels = [ShardChannel(i, f"{self._dir}/w{i}", on_lost=functools.partial(self._lost, i))
+                         for i in range(count)]
         self.procs: list[asyncio.subprocess.Process] = []
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
@@ -91,7 +94,7 @@ class Shards:
     async def start(self) -> None:
         for chan in self.channels:
             self.procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvindex.shard.worker", "--channel", chan.endpoint, "--index", str(chan.index),
+                sys.executable, "-m", "kvindex.shard.worker", "--channel", chan.path, "--index", str(chan.index),
                 "--settings", self.settings.to_json(), "--log-level", self._log_level, env=_same_code_env()))
             chan.start()
         pids = await asyncio.gather(*(self._first_answer(chan, proc) for chan, proc in zip(self.channels, self.procs)))
@@ -121,9 +124,25 @@ class Shards:
                     self._died(chan, proc)
             await self._refresh_lanes()
 
+    async def _lost(self, index: int) -> None:
+        """Worker ``index``'s connection ended: it died (said at once, not at the next watch) or,
+        still running after ``LOST_SECONDS``, it is as good as dead."""
+        chan, proc = self.channels[index], self.procs[index]
+        try:
+            await asyncio.wait_for(proc.wait(), LOST_SECONDS)
+        except TimeoutError:
+            if chan.dead is None and not self._stopping:
+                self._failed(chan, f"(pid {proc.pid}) closed its channel while running: its engines are not "
+                                   "indexed until kvindex restarts")
+            return
+        if chan.dead is None and not self._stopping:
+            self._died(chan, proc)
+
     def _died(self, chan: ShardChannel, proc: asyncio.subprocess.Process) -> None:
-        reason = (f"(pid {proc.pid}) exited with code {proc.returncode}: its engines are not indexed "
-                  "until kvindex restarts")
+        self._failed(chan, f"(pid {proc.pid}) exited with code {proc.returncode}: its engines are not indexed "
+                           "until kvindex restarts")
+
+    def _failed(self, chan: ShardChannel, reason: str) -> None:
         chan.fail(reason)
         log.error("worker %d %s", chan.index, reason)
         if self.on_failure is not None:

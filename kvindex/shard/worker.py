@@ -1,7 +1,7 @@
 """A shard worker process (``kvindex serve --workers N``, N >= 2): owns some engines' lanes.
 
-``python -m kvindex.shard.worker --channel ipc://PATH --settings JSON`` runs one worker. It binds a
-ROUTER socket at ``--channel`` and answers the parent's requests (``kvindex.shard.channel``; the
+``python -m kvindex.shard.worker --channel PATH --settings JSON`` runs one worker. It listens on
+the Unix socket ``--channel`` and answers the parent's requests (``kvindex.shard.channel``; the
 parent's side is ``kvindex.shard.store`` and ``kvindex.shard.supervisor``): add or remove an engine
 lane, every operation of the precise store (``Match``, ``Pods``, ..., ``Apply``, ``Restart``), the
 pods' views and readiness problems, an operator's resync, and its own metrics as Prometheus text.
@@ -10,13 +10,15 @@ Invariants:
 - A worker owns a ``MemoryPreciseStore`` and the lanes the parent added to it (ZeroMQ SUB,
   decode, apply: the same ``EngineLane`` code as the single process). Nothing else writes its
   index, so the pods it holds are exactly those its lanes feed.
-- Frames and messages are ``kvindex.shard.channel``'s: a request that does not decode as one of
-  ``REQUESTS`` is logged and dropped (its sender times out); a failing one is answered with
-  ``Failed`` (one line). Requests are answered in arrival order, except ``Resync`` (it awaits the
-  engine's replay), which runs in its own task.
+- Messages are ``kvindex.shard.channel``'s, framed by ``kvindex.shard.frames``: a request that
+  does not decode as one of ``REQUESTS`` is logged and dropped (its sender times out); a failing
+  one is answered with ``Failed`` (one line); a connection whose framing breaks is logged and
+  closed. Each connection's requests are answered in arrival order, except ``Resync`` (it awaits
+  the engine's replay), which runs in its own task. When the worker stops, every connection is
+  closed and its reader awaited; ``Resync`` answers are cancelled and awaited.
 - The worker exits when the parent asks (SIGTERM; SIGINT is left to the parent), and on its own
   when the parent is gone (its parent pid changed): it never outlives the daemon that started it,
-  and then removes its ipc socket (and the channel directory, the last one out).
+  and then removes its Unix socket (and the channel directory, the last one out).
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import zmq
-import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from adapters.dialects import DIALECTS
@@ -53,6 +53,7 @@ from kvindex.sequence import Position
 from kvindex.settings import ApproxConfig, ApproxSettings, DriftSettings
 from kvindex.shard import channel as ch
 from kvindex.shard.channel import WorkerSettings, unpack_keys
+from kvindex.shard.frames import BrokenFraming, framed, read_message
 from kvindex.types import PodMatch
 
 log = logging.getLogger("kvindex.shard.worker")
@@ -60,7 +61,7 @@ PARENT_CHECK_SECONDS = 1.0
 
 
 class Worker:
-    """One worker: its lanes, its memory store, and the ROUTER socket answering the parent."""
+    """One worker: its lanes, its memory store, and the Unix socket answering the parent."""
 
     def __init__(self, channel: str, settings: WorkerSettings) -> None:
         self.channel = channel
@@ -73,7 +74,9 @@ class Worker:
         self.fleet = Fleet(self._make_lane)
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
         self.pods = PodDirectory(self.fleet, self.store, approx, DriftAudit(self.store, approx, DriftSettings()))
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # Resync answers
+        self._readers: set[asyncio.Task[Any]] = set()  # one per connection (asyncio's server starts them)
+        self._connections: set[asyncio.StreamWriter] = set()
         self._lora: dict[EngineConfig, dict[tuple[str, str, str], None]] = {}  # per lane: its events' lora_names
         st = self.store
         self._ops: dict[type, Callable[[Any], Awaitable[Any]]] = {
@@ -152,60 +155,85 @@ class Worker:
         return await self.store.match(unpack_keys(keys), req.pods, model=req.model)
 
     # -- the channel ---------------------------------------------------------------------------
-    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes], req: ch.Request[Any]) -> None:
-        ident, rid = frames[0], frames[1]
+    async def _answer(self, writer: asyncio.StreamWriter, frames: list[bytes], req: ch.Request[Any]) -> None:
+        rid = frames[0]
         try:
             if isinstance(req, ch.Match):
-                value = await self._match(req, frames[3])
+                value = await self._match(req, frames[2])
             else:
                 value = await self._ops[type(req)](req)
             reply: ch.Ok[Any] | ch.Failed = ch.Ok(value)
         except Exception as exc:  # every failure goes back to the parent as one line
             log.exception("worker request failed")
             reply = ch.Failed(f"{type(exc).__name__}: {exc}".splitlines()[0])
-        await sock.send_multipart([ident, rid, ch.encode(reply)])
+        if not writer.is_closing():
+            writer.write(framed([rid, ch.encode(reply)]))
 
     async def serve(self, stop: asyncio.Event) -> None:
-        sock = self.intake.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self.channel)
+        server = await asyncio.start_unix_server(self._connection, path=self.channel)
+        os.chmod(self.channel, 0o600)  # the parent's user only (its directory is the parent's mkdtemp)
         watchdog = asyncio.create_task(_parent_watch(stop), name="parent watch")
-        receiver = asyncio.create_task(self._receive(sock), name="parent requests")
         try:
             await stop.wait()
         finally:
-            receiver.cancel()
+            server.close()
             watchdog.cancel()
-            await asyncio.gather(receiver, watchdog, return_exceptions=True)
-            await self.fleet.close()
-            for task in list(self._tasks):
+            for task in list(self._tasks):  # Resync answers
                 task.cancel()
-            sock.close(linger=0)
+            for writer in self._connections:  # each reader then sees the end of its stream and returns
+                writer.close()
+            await asyncio.gather(watchdog, *self._tasks, *self._readers, return_exceptions=True)
+            await self.fleet.close()
             self.intake.ctx.term()
             if watchdog.done() and not watchdog.cancelled():  # the parent is gone: nobody else cleans up
                 _remove_channel(self.channel)
 
-    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            try:
-                req = ch.request_decoder.decode(frames[2])
-                if isinstance(req, ch.Match) and len(frames) != 4:
-                    raise ValueError("Match without its keys frame")
-            except Exception as exc:  # not a request (a decoder's own failure included): never the loop's end
-                log.warning("worker: a malformed request (%d frames) ignored: %s", len(frames), exc)
-                continue
-            if isinstance(req, ch.Resync):  # awaits the engine's replay: the channel keeps answering meanwhile
-                task = asyncio.create_task(self._answer(sock, frames, req))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            else:
-                await self._answer(sock, frames, req)
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One parent-side client's requests, answered in arrival order (``Resync`` in its own task)."""
+        me = asyncio.current_task()
+        assert me is not None
+        self._readers.add(me)  # (not cancelled: asyncio's server reads a cancelled one as an error)
+        self._connections.add(writer)
+        try:
+            while True:
+                frames = await read_message(reader)
+                if (req := self._decoded(frames)) is None:
+                    continue
+                if isinstance(req, ch.Resync):  # awaits the engine's replay: the channel keeps answering meanwhile
+                    self._own(asyncio.create_task(self._answer(writer, frames, req)))
+                else:
+                    await self._answer(writer, frames, req)
+        except asyncio.IncompleteReadError:
+            pass  # the client closed its connection
+        except (BrokenFraming, ConnectionError) as exc:
+            log.warning("worker: a connection closed: %s", exc)
+        finally:
+            writer.close()
+            self._connections.discard(writer)
+            self._readers.discard(me)
+
+    @staticmethod
+    def _decoded(frames: list[bytes]) -> ch.Request[Any] | None:
+        """The request, or None (logged) when it is none: the sender times out, the channel goes on."""
+        try:
+            if len(frames) < 2:
+                raise ValueError("no request frame")
+            req = ch.request_decoder.decode(frames[1])
+            if isinstance(req, ch.Match) and len(frames) != 3:
+                raise ValueError("Match without its keys frame")
+            return req
+        except Exception as exc:  # not a request (a decoder's own failure included): never the loop's end
+            log.warning("worker: a malformed request (%d frames) ignored: %s", len(frames), exc)
+            return None
+
+    def _own(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _remove_channel(channel: str) -> None:
     """The ipc socket file, and its directory once the last worker left it."""
-    path = Path(channel.removeprefix("ipc://"))
+    path = Path(channel)
     path.unlink(missing_ok=True)
     try:
         path.parent.rmdir()
@@ -233,7 +261,7 @@ async def run(channel: str, settings: WorkerSettings) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvindex.shard.worker", description="a kvindex shard worker (internal: "
                                 "started by kvindex serve --workers N)")
-    p.add_argument("--channel", required=True, help="ipc:// endpoint to bind the ROUTER socket at")
+    p.add_argument("--channel", required=True, help="the Unix socket path to listen on for the parent")
     p.add_argument("--settings", default="{}", help="WorkerSettings as JSON")
     p.add_argument("--index", type=int, default=0, help="this worker's number (for logs)")
     p.add_argument("--log-level", default=os.environ.get("KVINDEX_LOG_LEVEL", "INFO"))
