@@ -107,7 +107,7 @@ class ShardChannel:
         timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
         message = framed([rid, encode(req)] + ([extra] if extra is not None else []))
         try:
-            if self._writer is None:
+            if self._writer is None or self._writer.is_closing():  # not up yet, or ending: the reader decides
                 self._unsent.append(message)
             else:
                 self._writer.write(message)
