@@ -15,7 +15,9 @@ Invariants:
   answers), terminated and awaited by ``Shards.stop`` (killed after ``STOP_SECONDS``), and they
   exit on their own when the parent is gone.
 - A worker that dies is not restarted (a fresh worker would hold nothing until its engines
-  publish again: wrong answers). It is logged, every request to it fails at once
+  publish again: wrong answers). Its death is seen when its connection ends (``_lost``; the
+  watch loop's poll is the fallback), and a worker that closes its connection but keeps running
+  counts as dead after ``LOST_SECONDS``. It is logged, every request to it fails at once
   (``StoreUnavailable``: queries answer 503, never a partial answer), ``/readyz`` answers 503
   with the reason, and ``on_failure`` is called: the daemon then exits (code 1) after a grace
   period so its supervisor restarts the whole kvindex.
