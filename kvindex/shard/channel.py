@@ -18,10 +18,8 @@ Invariants:
   (the fewest, the lowest index among equals), so N configured engines split N // W or N // W + 1
   per worker in configuration order, never by the luck of a hash. Writes the parent makes itself
   (``ShardedPreciseStore``) belong to ``owner_of(pod, N)`` (CRC-32 of the pod: stable).
-- Every request has a deadline (``ShardChannel.timeout``, ``REQUEST_TIMEOUT`` by default): no answer in time, a worker known dead
-  (``fail``), a reply that does not decode, or the worker's ``Failed`` raises ``StoreUnavailable``
-  with a one-line reason naming the worker. An answer after its deadline is dropped. A connection
-  that ends (the worker died) fails every waiting and later request at once.
+- Every request has a deadline (``REQUEST_TIMEOUT`` by default); how a request fails, as
+  ``StoreUnavailable`` naming the worker, is ``kvindex.shard.client``'s.
 - Events cross as ``WireStored`` / ``WireRemoved`` / ``WireCleared`` (``token_ids`` and
   ``block_hashes`` as their packed u32 / u64 bytes) and come out as the same ``KVEvent`` values
   (``to_wire`` / ``from_wire``; hashes as an ``array("Q")``, whatever sequence went in).

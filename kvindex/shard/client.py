@@ -4,8 +4,8 @@ Invariants (the messages are ``kvindex.shard.channel``'s, framed by ``kvindex.sh
 - One Unix stream connection per channel; a reply is matched to its request by the request id
   (8 bytes, this channel's counter). An answer after its request's deadline is dropped.
 - Every request has a deadline (``timeout``): no answer in time, a worker known dead (``fail``),
-  a connection that ended (after ``on_lost`` had its say), a reply that does not decode, or the worker's ``Failed`` raises
-  ``StoreUnavailable`` with a one-line reason naming the worker.
+  a connection that ended (after ``on_lost`` had its say), a reply that does not decode, or the
+  worker's ``Failed`` raises ``StoreUnavailable`` with a one-line reason naming the worker.
 - Requests made before the worker listens (it is starting) wait within their deadline and are
   written, in order, once the connection is up. Its one task (``start``: connect, then read
   replies) is cancelled and awaited by ``close``.

@@ -71,6 +71,10 @@ def _same_code_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
+def _exit_reason(proc: asyncio.subprocess.Process) -> str:
+    return f"(pid {proc.pid}) exited with code {proc.returncode}: its engines are not indexed until kvindex restarts"
+
+
 class ShardFailed(RuntimeError):
     """A worker process died: the daemon stopped (its supervisor should restart kvindex)."""
 
@@ -123,7 +127,7 @@ class Shards:
             await asyncio.sleep(WATCH_SECONDS)
             for chan, proc in zip(self.channels, self.procs):
                 if proc.returncode is not None and chan.dead is None and not self._stopping:
-                    self._died(chan, proc)
+                    self._failed(chan, _exit_reason(proc))
             await self._refresh_lanes()
 
     async def _lost(self, index: int) -> None:
@@ -132,17 +136,12 @@ class Shards:
         chan, proc = self.channels[index], self.procs[index]
         try:
             await asyncio.wait_for(proc.wait(), LOST_SECONDS)
+            reason = _exit_reason(proc)
         except TimeoutError:
-            if chan.dead is None and not self._stopping:
-                self._failed(chan, f"(pid {proc.pid}) closed its channel while running: its engines are not "
-                                   "indexed until kvindex restarts")
-            return
+            reason = (f"(pid {proc.pid}) closed its channel while running: its engines are not indexed "
+                      "until kvindex restarts")
         if chan.dead is None and not self._stopping:
-            self._died(chan, proc)
-
-    def _died(self, chan: ShardChannel, proc: asyncio.subprocess.Process) -> None:
-        self._failed(chan, f"(pid {proc.pid}) exited with code {proc.returncode}: its engines are not indexed "
-                           "until kvindex restarts")
+            self._failed(chan, reason)
 
     def _failed(self, chan: ShardChannel, reason: str) -> None:
         chan.fail(reason)

@@ -75,8 +75,7 @@ class Worker:
         approx = MemoryApproxStore(ApproxIndex(ApproxConfig(ApproxSettings(), {})))
         self.pods = PodDirectory(self.fleet, self.store, approx, DriftAudit(self.store, approx, DriftSettings()))
         self._tasks: set[asyncio.Task[None]] = set()  # Resync answers
-        self._readers: set[asyncio.Task[Any]] = set()  # one per connection (asyncio's server starts them)
-        self._connections: set[asyncio.StreamWriter] = set()
+        self._connections: dict[asyncio.StreamWriter, asyncio.Task[Any]] = {}  # each with its reader task
         self._lora: dict[EngineConfig, dict[tuple[str, str, str], None]] = {}  # per lane: its events' lora_names
         st = self.store
         self._ops: dict[type, Callable[[Any], Awaitable[Any]]] = {
@@ -180,9 +179,10 @@ class Worker:
             watchdog.cancel()
             for task in list(self._tasks):  # Resync answers
                 task.cancel()
+            readers = list(self._connections.values())
             for writer in self._connections:  # each reader then sees the end of its stream and returns
                 writer.close()
-            await asyncio.gather(watchdog, *self._tasks, *self._readers, return_exceptions=True)
+            await asyncio.gather(watchdog, *self._tasks, *readers, return_exceptions=True)
             await self.fleet.close()
             self.intake.ctx.term()
             if watchdog.done() and not watchdog.cancelled():  # the parent is gone: nobody else cleans up
@@ -192,15 +192,16 @@ class Worker:
         """One parent-side client's requests, answered in arrival order (``Resync`` in its own task)."""
         me = asyncio.current_task()
         assert me is not None
-        self._readers.add(me)  # (not cancelled: asyncio's server reads a cancelled one as an error)
-        self._connections.add(writer)
+        self._connections[writer] = me  # closed at stop, not cancelled: asyncio's server logs a cancelled one
         try:
             while True:
                 frames = await read_message(reader)
                 if (req := self._decoded(frames)) is None:
                     continue
                 if isinstance(req, ch.Resync):  # awaits the engine's replay: the channel keeps answering meanwhile
-                    self._own(asyncio.create_task(self._answer(writer, frames, req)))
+                    task = asyncio.create_task(self._answer(writer, frames, req))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
                 else:
                     await self._answer(writer, frames, req)
         except asyncio.IncompleteReadError:
@@ -209,8 +210,7 @@ class Worker:
             log.warning("worker: a connection closed: %s", exc)
         finally:
             writer.close()
-            self._connections.discard(writer)
-            self._readers.discard(me)
+            del self._connections[writer]
 
     @staticmethod
     def _decoded(frames: list[bytes]) -> ch.Request[Any] | None:
@@ -226,13 +226,9 @@ class Worker:
             log.warning("worker: a malformed request (%d frames) ignored: %s", len(frames), exc)
             return None
 
-    def _own(self, task: asyncio.Task[None]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
 
 def _remove_channel(channel: str) -> None:
-    """The ipc socket file, and its directory once the last worker left it."""
+    """The Unix socket file, and its directory once the last worker left it."""
     path = Path(channel)
     path.unlink(missing_ok=True)
     try:
