@@ -1,18 +1,24 @@
 """After a backlog the memory its messages took goes back to the OS (``kvindex.ingest.backlog``).
 
-The rule is driven as Subscribers report their bursts, with a trim that counts its calls; then a running daemon is fed a backlog over real ZeroMQ and must apply all of
-it and trim once, with glibc's own ``malloc_trim``."""
+The rule is driven as Subscribers report their bursts, with a trim that counts its calls; a real
+Subscriber whose last burst was exactly full must count as caught up once nothing more waits;
+then a running daemon is fed a backlog over real ZeroMQ and must apply all of it and trim once,
+with glibc's own ``malloc_trim``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvindex.config import Config
 from kvindex.ingest.backlog import TRIM_AFTER_BYTES, BacklogRelease, trimmer
-from kvindex.ingest.transport import DRAIN_BURST
+from kvindex.ingest.transport import DRAIN_BURST, Subscriber, parse_message
 from kvindex.tools.engine_sim import encode_batch
 from tests.conftest import engine_config, ipc_endpoint, wait_for
 
@@ -25,7 +31,7 @@ def full(size: int = PAYLOAD) -> tuple[bool, int]:
     return True, DRAIN_BURST * size
 
 
-PART = (False, 0)  # a burst that is not full: the subscriber caught up
+PART = (False, 0)  # a burst with nothing queued after it: the subscriber caught up
 
 
 class Trims:
@@ -62,6 +68,15 @@ def test_steady_traffic_and_small_backlogs_never_trim() -> None:
     assert trims.calls == 0 and 0 < release.backlog_bytes < TRIM_AFTER_BYTES
 
 
+def test_queued_messages_count_as_backlog_when_no_burst_was_full() -> None:
+    trims = Trims()
+    release = BacklogRelease(trims)
+    for _ in range(FULL_BURSTS):  # a lane that keeps up, each wake-up finding a few batches queued
+        release.handled("a", False, DRAIN_BURST * PAYLOAD // 2)
+        release.handled("b", False, DRAIN_BURST * PAYLOAD // 2)
+    assert trims.calls == 1 and release.backlog_bytes < TRIM_AFTER_BYTES
+
+
 def test_a_stopped_lane_is_behind_no_more() -> None:
     trims = Trims()
     release = BacklogRelease(trims)
@@ -79,6 +94,46 @@ def test_without_malloc_trim_it_only_counts() -> None:
         release.handled("a", *full())
     release.handled("a", *PART)
     assert release.trims == 0 and release.backlog_bytes == 0
+
+
+async def test_a_subscriber_whose_last_burst_was_full_is_caught_up(tmp_path: Path) -> None:
+    """The engine falls quiet right after exactly ``DRAIN_BURST`` queued messages: the subscriber
+    looks again, finds nothing, and reports itself caught up (it used to stay behind until its
+    engine's next message, holding every lane's trim)."""
+    trims = Trims()
+    ctx = zmq.asyncio.Context()
+    endpoint = ipc_endpoint(tmp_path, "pub")
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint)
+    sub = Subscriber(ctx, endpoint, bind=False, rcvhwm=0, backlog=BacklogRelease(trims, after_bytes=1))
+    bursts = sub.bursts()
+    try:
+        probe = [b"kv@p@m", (0).to_bytes(8, "big"), b"probe"]
+        first = asyncio.ensure_future(bursts.__anext__())
+        while not first.done():  # the slow joiner: publish until one arrives
+            await pub.send_multipart(probe)
+            await asyncio.sleep(0.01)
+        marker = [b"kv@p@m", (0).to_bytes(8, "big"), b"marker"]
+        await pub.send_multipart(marker)  # read up to it: every late probe is behind us
+        while (await asyncio.wait_for(bursts.__anext__(), 5))[-1] != parse_message(marker):
+            pass
+        base = trims.calls
+        for seq in range(DRAIN_BURST):
+            await pub.send_multipart([b"kv@p@m", (seq + 1).to_bytes(8, "big"), bytes(1024)])
+        await asyncio.sleep(0.3)  # all queued in the SUB before it reads
+        burst = await asyncio.wait_for(bursts.__anext__(), 5)
+        assert len(burst) == DRAIN_BURST  # exactly full: the case under test
+        after = asyncio.ensure_future(bursts.__anext__())  # handled; nothing more will come
+        await wait_for(lambda: trims.calls == base + 1, 5, "caught up (and trimmed) with nothing left queued")
+        assert not after.done()
+        after.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await after
+    finally:
+        await bursts.aclose()
+        sub.close()
+        pub.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 async def test_a_daemon_caught_up_after_a_backlog_trims_once(make_harness: Any, make_engine: Any,

@@ -8,11 +8,13 @@ sees. ``BacklogRelease`` calls glibc's ``malloc_trim(0)`` when the process has c
 
 Invariants:
 - Each subscriber (``transport.Subscriber``) reports every burst once its lane handled it
-  (``handled``): a full burst (more messages were queued) marks that subscriber behind and counts
-  its payload bytes as backlog; a burst that is not full marks it caught up. When no subscriber is
-  behind any more and at least ``TRIM_AFTER_BYTES`` of backlog were handled since the last trim,
-  memory is trimmed once, and logged with the RSS before and after. Steady traffic (bursts that
-  are not full) never trims: the memory it frees is reused by the next messages.
+  (``handled``): whether it is still behind (more messages were already queued after the burst),
+  and the payload bytes of the burst's messages that had waited in ZeroMQ's queue (all but one a
+  wake-up awaited), which count as backlog whether it is behind or not. When no subscriber is
+  behind any more and at least ``after_bytes`` (``TRIM_AFTER_BYTES``) of backlog were handled
+  since the last trim, memory is trimmed once, and logged with the RSS before and after. Steady
+  traffic (one message per wake-up) never trims; traffic that queues a little trims once per
+  ``after_bytes`` of it, and a trim with little to give back costs microseconds.
 - Only where glibc's ``malloc_trim`` exists (``trimmer()``); elsewhere ``handled`` only counts.
 - One per process (``ingest.intake``), shared by its subscribers; the event loop's thread only.
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 
 log = logging.getLogger("kvindex.ingest.transport")
 
-TRIM_AFTER_BYTES = 16 << 20  # backlog handled before a trim is worth its few milliseconds
+TRIM_AFTER_BYTES = 16 << 20  # backlog handled before a trim: ~10 ms to give back ~100 MB (64 engines)
 
 
 def trimmer() -> Callable[[], object] | None:
@@ -55,21 +57,22 @@ def rss_mb() -> float | None:
 class BacklogRelease:
     """Which subscribers are behind, and the backlog handled since the last trim."""
 
-    def __init__(self, trim: Callable[[], object] | None) -> None:
+    def __init__(self, trim: Callable[[], object] | None, after_bytes: int = TRIM_AFTER_BYTES) -> None:
         self._trim = trim
+        self._after_bytes = after_bytes
         self._behind: set[object] = set()
-        self.backlog_bytes = 0  # payload bytes of full bursts since the last trim
+        self.backlog_bytes = 0  # payload bytes of queued messages handled since the last trim
         self.trims = 0
 
-    def handled(self, source: object, full: bool, nbytes: int) -> None:
-        """A burst of ``source`` handled: ``full`` (more were queued) with ``nbytes`` of payloads."""
-        if full:
+    def handled(self, source: object, behind: bool, nbytes: int) -> None:
+        """A burst of ``source`` handled, ``nbytes`` of its payloads had been queued; ``behind``:
+        more are queued still."""
+        self.backlog_bytes += nbytes
+        if behind:
             self._behind.add(source)
-            self.backlog_bytes += nbytes
             return
-        if self._behind:
-            self._behind.discard(source)
-        if not self._behind and self.backlog_bytes >= TRIM_AFTER_BYTES:
+        self._behind.discard(source)
+        if not self._behind and self.backlog_bytes >= self._after_bytes:
             self._release()
 
     def forget(self, source: object) -> None:

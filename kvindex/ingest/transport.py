@@ -189,19 +189,22 @@ class Subscriber:
             raise
 
     async def bursts(self) -> AsyncIterator[list[Frame | Malformed]]:
-        """Every message, in order, in bursts: one wake-up's worth, the first message awaited and
-        then what is already queued (non-blocking, at most ``DRAIN_BURST`` in all), so a consumer
-        pays its per-await costs (a lock, a coroutine) once per burst, not once per message. After
-        a full burst the event loop gets a turn (HTTP queries) before the next."""
+        """Every message, in order, in bursts of at most ``DRAIN_BURST``: what is already queued,
+        or when nothing is, the next message awaited and what came with it. A consumer pays its
+        per-await costs (a lock, a coroutine) once per burst, not once per message. After a full
+        burst the event loop gets a turn (HTTP queries) before the next is read."""
+        burst: list[list[bytes]] = []
         while True:
-            first = parse_message(await self._sock.recv_multipart())
-            queued = self._queued(DRAIN_BURST - 1)
-            yield [first, *map(parse_message, queued)]
-            full = len(queued) == DRAIN_BURST - 1  # more may be queued: behind its engine
-            if self._backlog is not None:  # told once the burst was handled (the next one is asked for)
-                self._backlog.handled(self, full, sum(len(parts[-1]) for parts in queued) if full else 0)
-            if full:
+            awaited = not burst
+            if awaited:
+                burst = [await self._sock.recv_multipart(), *self._queued(DRAIN_BURST - 1)]
+            yield [parse_message(parts) for parts in burst]
+            handled, burst = burst, []
+            if len(handled) == DRAIN_BURST:  # more may be queued: a turn for the loop, then look
                 await asyncio.sleep(0)
+                burst = self._queued(DRAIN_BURST)
+            if self._backlog is not None:  # told once the burst was handled: behind if more wait
+                self._backlog.handled(self, bool(burst), sum(len(parts[-1]) for parts in handled[awaited:]))
 
     async def messages(self) -> AsyncIterator[Frame | Malformed]:
         """Every message, in order, one at a time (``bursts``, flattened)."""
