@@ -305,6 +305,41 @@ async def test_the_channel_drops_garbage_and_answers_a_failure_in_one_line() -> 
         await shards.stop()
 
 
+async def test_a_worker_that_stops_reading_has_requests_refused_not_buffered() -> None:
+    """A worker that stops reading its channel (here SIGSTOP) gets requests only until
+    ``max_unsent_bytes`` wait unread; then each is refused at once, in one line, and the parent's
+    memory stops growing. Once it reads again, what was written is answered."""
+    from kvindex.shard.client import ShardChannel
+
+    shards = Shards(1, WorkerSettings())
+    await shards.start()
+    pid = shards.procs[0].pid
+    chan = ShardChannel(0, shards.channels[0].path, timeout=60, max_unsent_bytes=1 << 20)
+    chan.start()
+    pending: list[asyncio.Future[Any]] = []
+    try:
+        assert await chan.request(ch.Ping()) == pid
+        os.kill(pid, signal.SIGSTOP)
+        keys = ch.pack_keys(range(1, 1 << 16))  # 512 KB a request
+        with pytest.raises(StoreUnavailable, match=r"^worker 0: not reading its channel \(\d+ MB of requests unread\)$"):
+            for _ in range(64):  # 32 MB: far past what the sockets' kernel buffers take
+                pending.append(asyncio.ensure_future(chan.request(ch.Match(None, None), extra=keys)))
+                await asyncio.sleep(0)  # written (or refused)
+                if pending[-1].done():
+                    pending.pop().result()
+        assert 2 <= len(pending) < 16
+        os.kill(pid, signal.SIGCONT)
+        assert all(answer == {} for answer in await asyncio.wait_for(asyncio.gather(*pending), 30))
+        assert await chan.request(ch.Ping()) == pid
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        for fut in pending:
+            fut.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await chan.close()
+        await shards.stop()
+
+
 async def test_engines_are_dealt_out_evenly_over_the_workers(tmp_path: Path) -> None:
     """Lanes go round the workers in the order they are added (never by the luck of a hash of
     their endpoints, which left 8 engines split 6 / 2 as often as 4 / 4); a lane added after one

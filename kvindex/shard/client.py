@@ -7,7 +7,11 @@ Invariants (the messages are ``kvindex.shard.channel``'s, framed by ``kvindex.sh
   a connection that ended (after ``on_lost`` had its say), a reply that does not decode, or the
   worker's ``Failed`` raises ``StoreUnavailable`` with a one-line reason naming the worker.
 - Requests made before the worker listens (it is starting) wait within their deadline and are
-  written, in order, once the connection is up. Its one task (``start``: connect, then read
+  written, in order, once the connection is up.
+- What the worker has not read yet is bounded: with more than ``max_unsent_bytes`` of requests
+  waiting in the connection's buffer (or made before it was up), a request is refused at once
+  (``StoreUnavailable``, saying how much waits), not buffered: a worker that stopped reading
+  costs the parent that much memory at most. Its one task (``start``: connect, then read
   replies) is cancelled and awaited by ``close``.
 """
 
@@ -27,6 +31,7 @@ from kvindex.shard.frames import BrokenFraming, framed, read_message
 T = TypeVar("T")
 
 CONNECT_RETRY_SECONDS = 0.01  # while the worker is starting (its socket not there yet)
+MAX_UNSENT_BYTES = 64 << 20  # requests not read by the worker yet: past this, refused at once
 
 
 class ShardChannel:
@@ -35,8 +40,9 @@ class ShardChannel:
     connection is up."""
 
     def __init__(self, index: int, path: str, timeout: float = REQUEST_TIMEOUT, *,
-                 on_lost: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_lost: Callable[[], Awaitable[None]] | None = None, max_unsent_bytes: int = MAX_UNSENT_BYTES) -> None:
         self.index = index
+        self.max_unsent_bytes = max_unsent_bytes
         self.on_lost = on_lost  # awaited when the connection ends, before waiting requests fail
         self.path = path  # the worker's Unix socket
         self.timeout = timeout
@@ -97,6 +103,9 @@ class ShardChannel:
             raise StoreUnavailable(f"worker {self.index} {self.dead}")
         if self._closed is not None:
             raise StoreUnavailable(f"worker {self.index}: {self._closed}")
+        if (unsent := self._unsent_bytes()) > self.max_unsent_bytes:
+            raise StoreUnavailable(f"worker {self.index}: not reading its channel "
+                                   f"({unsent / (1 << 20):.0f} MB of requests unread)")
         rid = next(self._ids).to_bytes(8, "little")
         self.sent += 1
         loop = asyncio.get_running_loop()
@@ -115,6 +124,12 @@ class ShardChannel:
         finally:
             timer.cancel()
             self._waiting.pop(rid, None)
+
+    def _unsent_bytes(self) -> int:
+        """Bytes of requests written but not yet taken by the worker's side of the connection."""
+        if self._writer is None:
+            return sum(map(len, self._unsent))
+        return self._writer.transport.get_write_buffer_size()
 
     def fail(self, reason: str) -> None:
         """The worker is gone: every pending and later request fails at once with ``reason``."""
