@@ -7,7 +7,9 @@ system prompts, multi-turn chats, round-robin routing so several pods hold deep 
 
   ingest (in-process)   decode + PreciseIndex.apply, blocks/s     vs msgpack + dict per replica
   ingest (end to end)   publisher process -> ZeroMQ tcp -> Daemon  vs plain pyzmq + msgpack + dicts
-                        (and with --workers 2: the core budget of Dynamo's --threads 2)
+                        (and with --workers 2: the core budget of Dynamo's --threads 2);
+                        every e2e rate, Dynamo's too, is timed from the publisher's go to the
+                        last batch applied
   lookup (in-process)   PreciseIndex.match, 512 blocks, p50/p99   vs walking the per-replica dicts
   HTTP                  /query, /query_by_hash, /v1/score          vs GET /health round trip
                         (and the floor: the same bodies to an empty aiohttp handler)
