@@ -21,9 +21,10 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -246,7 +247,27 @@ class QueryService:
     async def candidates(self, requested: Iterable[str] | None, precise: PreciseAnswer | None) -> list[str]:
         if requested is not None:
             return sorted(set(requested))
-        pods = set(await self.store.pods()) | set(await self.approx.pods())
-        if precise is not None:
-            pods |= set(precise.matches)
-        return sorted(pods)
+        return self._with_matched(await self._known_pods(), precise)
+
+    async def precise_and_candidates(self, requested: Iterable[str] | None,
+                                     precise: Awaitable[PreciseAnswer | None]) -> tuple[PreciseAnswer | None, list[str]]:
+        """``precise`` awaited, and ``candidates`` for it. With no pods requested, the stores are
+        asked for every pod they know while ``precise`` runs: a store in other processes (workers,
+        Redis) then costs one round trip, not two."""
+        if requested is not None:
+            return await precise, sorted(set(requested))
+        known = asyncio.ensure_future(self._known_pods())
+        try:
+            answer = await precise
+        except BaseException:
+            known.cancel()
+            await asyncio.gather(known, return_exceptions=True)
+            raise
+        return answer, self._with_matched(await known, answer)
+
+    async def _known_pods(self) -> set[str]:
+        return set(await self.store.pods()) | set(await self.approx.pods())
+
+    @staticmethod
+    def _with_matched(pods: set[str], precise: PreciseAnswer | None) -> list[str]:
+        return sorted(pods | set(precise.matches) if precise is not None else pods)

@@ -493,3 +493,41 @@ async def test_a_sharded_daemon_whose_workers_engines_disagree_answers_503(make_
             if served.proc.returncode is None:
                 served.proc.kill()
             await served.proc.wait()
+
+
+async def test_a_score_asks_for_the_workers_pods_beside_its_walk(make_harness: Any, make_engine: Any,
+                                                                 tmp_path: Path) -> None:
+    """``/v1/score`` with no pods named answers every pod known: with workers, that is a ``Pods``
+    request besides the ``Match``. Both go out at once (one round trip, not two in a row): while
+    the workers are stopped, each channel holds both unanswered; then the answer is exact."""
+    from tests.conftest import wait_for
+    from tests.test_block_sizes import cached, life
+
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"))
+    h = await make_harness(Config(workers=2, engines=(engine_config(engine, pod="e0"),)))
+    await engine.wait_subscribers(1, 10)
+    frames, _, prompt = life(4, 16, seed=5, pod="e0")
+    for f in frames:
+        await engine.publish(f)
+    await wait_for(lambda: h.daemon.shards is not None, 10, "the workers")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (await h.get("/v1/pods"))[1]["pods"][0]["last_seq"] != 3:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.02)
+    body = {"model": "m", "token_ids": prompt}
+    status, warm = await h.post("/v1/score", body)  # the model's block size agreed (remembered)
+    assert status == 200, warm
+    channels, pids = h.daemon.shards.channels, [p.pid for p in h.daemon.shards.procs]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        scored = asyncio.ensure_future(h.post("/v1/score", body))
+        await wait_for(lambda: all({"match", "pods"} <= set(c.in_flight()) for c in channels), 5,
+                       "Match and Pods in flight on every worker")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    status, answer = await asyncio.wait_for(scored, 10)
+    assert status == 200 and answer == warm
+    assert answer["pods"]["e0"]["precise"]["tokens"] == cached(prompt, 16)

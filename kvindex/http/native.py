@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from importlib import resources
+from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvindex.answers import PodAnswer
+from kvindex.answers import PodAnswer, PreciseAnswer
 from kvindex.http.app import OPEN, WRITE, authorized, scope, services
 from kvindex.http.bodies import (
     ApiError,
@@ -124,14 +125,7 @@ async def score(request: web.Request) -> web.Response:
     args = parse(body, ScoreBody)
     model, pods = args.model, pods_limit(args.pods)
     q = svc.query
-    token_ids = await q.token_ids_for(model, body)
-    precise = None
-    if token_ids is not None:
-        precise = await q.precise(model, token_ids, pods, optional_text(args.lora_name, "lora_name"),
-                                  optional_text(args.cache_salt, "cache_salt"))
-        if authorized(request):  # what a decision reads, only a caller who may write decisions writes
-            q.scores.remember(model, token_ids, pods, precise)
-    candidates = await q.candidates(pods, precise)
+    precise, candidates = await q.precise_and_candidates(pods, _precise_score(request, args, pods, body))
     approx = await q.approx_answer(model, body, candidates)
     if precise is None and approx is None:
         raise ApiError("nothing to score: give token_ids, prompt, messages or input", field="request", reason="missing_field")
@@ -146,6 +140,20 @@ async def score(request: web.Request) -> web.Response:
     }
     svc.metrics.query_seconds.labels("/v1/score").observe(time.perf_counter() - t0)
     return json_response(answer)
+
+
+async def _precise_score(request: web.Request, args: ScoreBody, pods: list[str] | None,
+                         body: dict[str, Any]) -> PreciseAnswer | None:
+    """A score's precise side (None without tokens), remembered for the caller's decisions."""
+    q = services(request).query
+    token_ids = await q.token_ids_for(args.model, body)
+    if token_ids is None:
+        return None
+    precise = await q.precise(args.model, token_ids, pods, optional_text(args.lora_name, "lora_name"),
+                              optional_text(args.cache_salt, "cache_salt"))
+    if authorized(request):  # what a decision reads, only a caller who may write decisions writes
+        q.scores.remember(args.model, token_ids, pods, precise)
+    return precise
 
 
 async def models(request: web.Request) -> web.Response:

@@ -112,7 +112,7 @@ class ShardChannel:
         fut: asyncio.Future[T] = loop.create_future()
         self._waiting[rid] = (type(req), fut)
         limit = timeout if timeout is not None else self.timeout
-        op = type(req).__struct_config__.tag  # the operation as the old channel named it ("match", ...)
+        op = type(req).__struct_config__.tag  # the operation ("match", ...)
         timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
         message = framed([rid, encode(req)] + ([extra] if extra is not None else []))
         try:
@@ -124,6 +124,10 @@ class ShardChannel:
         finally:
             timer.cancel()
             self._waiting.pop(rid, None)
+
+    def in_flight(self) -> list[str]:
+        """The operations ("match", "pods", ...) of requests sent, or waiting to be, and not answered yet."""
+        return [str(kind.__struct_config__.tag) for kind, _ in self._waiting.values()]
 
     def _unsent_bytes(self) -> int:
         """Bytes of requests written but not yet taken by the worker's side of the connection."""
