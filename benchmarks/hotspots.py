@@ -3,7 +3,8 @@
   python benchmarks/hotspots.py ingest --replicas 8     decode + PreciseIndex.apply (in-process)
   python benchmarks/hotspots.py lane --replicas 8       EngineLane.handle (decode, seq, apply, metrics)
   python benchmarks/hotspots.py match --replicas 64     PreciseIndex.match, 512 keys
-  python benchmarks/hotspots.py http --replicas 64      the /query and /query_by_hash handlers' work
+  python benchmarks/hotspots.py http --replicas 64      the server's side of /query, /query_by_hash, /v1/score
+                                                        (aiohttp included) under e2e.py's HTTP client
 
 Workloads come from the same cache as run.py (generated on first use).
 """
@@ -34,20 +35,29 @@ def prof_ingest(wl: common.Workload) -> None:
 
 def prof_lane(wl: common.Workload) -> None:
     """Every message through a real EngineLane (no socket), as the daemon would handle it."""
-    from kvindex.config import Config, EngineConfig
+    from kvindex.config import Config
     from kvindex.daemon import Daemon
 
     daemon = Daemon(Config(port=0))
-    engine = EngineConfig(endpoint="tcp://127.0.0.1:1", model=common.MODEL, block_size=common.BLOCK_SIZE)
-    lane = daemon._make_lane(engine)
 
     async def feed() -> None:
-        """Every message, in order, through the lane."""
+        lane = daemon._make_lane(_engine())
+        prof = cProfile.Profile()
+        prof.enable()
         for topic, seq, payload in wl.messages:
             await lane.handle(Frame(topic, seq, payload))
+        prof.disable()
+        _print(prof)
 
     asyncio.run(feed())
     daemon.intake.ctx.term()
+
+
+def _engine():
+    """The engine config the workload's messages come from (never connected)."""
+    from kvindex.config import EngineConfig
+
+    return EngineConfig(endpoint="tcp://127.0.0.1:1", model=common.MODEL, block_size=common.BLOCK_SIZE)
 
 
 def _queries(wl: common.Workload) -> list[dict]:
@@ -68,31 +78,33 @@ def prof_match(wl: common.Workload) -> None:
     _print(prof)
 
 
-def prof_http(wl: common.Workload) -> None:
-    """What /query and /query_by_hash do per request, minus aiohttp: parse, validate, key, match, answer."""
-    from kvindex.approx.gojson import go_json_loads
-    from kvindex.http.dynamo import query_answer
-    from kvindex.index.approx import ApproxIndex
-    from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
-    from kvindex.query import QueryService
-    from kvindex.settings import ApproxConfig
+def prof_http(wl: common.Workload, repeat: int = 400) -> None:
+    """A real daemon holding the workload (fed through a lane), its HTTP server profiled while
+    e2e.py's client (its own process) sends the 8 deepest queries to every endpoint."""
+    import e2e
 
-    index, _ = inproc.kvindex_ingest(wl)
-    qs = QueryService(MemoryPreciseStore(index), MemoryApproxStore(ApproxIndex(ApproxConfig())), lambda m: None, 1 << 20)
-    bodies = [json.dumps({"token_ids": q["token_ids"], "model_name": common.MODEL}).encode() for q in _queries(wl)]
+    from kvindex.config import Config
+    from kvindex.daemon import Daemon
 
-    async def answer_all() -> None:
-        for _ in range(20):
-            for raw in bodies:
-                body = go_json_loads(raw)
-                tokens = qs.check_token_ids(body["token_ids"])
-                json.dumps(query_answer(await qs.precise(common.MODEL, tokens, None)))
+    qfile = common.RESULTS / "queries_hotspots.json"
+    qfile.write_text(json.dumps(_queries(wl)))
 
-    prof = cProfile.Profile()
-    prof.enable()
-    asyncio.run(answer_all())
-    prof.disable()
-    _print(prof)
+    async def serve() -> None:
+        daemon = Daemon(Config(host="127.0.0.1", port=0))
+        await daemon.start()
+        try:
+            lane = daemon._make_lane(_engine())
+            for topic, seq, payload in wl.messages:
+                await lane.handle(Frame(topic, seq, payload))
+            prof = cProfile.Profile()
+            prof.enable()
+            await e2e.http_client_async(f"http://127.0.0.1:{daemon.port}", "kvindex", qfile, repeat)
+            prof.disable()
+            _print(prof)
+        finally:
+            await daemon.stop()
+
+    common.run_daemon(serve())
 
 
 def _print(prof: cProfile.Profile, top: int = 25) -> None:
