@@ -1,6 +1,15 @@
-"""The benchmark's text table, rendered from the result document (see run.py)."""
+"""The benchmark's text table, rendered from the result document (see run.py).
+
+``python benchmarks/report.py A.json B.json C.json`` prints the README's table from several runs:
+per headline figure and workload, kvindex's and Dynamo's values in the run whose ratio is the
+median, and the median ratio with the lowest and highest in brackets.
+"""
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 Row = tuple[str, str, str, str, str, str]
 HEAD: Row = ("metric", "kvindex", "baseline", "kv/base", "Dynamo", "kv/Dynamo")
@@ -170,11 +179,37 @@ def _summary_cells(r: dict) -> list[tuple[str, float | None, float | None, str]]
             ("process RSS growth per entry", r["e2e_kvindex"]["rss_bytes_per_entry"], di.get("rss_bytes_per_entry"), "B")]
 
 
-def summary(doc: dict) -> str:
-    """One markdown table, kvindex / Dynamo / ratio: each headline metric on every workload of the run."""
+def _workloads(doc: dict) -> dict[str, dict]:
+    """The run's workloads by their table name: synthetic per replica count, then the trace."""
     runs = {f"synthetic, {n} replicas": r for n, r in doc["replicas"].items()}
     if "mooncake" in doc and "skipped" not in doc["mooncake"]:
         runs[f"Mooncake trace, {doc['mooncake']['workload']['replicas']} replicas"] = doc["mooncake"]
+    return runs
+
+
+def median_summary(docs: list[dict]) -> str:
+    """The README's table over several runs: the median run's values and ratio (lowest–highest)."""
+    fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
+    runs = [_workloads(doc) for doc in docs]
+    lines = [f"| median of {len(docs)} runs | kvindex | Dynamo | kvindex / Dynamo (lowest–highest) |",
+             "|---|---|---|---|"]
+    first = runs[0]
+    metrics = [cell[0] for cell in _summary_cells(next(iter(first.values())))]
+    for i, metric in enumerate(metrics):
+        for name in first:
+            cells = sorted((c[1] / c[2], c) for run in runs if name in run
+                           for c in [_summary_cells(run[name])[i]] if c[1] and c[2])
+            if not cells:
+                continue
+            ratio, (_m, kv, d, unit) = cells[(len(cells) - 1) // 2]
+            lines.append(f"| {metric} — {name} | {fmt[unit](kv)} | {fmt[unit](d)} | "
+                         f"**{ratio:.2f}** ({cells[0][0]:.2f}–{cells[-1][0]:.2f}) |")
+    return "\n".join(lines)
+
+
+def summary(doc: dict) -> str:
+    """One markdown table, kvindex / Dynamo / ratio: each headline metric on every workload of the run."""
+    runs = _workloads(doc)
     if not runs:
         return "(no workload measured)"
     fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
@@ -220,3 +255,7 @@ def render(doc: dict) -> str:
     out.append(f"\ntotal {doc['seconds']:.0f}s; baselines: plain-Python dict per replica (ingest, lookup, RSS), "
                "pyzmq+msgpack loop (e2e), GET /health (HTTP), XXH64 slices (approx)")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(median_summary([json.loads(Path(f).read_text()) for f in sys.argv[1:]]))

@@ -7,12 +7,12 @@ Invariants (the messages are ``kvindex.shard.channel``'s, framed by ``kvindex.sh
   a connection that ended (after ``on_lost`` had its say), a reply that does not decode, or the
   worker's ``Failed`` raises ``StoreUnavailable`` with a one-line reason naming the worker.
 - Requests made before the worker listens (it is starting) wait within their deadline and are
-  written, in order, once the connection is up.
+  written, in order, once the connection is up. Its one task (``start``: connect, then read
+  replies) is cancelled and awaited by ``close``.
 - What the worker has not read yet is bounded: with more than ``max_unsent_bytes`` of requests
   waiting in the connection's buffer (or made before it was up), a request is refused at once
   (``StoreUnavailable``, saying how much waits), not buffered: a worker that stopped reading
-  costs the parent that much memory at most. Its one task (``start``: connect, then read
-  replies) is cancelled and awaited by ``close``.
+  costs the parent that much memory at most.
 """
 
 from __future__ import annotations
