@@ -29,6 +29,9 @@ MODEL = "bench-model"
 BLOCK_SIZE = 16
 QUERY_BLOCKS = 512
 QUERY_TOKENS = QUERY_BLOCKS * BLOCK_SIZE
+# kvindex's and Dynamo's RSS are both read this long after their last batch was applied: kvindex
+# gives a backlog's memory back once its queues were quiet for 50 ms (kvindex.ingest.backlog)
+RSS_SETTLE_SECONDS = 0.3
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))

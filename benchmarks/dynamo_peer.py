@@ -24,7 +24,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BLOCK_SIZE, MODEL  # noqa: E402
+from common import BLOCK_SIZE, MODEL, RSS_SETTLE_SECONDS  # noqa: E402
 from e2e import Publisher, http_client_async  # noqa: E402
 
 from kvindex.tools.workload import read_messages
@@ -153,6 +153,7 @@ def run(wl_path: Path, replicas: int, python: str, port: int, threads: int, quer
         t_go = time.perf_counter()
         pub.go()
         ingest = wait_applied(port, total, 600.0, proc, log, t_go)
+        time.sleep(RSS_SETTLE_SECONDS)
         ingest["rss_delta_bytes"] = vm_rss(proc.pid) - rss0
         ingest["publisher"] = pub.sent()
         http = asyncio.run(http_client_async(f"http://127.0.0.1:{port}", "dynamo", queries, repeat))

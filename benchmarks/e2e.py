@@ -30,7 +30,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import BLOCK_SIZE, MODEL, Workload, latency_summary, rss_bytes  # noqa: E402
+from common import BLOCK_SIZE, MODEL, RSS_SETTLE_SECONDS, Workload, latency_summary, rss_bytes  # noqa: E402
 
 from kvindex import keys as K  # noqa: E402
 from kvindex.config import Config  # noqa: E402
@@ -233,6 +233,7 @@ async def kvindex_e2e(wl: Workload, queries_file: Path, repeat: int, timeout: fl
         pub.go()
         ingest = await wait_ingested(daemon, t_go, first, len(wl.messages), timeout)
         ingest["blocks_per_s"] = wl.block_ops / ingest["seconds"]
+        await asyncio.sleep(RSS_SETTLE_SECONDS)
         ingest["rss_delta_bytes"] = rss_bytes() - rss0
         ingest["publisher"] = await asyncio.to_thread(pub.sent)
         http = await http_client_async(f"http://127.0.0.1:{daemon.port}", "kvindex", queries_file, repeat)

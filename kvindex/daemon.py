@@ -378,7 +378,7 @@ class Daemon:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-        self.intake.ctx.term()
+        self.intake.close()
         log.info("kvindex stopped")
 
     async def run_forever(self, stop: asyncio.Event) -> None:

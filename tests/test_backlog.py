@@ -34,6 +34,9 @@ def full(size: int = PAYLOAD) -> tuple[bool, int]:
 PART = (False, 0)  # a burst with nothing queued after it: the subscriber caught up
 
 
+QUIET = 0.02  # the release's quiet time in these tests
+
+
 class Trims:
     def __init__(self) -> None:
         self.calls = 0
@@ -42,57 +45,92 @@ class Trims:
         self.calls += 1
 
 
-def test_trimmed_once_when_every_lane_caught_up() -> None:
+def release_of(trims: Trims | None) -> BacklogRelease:
+    return BacklogRelease(trims, quiet_seconds=QUIET)
+
+
+async def quiet() -> None:
+    """Longer than the release's quiet time: a pending trim has run."""
+    await asyncio.sleep(3 * QUIET)
+
+
+async def test_trimmed_once_when_every_lane_caught_up_and_nothing_queued_since() -> None:
     trims = Trims()
-    release = BacklogRelease(trims)
+    release = release_of(trims)
     for _ in range(FULL_BURSTS):
         release.handled("a", *full())
         release.handled("b", *full())
     release.handled("a", *PART)  # a caught up, b still behind
+    await quiet()
     assert trims.calls == 0
     release.handled("b", *PART)
+    assert trims.calls == 0  # not yet: messages may still be queueing
+    await quiet()
     assert trims.calls == 1 and release.backlog_bytes == 0
     release.handled("a", *PART)
     release.handled("b", *PART)
+    await quiet()
     assert trims.calls == 1  # nothing since: nothing to give back
 
 
-def test_steady_traffic_and_small_backlogs_never_trim() -> None:
+async def test_steady_traffic_and_small_backlogs_never_trim() -> None:
     trims = Trims()
-    release = BacklogRelease(trims)
+    release = release_of(trims)
     for _ in range(10 * FULL_BURSTS):
-        release.handled("a", *PART)  # never full: the lane keeps up
-    assert trims.calls == 0 and release.backlog_bytes == 0
+        release.handled("a", *PART)  # nothing ever queued: the lane keeps up
+    assert release.backlog_bytes == 0
     release.handled("a", *full(size=16))  # a full burst of small messages: below the bound
     release.handled("a", *PART)
+    await quiet()
     assert trims.calls == 0 and 0 < release.backlog_bytes < TRIM_AFTER_BYTES
 
 
-def test_queued_messages_count_as_backlog_when_no_burst_was_full() -> None:
+async def test_lanes_that_catch_up_but_keep_queueing_trim_once_they_fall_quiet() -> None:
+    """Many lanes under a burst: none is ever behind (no burst full), each finds a few batches
+    queued at every wake-up. Their bytes count, but nothing is trimmed while they keep queueing
+    (a trim then gives back memory the next messages take again): once, when they stop."""
     trims = Trims()
-    release = BacklogRelease(trims)
-    for _ in range(FULL_BURSTS):  # a lane that keeps up, each wake-up finding a few batches queued
-        release.handled("a", False, DRAIN_BURST * PAYLOAD // 2)
-        release.handled("b", False, DRAIN_BURST * PAYLOAD // 2)
-    assert trims.calls == 1 and release.backlog_bytes < TRIM_AFTER_BYTES
+    release = release_of(trims)
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 6 * QUIET
+    while loop.time() < until:
+        for lane in ("a", "b"):
+            release.handled(lane, False, TRIM_AFTER_BYTES // 4)
+        await asyncio.sleep(QUIET / 10)
+    assert trims.calls == 0
+    await quiet()
+    assert trims.calls == 1 and release.backlog_bytes == 0
 
 
-def test_a_stopped_lane_is_behind_no_more() -> None:
+async def test_a_stopped_lane_is_behind_no_more() -> None:
     trims = Trims()
-    release = BacklogRelease(trims)
+    release = release_of(trims)
     for _ in range(FULL_BURSTS):
         release.handled("a", *full())
     release.handled("gone", *full())
     release.forget("gone")
     release.handled("a", *PART)
+    await quiet()
     assert trims.calls == 1
 
 
-def test_without_malloc_trim_it_only_counts() -> None:
-    release = BacklogRelease(None)
+async def test_a_closed_release_trims_nothing_more() -> None:
+    trims = Trims()
+    release = release_of(trims)
     for _ in range(FULL_BURSTS):
         release.handled("a", *full())
     release.handled("a", *PART)
+    release.close()
+    await quiet()
+    assert trims.calls == 0
+
+
+async def test_without_malloc_trim_it_only_counts() -> None:
+    release = release_of(None)
+    for _ in range(FULL_BURSTS):
+        release.handled("a", *full())
+    release.handled("a", *PART)
+    await quiet()
     assert release.trims == 0 and release.backlog_bytes == 0
 
 
@@ -105,7 +143,8 @@ async def test_a_subscriber_whose_last_burst_was_full_is_caught_up(tmp_path: Pat
     endpoint = ipc_endpoint(tmp_path, "pub")
     pub = ctx.socket(zmq.PUB)
     pub.bind(endpoint)
-    sub = Subscriber(ctx, endpoint, bind=False, rcvhwm=0, backlog=BacklogRelease(trims, after_bytes=1))
+    sub = Subscriber(ctx, endpoint, bind=False, rcvhwm=0,
+                     backlog=BacklogRelease(trims, after_bytes=1, quiet_seconds=QUIET))
     bursts = sub.bursts()
     try:
         probe = [b"kv@p@m", (0).to_bytes(8, "big"), b"probe"]

@@ -10,26 +10,33 @@ Invariants:
 - Each subscriber (``transport.Subscriber``) reports every burst once its lane handled it
   (``handled``): whether it is still behind (more messages were already queued after the burst),
   and the payload bytes of the burst's messages that had waited in ZeroMQ's queue (all but one a
-  wake-up awaited), which count as backlog whether it is behind or not. When no subscriber is
-  behind any more and at least ``after_bytes`` (``TRIM_AFTER_BYTES``) of backlog were handled
-  since the last trim, memory is trimmed once, and logged with the RSS before and after. Steady
-  traffic (one message per wake-up) never trims; traffic that queues a little trims once per
+  wake-up awaited), which count as backlog whether it is behind or not.
+- The backlog is over when no subscriber is behind and no message was found queued for
+  ``quiet_seconds`` (``QUIET_SECONDS``): hundreds of lanes under a burst each catch up often, yet
+  their messages go on queueing. Then, if at least ``after_bytes`` (``TRIM_AFTER_BYTES``) of
+  backlog were handled since the last trim, memory is trimmed once, and logged with the RSS before
+  and after. Traffic that never queues never trims; traffic that queues a little trims once per
   ``after_bytes`` of it, and a trim with little to give back costs microseconds.
+- At most one timer is pending (armed on the event loop when a subscriber catches up past
+  ``after_bytes``; it re-arms itself while messages still queue); ``close`` cancels it.
 - Only where glibc's ``malloc_trim`` exists (``trimmer()``); elsewhere ``handled`` only counts.
 - One per process (``ingest.intake``), shared by its subscribers; the event loop's thread only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("kvindex.ingest.transport")
 
 TRIM_AFTER_BYTES = 16 << 20  # backlog handled before a trim: ~10 ms to give back ~100 MB (64 engines)
+QUIET_SECONDS = 0.05  # no message found queued for this long, no subscriber behind: the backlog is over
 
 
 def trimmer() -> Callable[[], object] | None:
@@ -57,27 +64,48 @@ def rss_mb() -> float | None:
 class BacklogRelease:
     """Which subscribers are behind, and the backlog handled since the last trim."""
 
-    def __init__(self, trim: Callable[[], object] | None, after_bytes: int = TRIM_AFTER_BYTES) -> None:
+    def __init__(self, trim: Callable[[], object] | None, after_bytes: int = TRIM_AFTER_BYTES,
+                 quiet_seconds: float = QUIET_SECONDS) -> None:
         self._trim = trim
         self._after_bytes = after_bytes
+        self._quiet = quiet_seconds
         self._behind: set[object] = set()
+        self._last_queued = 0.0  # time.monotonic() of the last burst that found messages queued
+        self._timer: asyncio.TimerHandle | None = None
         self.backlog_bytes = 0  # payload bytes of queued messages handled since the last trim
         self.trims = 0
 
     def handled(self, source: object, behind: bool, nbytes: int) -> None:
         """A burst of ``source`` handled, ``nbytes`` of its payloads had been queued; ``behind``:
         more are queued still."""
-        self.backlog_bytes += nbytes
+        if nbytes:
+            self.backlog_bytes += nbytes
+            self._last_queued = time.monotonic()
         if behind:
             self._behind.add(source)
             return
         self._behind.discard(source)
-        if not self._behind and self.backlog_bytes >= self._after_bytes:
-            self._release()
+        if self._timer is None and not self._behind and self.backlog_bytes >= self._after_bytes:
+            self._timer = asyncio.get_running_loop().call_later(self._quiet, self._when_quiet)
 
     def forget(self, source: object) -> None:
         """The subscriber closed (its lane stopped): it is behind no more."""
         self._behind.discard(source)
+
+    def close(self) -> None:
+        """Cancels a pending trim (the process is stopping)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _when_quiet(self) -> None:
+        self._timer = None
+        if self._behind:
+            return  # behind again: its catch-up arms the timer anew
+        if (wait := self._last_queued + self._quiet - time.monotonic()) > 0:  # still queueing
+            self._timer = asyncio.get_running_loop().call_later(wait, self._when_quiet)
+            return
+        self._release()
 
     def _release(self) -> None:
         backlog, self.backlog_bytes = self.backlog_bytes, 0

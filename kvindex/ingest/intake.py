@@ -6,7 +6,8 @@ Invariants:
   the reader of a socket's queued messages (``kvindex.ingest.libzmq``: native where it can be,
   else pyzmq's calls) and the ``BacklogRelease`` all its subscribers report their bursts to.
 - ``Intake(ctx)`` alone (tests) reads through pyzmq and never trims.
-- The owner terminates ``ctx`` after its lanes stopped; nothing here closes anything.
+- The owner closes it (``close``: a pending trim cancelled, ``ctx`` terminated) after its lanes
+  stopped.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ class Intake:
         """The process's context (``max_message_bytes`` per message), the native reader if it
         can be used, and memory trimmed after a backlog where glibc can."""
         return cls(ingest_context(max_message_bytes), native_queued(), BacklogRelease(trimmer()))
+
+    def close(self) -> None:
+        self.backlog.close()
+        self.ctx.term()
 
     def subscriber(self, endpoint: str, *, bind: bool, rcvhwm: int) -> Subscriber:
         return Subscriber(self.ctx, endpoint, bind=bind, rcvhwm=rcvhwm, reader=self._reader, backlog=self.backlog)

@@ -184,7 +184,7 @@ class Worker:
                 writer.close()
             await asyncio.gather(watchdog, *self._tasks, *readers, return_exceptions=True)
             await self.fleet.close()
-            self.intake.ctx.term()
+            self.intake.close()
             if watchdog.done() and not watchdog.cancelled():  # the parent is gone: nobody else cleans up
                 _remove_channel(self.channel)
 
