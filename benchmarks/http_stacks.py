@@ -186,7 +186,7 @@ def baseline_tree(rev: str, tmp: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(common.ROOT), "archive", rev, "kvindex", "adapters", "benchmarks/common.py",
                               "benchmarks/gen_workload.py"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    for so in [*common.ROOT.glob("kvindex/*.so"), *common.ROOT.glob("adapters/*.so")]:
+    for so in [*common.ROOT.glob("kvindex/**/*.so"), *common.ROOT.glob("adapters/**/*.so")]:  # every extension
         shutil.copy(so, tree / so.relative_to(common.ROOT))
     shutil.copy(HERE, tree / "benchmarks" / HERE.name)
     return tree
