@@ -30,6 +30,14 @@ def _r(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
 
+def _bytes(x: float | None) -> str:
+    """Bytes, e.g. 54 B."""
+    return "-" if x is None else f"{x:.0f} B"
+
+
+_FMT = {"k": _k, "us": _us, "B": _bytes}  # a summary cell's unit -> its format
+
+
 def _ingest_rows(r: dict) -> list[Row]:
     """In-process and end-to-end ingest rows."""
     ip, ref, kv = r.get("ingest_inproc"), r["e2e_reference"], r["e2e_kvindex"]
@@ -189,7 +197,6 @@ def _workloads(doc: dict) -> dict[str, dict]:
 
 def median_summary(docs: list[dict]) -> str:
     """The README's table over several runs: the median run's values and ratio (lowest–highest)."""
-    fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
     runs = [_workloads(doc) for doc in docs]
     lines = [f"| median of {len(docs)} runs | kvindex | Dynamo | kvindex / Dynamo (lowest–highest) |",
              "|---|---|---|---|"]
@@ -202,7 +209,7 @@ def median_summary(docs: list[dict]) -> str:
             if not cells:
                 continue
             ratio, (_m, kv, d, unit) = cells[(len(cells) - 1) // 2]
-            lines.append(f"| {metric} — {name} | {fmt[unit](kv)} | {fmt[unit](d)} | "
+            lines.append(f"| {metric} — {name} | {_FMT[unit](kv)} | {_FMT[unit](d)} | "
                          f"**{ratio:.2f}** ({cells[0][0]:.2f}–{cells[-1][0]:.2f}) |")
     return "\n".join(lines)
 
@@ -212,13 +219,12 @@ def summary(doc: dict) -> str:
     runs = _workloads(doc)
     if not runs:
         return "(no workload measured)"
-    fmt = {"k": _k, "us": _us, "B": lambda x: "-" if x is None else f"{x:.0f} B"}
     lines = ["| | kvindex | Dynamo | kvindex / Dynamo |", "|---|---|---|---|"]
     cells = {name: _summary_cells(r) for name, r in runs.items()}
     for i, (metric, *_rest) in enumerate(next(iter(cells.values()))):
         for name, c in cells.items():
             _m, kv, d, unit = c[i]
-            lines.append(f"| {metric} — {name} | {fmt[unit](kv)} | {fmt[unit](d)} | {_r(kv, d)} |")
+            lines.append(f"| {metric} — {name} | {_FMT[unit](kv)} | {_FMT[unit](d)} | {_r(kv, d)} |")
     for name, r in runs.items():
         checks = {ep: v for ep, v in r["match_check"].items() if isinstance(v, dict) and "vs_expected_mismatches" in v}
         truth = sum(v["vs_expected_mismatches"] for v in checks.values())

@@ -255,7 +255,7 @@ class QueryService:
         asked for every pod they know while ``precise`` runs: a store in other processes (workers,
         Redis) then costs one round trip, not two."""
         if requested is not None:
-            return await precise, sorted(set(requested))
+            return await precise, await self.candidates(requested, None)
         known = asyncio.ensure_future(self._known_pods())
         try:
             answer = await precise
