@@ -1,14 +1,19 @@
-/* kvindex._jsontokens: lifts one top-level array of token ids out of a JSON request body, in C.
+/* kvindex._jsontokens: lifts one top-level array of integers out of a JSON request body, in C.
  *
  * split(raw, key) -> (u32 bytes, remainder) | None
+ * split_u64(raw, key) -> (u64 bytes, remainder) | None
  *
  * A router's /query body is ~60 KB of JSON, nearly all of it ``"token_ids": [..8k ints..]``;
  * a general JSON decoder spends ~200 us turning those digits into Python ints that kvindex
  * packs into an array("I") right after. Here one pass parses the digits straight into u32s.
+ * /query_by_hash's ``block_hashes`` (512 signed 64-bit hashes, ~11 KB) the same way, into u64s.
  *
  * Contract (kvindex/http/bodies.py's read_body (decode_json) is the caller; msgspec.json.decode is the reference):
  * - Only the top-level member named exactly ``key`` is lifted, and only when its value is an
- *   array of plain non-negative integers below 2**32 (no sign, fraction, exponent or leading zero).
+ *   array of plain integers (no fraction, exponent or leading zero):
+ *   - split: non-negative, below 2**32 (no sign), packed as native u32s;
+ *   - split_u64: from -2**63 to 2**64 - 1 (no "-0"), packed as native u64s holding each value's
+ *     low 64 bits (two's complement: Dynamo's i64 hashes and their u64 form are the same u64).
  * - ``remainder`` is ``raw`` with that array replaced by ``[]``. The caller decodes the remainder
  *   with the reference decoder, which validates everything this scanner only skipped over; so
  *   for any input the caller's result is the reference result, or the reference's error.
@@ -70,23 +75,27 @@ static int skip_value(Cursor *c) {
     return c->p > start ? 0 : -1;
 }
 
+/* The lifted array's values, packed (u32s or u64s: ``width`` bytes each). */
 typedef struct {
-    uint32_t *items;
-    Py_ssize_t len, cap;
-} U32s;
+    void *items;
+    Py_ssize_t len, cap, width;
+} Values;
 
-static int push(U32s *out, uint32_t v) {
-    if (out->len == out->cap) {
-        Py_ssize_t cap = out->cap ? 2 * out->cap : 1024;
-        uint32_t *grown = PyMem_Realloc(out->items, (size_t)cap * sizeof *grown);
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        out->items = grown;
-        out->cap = cap;
+static int grow(Values *out) {
+    Py_ssize_t cap = out->cap ? 2 * out->cap : 1024;
+    void *grown = PyMem_Realloc(out->items, (size_t)(cap * out->width));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    out->items[out->len++] = v;
+    out->items = grown;
+    out->cap = cap;
+    return 0;
+}
+
+static int push(Values *out, uint32_t v) {
+    if (out->len == out->cap && grow(out) < 0) return -1;
+    ((uint32_t *)out->items)[out->len++] = v;
     return 0;
 }
 
@@ -107,7 +116,7 @@ static int parse_u32(Cursor *c, uint32_t *value) {
 }
 
 /* c->p at '['; past the matching ']'. -1: not a plain u32 array (or memory). */
-static int parse_array(Cursor *c, U32s *out) {
+static int parse_array(Cursor *c, Values *out) {
     c->p++;
     skip_ws(c);
     if (at(c, ']')) {
@@ -128,9 +137,53 @@ static int parse_array(Cursor *c, U32s *out) {
     }
 }
 
-/* Finds the member; sets [*lo, *hi) to its array's span. 1 found, 0 not applicable, -1 memory. */
-static int scan_object(Cursor *c, const char *key, Py_ssize_t key_len, U32s *out,
-                       const char **lo, const char **hi) {
+/* The 64-bit kind (split_u64), its cursor in a local through the loop. An item:
+ * digits with an optional '-' (magnitude at most 2**63, "-0" declined), kept as its low 64 bits. */
+static inline const char *past_ws(const char *p, const char *end) {
+    while (p < end && is_ws(*p)) p++;
+    return p;
+}
+
+/* Plain digits at p (no leading zero) into *v, at most ``max``: past them, or NULL. */
+static inline const char *past_digits(const char *p, const char *end, uint64_t max, uint64_t *v) {
+    const char *start = p;
+    uint64_t acc = 0;
+    for (; p < end && (unsigned char)(*p - '0') < 10; p++)
+        if (__builtin_mul_overflow(acc, 10, &acc) || __builtin_add_overflow(acc, (uint64_t)(*p - '0'), &acc) ||
+            acc > max)
+            return NULL;
+    if (p == start || (p > start + 1 && *start == '0')) return NULL;
+    *v = acc;
+    return p;
+}
+
+static int parse_array64(Cursor *c, Values *out) {
+    const char *end = c->end, *p = past_ws(c->p + 1, end);
+    if (p < end && *p == ']') {
+        c->p = p + 1;
+        return 0;
+    }
+    for (;;) {
+        int neg = p < end && *p == '-';
+        uint64_t v;
+        p = past_digits(neg ? p + 1 : p, end, neg ? (uint64_t)1 << 63 : UINT64_MAX, &v);
+        if (p == NULL || (neg && v == 0)) return -1;
+        if (out->len == out->cap && grow(out) < 0) return -1;
+        ((uint64_t *)out->items)[out->len++] = neg ? (uint64_t)0 - v : v;
+        p = past_ws(p, end);
+        if (p < end && *p == ']') {
+            c->p = p + 1;
+            return 0;
+        }
+        if (p >= end || *p != ',') return -1;
+        p = past_ws(p + 1, end);
+    }
+}
+
+/* Finds the member, its array read by ``parse``; sets [*lo, *hi) to the array's span. 1 found, 0
+ * not applicable, -1 memory. Inlined into each entry point with its own ``parse``. */
+static inline int scan_object(Cursor *c, const char *key, Py_ssize_t key_len, Values *out,
+                              int (*parse)(Cursor *, Values *), const char **lo, const char **hi) {
     int found = 0;
     skip_ws(c);
     if (!at(c, '{')) return 0;
@@ -150,7 +203,7 @@ static int scan_object(Cursor *c, const char *key, Py_ssize_t key_len, U32s *out
         if (match) {
             if (found || !at(c, '[')) return 0;
             *lo = c->p;
-            if (parse_array(c, out) < 0) return PyErr_Occurred() ? -1 : 0;
+            if (parse(c, out) < 0) return PyErr_Occurred() ? -1 : 0;
             *hi = c->p;
             found = 1;
         } else if (skip_value(c) < 0) {
@@ -175,24 +228,20 @@ static PyObject *without_array(const char *raw, Py_ssize_t n, const char *lo, co
     return out;
 }
 
-PyDoc_STRVAR(split_doc,
-"split(raw, key) -> (bytes, bytes) | None\n\n"
-"The top-level member ``key`` of the JSON object ``raw``, when it is an array of plain u32\n"
-"integers: (its values as u32 native-endian bytes, raw with the array replaced by []).\n"
-"None when that does not apply; then decode ``raw`` as a whole.");
-
-static PyObject *split(PyObject *self, PyObject *args) {
+/* (packed values, raw without the array) for the member ``key`` of the JSON object in ``args``
+ * (raw, key), its array read by ``parse`` into ``width``-byte values; None when that does not apply. */
+static inline PyObject *lift(PyObject *args, int (*parse)(Cursor *, Values *), Py_ssize_t width) {
     Py_buffer raw;
     const char *key;
     Py_ssize_t key_len;
     if (!PyArg_ParseTuple(args, "y*s#", &raw, &key, &key_len)) return NULL;
     Cursor c = {raw.buf, (const char *)raw.buf + raw.len};
-    U32s values = {NULL, 0, 0};
+    Values values = {NULL, 0, 0, width};
     const char *lo = NULL, *hi = NULL;
     PyObject *result = NULL;
-    int found = scan_object(&c, key, key_len, &values, &lo, &hi);
+    int found = scan_object(&c, key, key_len, &values, parse, &lo, &hi);
     if (found == 1) {
-        PyObject *data = PyBytes_FromStringAndSize((const char *)values.items, values.len * (Py_ssize_t)sizeof(uint32_t));
+        PyObject *data = PyBytes_FromStringAndSize((const char *)values.items, values.len * width);
         PyObject *rest = data ? without_array(raw.buf, raw.len, lo, hi) : NULL;
         if (rest != NULL) result = PyTuple_Pack(2, data, rest);
         Py_XDECREF(data);
@@ -205,14 +254,30 @@ static PyObject *split(PyObject *self, PyObject *args) {
     return result;
 }
 
+PyDoc_STRVAR(split_doc,
+"split(raw, key) -> (bytes, bytes) | None\n\n"
+"The top-level member ``key`` of the JSON object ``raw``, when it is an array of plain u32\n"
+"integers: (its values as u32 native-endian bytes, raw with the array replaced by []).\n"
+"None when that does not apply; then decode ``raw`` as a whole.");
+
+static PyObject *split(PyObject *self, PyObject *args) { return lift(args, parse_array, 4); }
+
+PyDoc_STRVAR(split_u64_doc,
+"split_u64(raw, key) -> (bytes, bytes) | None\n\n"
+"``split`` for an array of i64s or u64s (block hashes): each value's low 64 bits, as u64\n"
+"native-endian bytes.");
+
+static PyObject *split_u64(PyObject *self, PyObject *args) { return lift(args, parse_array64, 8); }
+
 static PyMethodDef methods[] = {
     {"split", split, METH_VARARGS, split_doc},
+    {"split_u64", split_u64, METH_VARARGS, split_u64_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvindex._jsontokens",
-    "Lifts a top-level array of token ids out of a JSON body (msgspec.json.decode is the reference).",
+    "Lifts a top-level array of token ids or hashes out of a JSON body (msgspec.json.decode is the reference).",
     -1, methods,
 };
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvindex import keys as K
 from kvindex import native
 from kvindex.approx.gojson import RenderError, go_json_loads
-from kvindex.http.bodies import decode_json
+from kvindex.http.bodies import decode_json, u64s
 from tests.conftest import need_native
 
 _keys = native.load("kvindex._keys")
@@ -144,6 +144,60 @@ def test_body_scanner_lifts_only_plain_u32_arrays() -> None:
     assert decode_json(b'{"token_ids":[1],"token_ids":[2]}', "token_ids", split=_json) == {"token_ids": [2]}
     lifted = decode_json(b'{"token_ids":[7, 8],"prompt":"caf\xc3\xa9 \\ud800"}', "token_ids", go_json_loads, split=_json)
     assert lifted == {"token_ids": array("I", [7, 8]), "prompt": "caf\u00e9 \ufffd"}
+
+
+# the 64-bit kind: /query_by_hash's block_hashes, against msgspec.json.decode + u64s (the reference)
+_hash = st.one_of(st.integers(-(1 << 63), (1 << 64) - 1), st.sampled_from([0, -1, -(1 << 63), (1 << 63) - 1, 1 << 63,
+                                                                          (1 << 64) - 1]),
+                  st.integers(-(1 << 70), 1 << 70))
+_hash_member = st.tuples(st.sampled_from(["block_hashes", "model_name", "block_hash"]),
+                         st.one_of(st.lists(_hash, max_size=40), st.lists(st.one_of(_hash, _scalar), max_size=6), _value))
+
+
+def _hashes_of(body: object) -> object:
+    """What /query_by_hash makes of a decoded body: its block_hashes as u64s (a list), or None."""
+    if not isinstance(body, dict):
+        return body
+    out = dict(body)
+    if "block_hashes" in out:
+        hashes = u64s(out["block_hashes"])
+        out["block_hashes"] = None if hashes is None else list(hashes)
+    return out
+
+
+def agree_hashes(raw: bytes) -> None:
+    try:
+        fast = _hashes_of(decode_json(raw, None, split=_json, u64_field="block_hashes"))
+    except msgspec.DecodeError as exc:
+        fast = type(exc).__name__
+    assert fast == _hashes_of(_reference(raw))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_hash_member, max_size=4), st.sampled_from([(",", ":"), (", ", ": "), (" ,\t", " :\r\n")]), st.data())
+def test_hash_scanner_agrees_with_the_reference_decoder(members, sep, data) -> None:
+    require(_json, "_jsontokens")
+    raw = _render(members, sep, None)
+    agree_hashes(raw)
+    cut = data.draw(st.integers(0, len(raw)))  # truncated or with one byte changed: same verdict
+    agree_hashes(raw[:cut])
+    if raw:
+        i = data.draw(st.integers(0, len(raw) - 1))
+        agree_hashes(raw[:i] + bytes([data.draw(st.sampled_from(b'0-.e,[]{}":\\ x\xff'))]) + raw[i + 1:])
+
+
+def test_hash_scanner_lifts_only_plain_64_bit_arrays() -> None:
+    require(_json, "_jsontokens")
+    hashes = [0, 1, -1, -(1 << 63), (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 12345678901234567890]
+    values, rest = _json.split_u64(json.dumps({"block_hashes": hashes, "model_name": "m"}).encode(), "block_hashes")
+    assert list(array("Q", values)) == [h & ((1 << 64) - 1) for h in hashes]
+    assert msgspec.json.decode(rest) == {"block_hashes": [], "model_name": "m"}
+    for declined in (b'{"block_hashes":[-0]}', b'{"block_hashes":[18446744073709551616]}', b'{"block_hashes":[01]}',
+                     b'{"block_hashes":[-9223372036854775809]}', b'{"block_hashes":[1.0]}', b'{"block_hashes":[1e3]}',
+                     b'{"block_hashes":[- 1]}', b'{"block_hashes":[--1]}', b'{"block_hashes":[true]}',
+                     b'{"block_hashes":["1"]}', b'{"block_hashes":[1,]}'):
+        assert _json.split_u64(declined, "block_hashes") is None, declined
+    assert _json.split(b'{"token_ids":[-1]}', "token_ids") is None  # the u32 kind has no sign
 
 
 @pytest.mark.parametrize("block_size", [1 << 30, (1 << 62), (1 << 62) + 1, 1 << 63, (1 << 64) - 1, 1 << 70])

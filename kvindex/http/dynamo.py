@@ -160,7 +160,7 @@ async def query(request: web.Request) -> web.Response:
 async def query_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
-    body = await read_body(request, allow_msgpack=True, go=False)
+    body = await read_body(request, allow_msgpack=True, go=False, u64_field="block_hashes")
     if mooncake.speaks_mooncake(body):
         raise mooncake.refuse_by_hash(body)
     answer = await by_hash(svc, parse(body, QueryByHashBody))
@@ -202,7 +202,8 @@ def tiered_answer(answer: PreciseAnswer) -> dict[str, Any]:
 async def query_tiered_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
     svc = services(request)
-    answer = await by_hash(svc, parse(await read_body(request, allow_msgpack=True, go=False), QueryByHashBody))
+    body = await read_body(request, allow_msgpack=True, go=False, u64_field="block_hashes")
+    answer = await by_hash(svc, parse(body, QueryByHashBody))
     svc.metrics.query_seconds.labels("/query_tiered_by_hash").observe(time.perf_counter() - t0)
     return reply(request, tiered_answer(answer))
 
