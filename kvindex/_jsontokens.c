@@ -93,47 +93,69 @@ static int grow(Values *out) {
     return 0;
 }
 
-static int push(Values *out, uint32_t v) {
-    if (out->len == out->cap && grow(out) < 0) return -1;
-    ((uint32_t *)out->items)[out->len++] = v;
+/* The digits of one number at p (at most 8 read at once): how many (0..8) in *n and, when fewer
+ * than 8, their value. Reads 8 bytes: the caller makes sure they are there. Bytes are digits
+ * when their high nibble is 3 and their low one at most 9; the value of up to 8 digits comes
+ * from multiplying pairs, then fours, of them at once (one u64, the digits as its bytes). */
+static inline uint64_t eight_digits(const char *p, unsigned *n) {
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+    *n = 8; /* the byte order below is little-endian's: elsewhere the caller reads digit by digit */
     return 0;
-}
-
-/* One plain non-negative integer below 2**32, followed by whitespace, ',' or ']'. */
-static int parse_u32(Cursor *c, uint32_t *value) {
-    const char *start = c->p;
-    uint64_t v = 0;
-    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
-        v = v * 10 + (uint64_t)(*c->p - '0');
-        if (v > UINT32_MAX) return -1;
-        c->p++;
-    }
-    Py_ssize_t digits = c->p - start;
-    if (digits == 0 || (digits > 1 && *start == '0')) return -1;
-    if (c->p < c->end && !is_ws(*c->p) && *c->p != ',' && *c->p != ']') return -1;
-    *value = (uint32_t)v;
-    return 0;
+#endif
+    uint64_t w;
+    memcpy(&w, p, 8); /* p[0] is the low byte */
+    uint64_t not_digit = ((w & 0xF0F0F0F0F0F0F0F0ULL) ^ 0x3030303030303030ULL) |
+                         (((w & 0x0F0F0F0F0F0F0F0FULL) + 0x0606060606060606ULL) & 0xF0F0F0F0F0F0F0F0ULL);
+    *n = not_digit ? (unsigned)__builtin_ctzll(not_digit) / 8 : 8;
+    if (*n == 0 || *n == 8) return 0;
+    uint64_t keep = (1ULL << (8 * *n)) - 1;
+    uint64_t v = ((w & keep) - (0x3030303030303030ULL & keep)) << (8 * (8 - *n)); /* leading zeros */
+    v = v * 10 + (v >> 8);                                                  /* pairs */
+    v = (((v & 0x000000FF000000FFULL) * (100 + (1000000ULL << 32))) +
+         (((v >> 16) & 0x000000FF000000FFULL) * (1 + (10000ULL << 32)))) >> 32; /* fours, then all */
+    return v;
 }
 
 /* c->p at '['; past the matching ']'. -1: not a plain u32 array (or memory). */
 static int parse_array(Cursor *c, Values *out) {
-    c->p++;
-    skip_ws(c);
-    if (at(c, ']')) {
-        c->p++;
+    const char *p = c->p + 1, *end = c->end;
+    while (p < end && is_ws(*p)) p++;
+    if (p < end && *p == ']') {
+        c->p = p + 1;
         return 0;
     }
     for (;;) {
-        uint32_t v;
-        if (parse_u32(c, &v) < 0 || push(out, v) < 0) return -1;
-        skip_ws(c);
-        if (at(c, ']')) {
-            c->p++;
+        const char *start = p;
+        uint64_t v = 0;
+        unsigned n = 8;
+        if (end - p >= 8) {
+            v = eight_digits(p, &n);
+            p += n;
+        }
+        if (n == 8) { /* near the end, or 8 digits or more: one at a time */
+            p = start;
+            v = 0;
+            unsigned d;
+            while (p < end && (d = (unsigned)(unsigned char)*p - '0') < 10 && p - start < 11) {
+                v = v * 10 + d;
+                p++;
+            }
+        }
+        size_t digits = (size_t)(p - start);
+        if (digits == 0 || digits > 10 || (digits > 1 && *start == '0') || v > UINT32_MAX) return -1;
+        if (out->len == out->cap && grow(out) < 0) return -1;
+        ((uint32_t *)out->items)[out->len++] = (uint32_t)v;
+        while (p < end && is_ws(*p)) p++;
+        if (p < end && *p == ',') {
+            p++;
+            while (p < end && is_ws(*p)) p++;
+            continue;
+        }
+        if (p < end && *p == ']') {
+            c->p = p + 1;
             return 0;
         }
-        if (!at(c, ',')) return -1;
-        c->p++;
-        skip_ws(c);
+        return -1;
     }
 }
 
