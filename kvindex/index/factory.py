@@ -33,7 +33,7 @@ def build_stores(url: str, approx_config: ApproxConfig, on_evict: Callable[[str]
                       MemoryApproxStore(ApproxIndex(approx_config, on_evict=on_evict)))
     from redis.asyncio import Redis
     from redis.backoff import NoBackoff
-    from redis.retry import Retry
+    from redis.asyncio.retry import Retry
 
     from kvindex.index.redis_approx import RedisApproxStore
     from kvindex.index.redis_precise import RedisPreciseStore
