@@ -140,3 +140,22 @@ async def test_drift_endpoint_and_timer_recheck_without_blocking(make_harness: A
                     await asyncio.sleep(0.01)
         assert t.busy_turns >= 1024 // 32 // 2, (via_http, t.busy_turns)
         assert sum(s.sampled for s in audit.pods.values()) == 1024
+
+
+# -- the collector's pace ------------------------------------------------------------------------
+def test_every_process_entry_paces_the_collector_for_a_server() -> None:
+    """``loops.run`` (``kvindex``'s entry and each ingest worker's) collects the youngest generation
+    every GC_YOUNG_THRESHOLD allocations, not Python's 700: see kvindex.loops for the stalls that
+    avoids."""
+    import gc
+
+    from kvindex import loops
+
+    async def threshold() -> tuple[int, int, int]:
+        return gc.get_threshold()
+
+    before = gc.get_threshold()
+    try:
+        assert loops.run(threshold(), "asyncio") == (loops.GC_YOUNG_THRESHOLD, before[1], before[2])
+    finally:
+        gc.set_threshold(*before)
