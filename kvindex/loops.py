@@ -13,8 +13,9 @@ Invariants:
   allocates more), so each request's live objects are promoted; they pile up as survivors, and
   every few hundred queries a full collection walks the whole heap: 67-95 ms with 512 engines
   (their lanes, sockets and metric children), a stall on every query waiting then. Measured with
-  1,500 /query after ingest at 512 engines: 3-4 stalls of 69-98 ms at 700, none above 7 ms at
-  10,000, p50 unchanged (0.72 against 0.80 ms).
+  1,500 /query after ingest at 512 engines: in one process, 3 stalls of 69-98 ms a run at 700 and
+  none past the first request (7-11 ms) at 10,000; with ``--workers 2``, one of 23-42 ms every
+  0.1-0.2 s at 700 and none above 7.5 ms at 10,000 (docs/performance.md).
 """
 
 from __future__ import annotations
