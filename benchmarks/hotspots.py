@@ -49,7 +49,7 @@ def prof_lane(wl: common.Workload) -> None:
         _print(prof)
 
     asyncio.run(feed())
-    daemon.intake.ctx.term()
+    daemon.intake.close()
 
 
 async def _feed(lane, wl: common.Workload) -> None:  # noqa: ANN001 (an EngineLane)

@@ -197,15 +197,15 @@ def _workloads(doc: dict) -> dict[str, dict]:
 
 def median_summary(docs: list[dict]) -> str:
     """The README's table over several runs: the median run's values and ratio (lowest–highest)."""
-    runs = [_workloads(doc) for doc in docs]
+    runs = [{name: _summary_cells(r) for name, r in _workloads(doc).items()} for doc in docs]
     lines = [f"| median of {len(docs)} runs | kvindex | Dynamo | kvindex / Dynamo (lowest–highest) |",
              "|---|---|---|---|"]
     first = runs[0]
-    metrics = [cell[0] for cell in _summary_cells(next(iter(first.values())))]
+    metrics = [cell[0] for cell in next(iter(first.values()))]
     for i, metric in enumerate(metrics):
         for name in first:
             cells = sorted((c[1] / c[2], c) for run in runs if name in run
-                           for c in [_summary_cells(run[name])[i]] if c[1] and c[2])
+                           for c in [run[name][i]] if c[1] and c[2])
             if not cells:
                 continue
             ratio, (_m, kv, d, unit) = cells[(len(cells) - 1) // 2]

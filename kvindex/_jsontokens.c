@@ -116,51 +116,7 @@ static inline uint64_t eight_digits(const char *p, unsigned *n) {
     return v;
 }
 
-/* c->p at '['; past the matching ']'. -1: not a plain u32 array (or memory). */
-static int parse_array(Cursor *c, Values *out) {
-    const char *p = c->p + 1, *end = c->end;
-    while (p < end && is_ws(*p)) p++;
-    if (p < end && *p == ']') {
-        c->p = p + 1;
-        return 0;
-    }
-    for (;;) {
-        const char *start = p;
-        uint64_t v = 0;
-        unsigned n = 8;
-        if (end - p >= 8) {
-            v = eight_digits(p, &n);
-            p += n;
-        }
-        if (n == 8) { /* near the end, or 8 digits or more: one at a time */
-            p = start;
-            v = 0;
-            unsigned d;
-            while (p < end && (d = (unsigned)(unsigned char)*p - '0') < 10 && p - start < 11) {
-                v = v * 10 + d;
-                p++;
-            }
-        }
-        size_t digits = (size_t)(p - start);
-        if (digits == 0 || digits > 10 || (digits > 1 && *start == '0') || v > UINT32_MAX) return -1;
-        if (out->len == out->cap && grow(out) < 0) return -1;
-        ((uint32_t *)out->items)[out->len++] = (uint32_t)v;
-        while (p < end && is_ws(*p)) p++;
-        if (p < end && *p == ',') {
-            p++;
-            while (p < end && is_ws(*p)) p++;
-            continue;
-        }
-        if (p < end && *p == ']') {
-            c->p = p + 1;
-            return 0;
-        }
-        return -1;
-    }
-}
-
-/* The 64-bit kind (split_u64), its cursor in a local through the loop. An item:
- * digits with an optional '-' (magnitude at most 2**63, "-0" declined), kept as its low 64 bits. */
+/* Both kinds' loops keep their cursor in a local (a register). */
 static inline const char *past_ws(const char *p, const char *end) {
     while (p < end && is_ws(*p)) p++;
     return p;
@@ -179,27 +135,63 @@ static inline const char *past_digits(const char *p, const char *end, uint64_t m
     return p;
 }
 
-static int parse_array64(Cursor *c, Values *out) {
-    const char *end = c->end, *p = past_ws(c->p + 1, end);
+/* At '[': past it and any whitespace. 1 when an item follows, 0 past an empty array's ']'. */
+static inline int first_item(const char **pp, const char *end) {
+    const char *p = past_ws(*pp + 1, end);
+    int empty = p < end && *p == ']';
+    *pp = empty ? p + 1 : p;
+    return !empty;
+}
+
+/* After an item: 1 past ',' and whitespace (another item follows), 0 past ']', -1 at anything else. */
+static inline int next_item(const char **pp, const char *end) {
+    const char *p = past_ws(*pp, end);
     if (p < end && *p == ']') {
-        c->p = p + 1;
+        *pp = p + 1;
         return 0;
     }
-    for (;;) {
+    if (p >= end || *p != ',') return -1;
+    *pp = past_ws(p + 1, end);
+    return 1;
+}
+
+/* c->p at '['; past the matching ']'. -1: not a plain u32 array (or memory). */
+static int parse_array(Cursor *c, Values *out) {
+    const char *p = c->p, *end = c->end;
+    int more = first_item(&p, end);
+    while (more == 1) {
+        const char *start = p;
+        unsigned n = 8;
+        uint64_t v = end - p >= 8 ? eight_digits(p, &n) : 0;
+        if (n < 8)
+            p += n;
+        else if ((p = past_digits(p, end, UINT32_MAX, &v)) == NULL) /* near the end, or 8 digits or more */
+            return -1;
+        if (p == start || (p > start + 1 && *start == '0')) return -1;
+        if (out->len == out->cap && grow(out) < 0) return -1;
+        ((uint32_t *)out->items)[out->len++] = (uint32_t)v;
+        more = next_item(&p, end);
+    }
+    c->p = p;
+    return more;
+}
+
+/* The 64-bit kind (split_u64): an item is digits with an optional '-' (magnitude at most 2**63,
+ * "-0" declined), kept as its low 64 bits. */
+static int parse_array64(Cursor *c, Values *out) {
+    const char *p = c->p, *end = c->end;
+    int more = first_item(&p, end);
+    while (more == 1) {
         int neg = p < end && *p == '-';
         uint64_t v;
         p = past_digits(neg ? p + 1 : p, end, neg ? (uint64_t)1 << 63 : UINT64_MAX, &v);
         if (p == NULL || (neg && v == 0)) return -1;
         if (out->len == out->cap && grow(out) < 0) return -1;
         ((uint64_t *)out->items)[out->len++] = neg ? (uint64_t)0 - v : v;
-        p = past_ws(p, end);
-        if (p < end && *p == ']') {
-            c->p = p + 1;
-            return 0;
-        }
-        if (p >= end || *p != ',') return -1;
-        p = past_ws(p + 1, end);
+        more = next_item(&p, end);
     }
+    c->p = p;
+    return more;
 }
 
 /* Finds the member, its array read by ``parse``; sets [*lo, *hi) to the array's span. 1 found, 0

@@ -163,7 +163,7 @@ def exported_metric_names() -> set[str]:
                 names.add(family.name)
         return names
     finally:
-        daemon.intake.ctx.term()
+        daemon.intake.close()
 
 
 def test_grafana_dashboard_queries_exported_metrics() -> None:
