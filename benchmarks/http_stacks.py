@@ -1,4 +1,4 @@
-"""The query path's HTTP stacks side by side: the same handlers and index, five servers (issue 16 part 3).
+"""The query path's HTTP stacks side by side: the same handlers and index, six servers, and Dynamo (issue 16 part 3).
 
 Stacks (each its own server process on uvloop, the same index content built from the same workload):
 - ``aiohttp``: kvindex's app as ``kvindex serve`` runs it (``Daemon.start``: middleware, connection
@@ -7,7 +7,15 @@ Stacks (each its own server process on uvloop, the same index content built from
 - ``aiohttp-tuned``: the same, from this tree (whatever tuning ``kvindex.http`` has here);
 - ``granian-rsgi`` / ``granian-asgi``: granian (Rust HTTP server) embedded in the same loop,
   serving the same handlers through a thin adapter (``AdaptedRequest``, written here);
-- ``uvicorn``: uvicorn + httptools (ASGI) through the same adapter.
+- ``uvicorn``: uvicorn + httptools (ASGI) through the same adapter;
+- ``httptools``: no server at all, a bound: a bare asyncio protocol on httptools' parser calling the
+  same adapter (``BareProtocol``: no timeouts, no caps, no pipelining order, no refusal rules). No
+  production stack can be leaner in a Python process; it is measured to bound the others, never
+  a candidate (it does none of what a server owes its callers);
+- ``dynamo`` (with ``--dynamo-python``): Dynamo's standalone indexer itself (``python -m
+  dynamo.indexer``, ``--threads 2``) holding the same workload, sent to it over ZeroMQ as vLLM
+  publishes it: the peer every stack's ``/query`` is compared with (``p50 ×Dynamo``). It binds
+  0.0.0.0, so the whole run then re-executes itself inside ``unshare -n`` (loopback only).
 The adapter serves only the measured routes (``/query``, ``/query_by_hash``, ``/v1/score``,
 ``/health``) with kvindex's refusal shape; it is not a port of kvindex's HTTP layer.
 
@@ -15,14 +23,15 @@ Client: ``wrk`` (C, one thread) in its own process, one keep-alive connection (`
 ``--connections`` concurrent ones, the same pre-built 8k-token body per endpoint. Its own cost is
 reported as its CPU time per request (``client_cpu_us``), the server's as its process CPU time per
 request (``server_cpu_us``, every thread). Before timing, every stack's answers are checked equal
-to ``aiohttp``'s. ``handlers``: each handler called in-process with no HTTP (the floor of any stack).
+to ``aiohttp``'s (Dynamo's: the matched tokens per replica of ``/query`` and ``/query_by_hash``).
+``handlers``: each handler called in-process with no HTTP (the floor of every stack).
 
-Figures are ratios in the same run: each stack against ``aiohttp`` (1.0), and each endpoint
-against the stack's own ``/health``. Every server is up at once; each (endpoint, mode) runs on
-every stack back to back in an order that rotates; medians and spread (min..max) over rounds.
+Figures are ratios in the same run: each stack against ``aiohttp`` (1.0) and against Dynamo, and each
+endpoint against the stack's own ``/health``. Every server is up at once; each (endpoint, mode) runs
+on every stack back to back in an order that rotates; medians and spread (min..max) over rounds.
 Needs ``pip install granian uvicorn httptools`` and ``wrk`` (``apt-get install wrk``).
 
-``python benchmarks/http_stacks.py [--rounds 3] [--seconds 3] [--connections 16] [--out F]``
+``python benchmarks/http_stacks.py [--rounds 3] [--seconds 3] [--connections 16] [--dynamo-python D/bin/python] [--out F]``
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +60,8 @@ from common import BLOCK_SIZE, MODEL  # noqa: E402
 
 from kvindex import keys as K  # noqa: E402
 
-STACKS = ("aiohttp", "aiohttp-tuned", "granian-rsgi", "granian-asgi", "uvicorn")
+STACKS = ("aiohttp", "aiohttp-tuned", "granian-rsgi", "granian-asgi", "uvicorn", "httptools")
+NETNS_ENV = "KVINDEX_HTTP_STACKS_NETNS"  # set when this run re-executed itself inside ``unshare -n``
 ENDPOINTS = ("/query", "/query_by_hash", "/v1/score", "/health")
 REPLICAS = 8
 HERE = Path(__file__).resolve()
@@ -160,6 +171,64 @@ def asgi_app(app: dict) -> Any:
     return serve
 
 
+class BareProtocol(asyncio.Protocol):
+    """The ``httptools`` bound: httptools' parser (llhttp) feeding the adapter, one task per request,
+    the answer written in one call. Nothing a server owes its callers is here (timeouts, caps,
+    answers in pipelined order, refusals of bad framing beyond closing): the least any Python
+    server can do per request, measured to bound the stacks."""
+
+    def __init__(self, app: dict, routes: dict) -> None:
+        import httptools
+
+        self._app, self._routes = app, routes
+        self._parser = httptools.HttpRequestParser(self)
+        self._errors, self._parse_url = httptools.HttpParserError, httptools.parse_url
+        self._url = b""
+        self._headers: dict[bytes, bytes] = {}
+        self._body: list[bytes] = []
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # a TCP server's transports are Transports
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except self._errors:
+            self._transport.close()  # type: ignore[union-attr]
+
+    # httptools' callbacks
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        headers, body, url = self._headers, b"".join(self._body), self._url
+        self._headers, self._body, self._url = {}, [], b""
+        auth = headers.get(b"authorization")
+        req = AdaptedRequest(self._app, headers.get(b"content-type", b"").decode("latin-1"),
+                             auth.decode("latin-1") if auth else None, body)
+        method, path = self._parser.get_method().decode(), self._parse_url(url).path.decode()
+        asyncio.get_running_loop().create_task(self._answer(method, path, req, self._parser.should_keep_alive()))
+
+    async def _answer(self, method: str, path: str, req: AdaptedRequest, keep_alive: bool) -> None:
+        status, ctype, out = await answer(self._routes, method, path, req)
+        head = "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n" % (
+            status, HTTPStatus(status).phrase, ctype, len(out))
+        transport = self._transport
+        assert transport is not None
+        if transport.is_closing():  # the client left first (wrk at the end of its run)
+            return
+        transport.write(head.encode("latin-1") + out)
+        if not keep_alive:
+            transport.close()
+
+
 async def handler_times(blocks: int, queries: int, cache: Path | None, calls: int = 2000) -> dict[str, float]:
     """Each measured handler called in-process (no HTTP at all): its median µs, the floor of every stack."""
     from kvindex.http.app import SERVICES
@@ -217,6 +286,10 @@ async def serve(stack: str, blocks: int, queries: int, port_file: Path, cache: P
                         websockets=False, log_enabled=False, backlog=512)
         asyncio.get_running_loop().create_task(server.serve())
         await asyncio.sleep(0.5)
+    elif stack == "httptools":
+        routes = adapter_routes()
+        server = await asyncio.get_running_loop().create_server(lambda: BareProtocol(app, routes), "127.0.0.1", 0)
+        port = int(server.sockets[0].getsockname()[1])
     else:
         import uvicorn
         sock = socket.socket()
@@ -309,6 +382,63 @@ def start_server(stack: str, a: argparse.Namespace, tmp: Path) -> tuple[subproce
     return proc, int(port_file.read_text())
 
 
+class DynamoServer:
+    """Dynamo's standalone indexer on the workload's bytes (published over ZeroMQ, as vLLM sends them),
+    once every event is applied; ``pods`` maps its worker ids to kvindex's pod names."""
+
+    def __init__(self, a: argparse.Namespace, tmp: Path) -> None:
+        from dynamo_peer import count_events, start_indexer, wait_active, wait_applied
+        from e2e import Publisher
+
+        from kvindex.ingest.streams import split_topic
+
+        wl = common.workload(REPLICAS, a.blocks, a.queries, cache=common.RESULTS / "workloads")
+        self.publisher = Publisher(wl.path)
+        port, log = free_port(), tmp / "dynamo-indexer.log"
+        self.proc = start_indexer(a.dynamo_python, port, self.publisher.endpoints, 2, log)
+        self.server = (self.proc, port)
+        self.pods = {str(i + 1): split_topic(t)[0] for i, t in enumerate(self.publisher.topics)}
+        try:
+            wait_active(port, len(self.publisher.endpoints))
+            t_go = time.perf_counter()
+            self.publisher.go()
+            applied = wait_applied(port, count_events(wl.path), 300.0, self.proc, log, t_go)
+        except BaseException:
+            self.close()
+            raise
+        if applied["events_ok"] < applied["expected_events"]:
+            self.close()
+            raise RuntimeError(f"Dynamo applied {applied['events_ok']:.0f} of {applied['expected_events']} events")
+
+    def matched(self, reqs: dict[str, bytes]) -> dict[str, dict[str, int]]:
+        """Matched tokens per kvindex pod name on ``/query`` and ``/query_by_hash``."""
+        return {ep: {self.pods[i]: n for i, n in matched_tokens(self.server[1], ep, reqs[ep]).items()}
+                for ep in DYNAMO_ENDPOINTS}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.publisher.close()
+
+
+DYNAMO_ENDPOINTS = ("/query", "/query_by_hash")  # what Dynamo serves of ENDPOINTS (and /health)
+
+
+def matched_tokens(port: int, ep: str, body: bytes) -> dict[str, int]:
+    """Matched tokens per instance (max over dp ranks) of a Dynamo-shaped answer, non-zero only."""
+    status, data = fetch(port, ep, body)
+    if status != 200:
+        raise RuntimeError(f"{ep} answered {status}: {data[:200]!r}")
+    return {i: max(r.values()) for i, r in json.loads(data)["scores"].items() if r and max(r.values())}
+
+
+def served(stack: str, ep: str) -> bool:
+    return stack != "dynamo" or ep in DYNAMO_ENDPOINTS or ep == "/health"
+
+
 def measure(server: tuple[subprocess.Popen, int], ep: str, body_file: Path | None, conns: int, seconds: int) -> dict:
     """One wrk run against one server, with the server's CPU µs per request."""
     proc, port = server
@@ -319,12 +449,12 @@ def measure(server: tuple[subprocess.Popen, int], ep: str, body_file: Path | Non
 
 
 def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict]:
-    """Per stack and endpoint/mode: medians and spread over rounds, ratios against aiohttp and /health."""
+    """Per stack and endpoint/mode: medians and spread over rounds, ratios against aiohttp, Dynamo
+    (when it ran) and the stack's own /health."""
     out: dict[str, dict] = {}
-    keys = rounds[0]["aiohttp"].keys()
     for stack in rounds[0]:
         out[stack] = {}
-        for key in keys:
+        for key in rounds[0][stack]:
             ep, mode = key.rsplit(" ", 1)
             health = f"/health {mode}"
             row: dict[str, Any] = {}
@@ -332,8 +462,11 @@ def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict]:
                 vals = [r[stack][key][metric] for r in rounds]
                 row[metric] = statistics.median(vals)
                 row[metric + "_spread"] = [min(vals), max(vals)]
-            row["p50_vs_aiohttp"] = statistics.median(r[stack][key]["p50_us"] / r["aiohttp"][key]["p50_us"] for r in rounds)
-            row["rps_vs_aiohttp"] = statistics.median(r[stack][key]["rps"] / r["aiohttp"][key]["rps"] for r in rounds)
+            for peer in ("aiohttp", "dynamo"):
+                if key in rounds[0].get(peer, {}):
+                    row[f"p50_vs_{peer}"] = statistics.median(r[stack][key]["p50_us"] / r[peer][key]["p50_us"] for r in rounds)
+                    row[f"p99_vs_{peer}"] = statistics.median(r[stack][key]["p99_us"] / r[peer][key]["p99_us"] for r in rounds)
+                    row[f"rps_vs_{peer}"] = statistics.median(r[stack][key]["rps"] / r[peer][key]["rps"] for r in rounds)
             row["p50_vs_own_health"] = statistics.median(r[stack][key]["p50_us"] / r[stack][health]["p50_us"] for r in rounds)
             row["non_2xx"] = sum(r[stack][key]["non_2xx"] for r in rounds)
             out[stack][key] = row
@@ -342,19 +475,37 @@ def summarize(rounds: list[dict[str, dict]]) -> dict[str, dict]:
 
 def print_table(summary: dict[str, dict]) -> None:
     print(f"{'stack':14} {'endpoint':22} {'p50 µs':>8} {'p99 µs':>8} {'req/s':>8} {'p50 ×a':>7} {'rps ×a':>7} "
-          f"{'×health':>7} {'srv µs/req':>10} {'wrk µs/req':>10} {'p50 spread':>16}")
+          f"{'p50 ×D':>7} {'p99 ×D':>7} {'×health':>7} {'srv µs/req':>10} {'wrk µs/req':>10} {'p50 spread':>16}")
     for stack, rows in summary.items():
         for key, r in rows.items():
             lo, hi = r["p50_us_spread"]
-            print(f"{stack:14} {key:22} {r['p50_us']:8.0f} {r['p99_us']:8.0f} {r['rps']:8.0f} {r['p50_vs_aiohttp']:7.2f} "
-                  f"{r['rps_vs_aiohttp']:7.2f} {r['p50_vs_own_health']:7.2f} {r['server_cpu_us']:10.0f} "
-                  f"{r['client_cpu_us']:10.1f} {lo:7.0f}..{hi:<7.0f}")
+            vs = {k: f"{r[k]:7.2f}" if k in r else f"{'-':>7}"
+                  for k in ("p50_vs_aiohttp", "rps_vs_aiohttp", "p50_vs_dynamo", "p99_vs_dynamo")}
+            print(f"{stack:14} {key:22} {r['p50_us']:8.0f} {r['p99_us']:8.0f} {r['rps']:8.0f} {vs['p50_vs_aiohttp']} "
+                  f"{vs['rps_vs_aiohttp']} {vs['p50_vs_dynamo']} {vs['p99_vs_dynamo']} {r['p50_vs_own_health']:7.2f} "
+                  f"{r['server_cpu_us']:10.0f} {r['client_cpu_us']:10.1f} {lo:7.0f}..{hi:<7.0f}")
+
+
+def check_answers(servers: dict[str, tuple[subprocess.Popen, int]], reqs: dict[str, bytes],
+                  dynamo: DynamoServer | None) -> None:
+    """Every stack answers as ``aiohttp`` does; Dynamo matches the same tokens per replica."""
+    reference = answers(servers["aiohttp"][1], reqs)
+    for stack, (_, port) in servers.items():
+        if stack not in ("aiohttp", "dynamo") and (got := answers(port, reqs)) != reference:
+            raise SystemExit(f"{stack} answers differ from aiohttp's on {[e for e in ENDPOINTS if got[e] != reference[e]]}")
+    if dynamo is not None:
+        ours = {ep: {p: max(r.values()) for p, r in reference[ep][1]["scores"].items() if r and max(r.values())}
+                for ep in DYNAMO_ENDPOINTS}
+        if (theirs := dynamo.matched(reqs)) != ours:
+            raise SystemExit(f"Dynamo's matched tokens differ from kvindex's: {theirs} vs {ours}")
 
 
 def run(a: argparse.Namespace) -> None:
     stacks = [s for s in a.stacks.split(",") if s]
     if stacks[0] != "aiohttp":
         raise SystemExit("--stacks must start with aiohttp (the baseline)")
+    if a.dynamo_python:
+        subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # this namespace's loopback (see main)
     reqs = bodies(a.blocks, a.queries)
     rounds: list[dict[str, dict]] = []
     handlers: list[dict[str, float]] = []
@@ -365,23 +516,29 @@ def run(a: argparse.Namespace) -> None:
         for ep, path in files.items():
             path.write_bytes(reqs[ep])
         servers: dict[str, tuple[subprocess.Popen, int]] = {}
+        dynamo: DynamoServer | None = None
         try:
             for stack in stacks:  # every server up at once (idle but one): the stacks measured minutes apart
                 servers[stack] = start_server(stack, a, tmp)
-            reference = answers(servers["aiohttp"][1], reqs)
-            for stack in stacks[1:]:
-                if (got := answers(servers[stack][1], reqs)) != reference:
-                    raise SystemExit(f"{stack} answers differ from aiohttp's on {[e for e in ENDPOINTS if got[e] != reference[e]]}")
+            if a.dynamo_python:
+                dynamo = DynamoServer(a, tmp)
+                servers["dynamo"] = dynamo.server
+            check_answers(servers, reqs, dynamo)
+            names = list(servers)
             modes = (("seq", 1), (f"c{a.connections}", a.connections))
             for n in range(a.rounds):
-                this: dict[str, dict] = {stack: {} for stack in stacks}
+                this: dict[str, dict] = {stack: {} for stack in names}
                 for i, (ep, (mode, conns)) in enumerate((ep, m) for ep in ENDPOINTS for m in modes):
-                    k = (n + i) % len(stacks)  # interleaved: each (endpoint, mode) runs every stack back to back,
-                    for stack in stacks[k:] + stacks[:k]:  # in an order that rotates
-                        this[stack][f"{ep} {mode}"] = measure(servers[stack], ep, files.get(ep), conns, a.seconds)
+                    k = (n + i) % len(names)  # interleaved: each (endpoint, mode) runs every stack back to back,
+                    for stack in names[k:] + names[:k]:  # in an order that rotates
+                        if served(stack, ep):
+                            this[stack][f"{ep} {mode}"] = measure(servers[stack], ep, files.get(ep), conns, a.seconds)
                 rounds.append(this)
                 print(f"round {n + 1} done", file=sys.stderr)
         finally:
+            if dynamo is not None:
+                servers.pop("dynamo", None)
+                dynamo.close()
             for proc, _ in servers.values():
                 proc.kill()
                 proc.wait()
@@ -395,16 +552,20 @@ def run(a: argparse.Namespace) -> None:
     print("handler alone, in-process (no HTTP), median µs: " + ", ".join(f"{ep} {v:.0f}" for ep, v in floor.items()))
     doc = {"machine": common.machine(), "args": {k: str(v) for k, v in vars(a).items()}, "answers_equal": True,
            "summary": summary, "rounds": rounds, "handler_only_us": handlers,
-           "packages": _versions()}
+           "packages": _versions(a.dynamo_python)}
     out = a.out or common.RESULTS / "http_stacks.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"full output: {out}")
 
 
-def _versions() -> dict[str, str | None]:
+def _versions(dynamo_python: str | None) -> dict[str, str | None]:
     from importlib import metadata
     out: dict[str, str | None] = {}
+    if dynamo_python:
+        out["ai-dynamo-runtime"] = subprocess.run(
+            [dynamo_python, "-c", "from importlib import metadata; print(metadata.version('ai-dynamo-runtime'))"],
+            capture_output=True, text=True).stdout.strip() or None
     for name in ("aiohttp", "granian", "uvicorn", "httptools", "uvloop"):
         try:
             out[name] = metadata.version(name)
@@ -428,7 +589,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=3, help="per wrk run")
     p.add_argument("--connections", type=int, default=16, help="the concurrent runs' keep-alive connections")
+    p.add_argument("--dynamo-python", help="run: a Python that imports ai-dynamo-runtime: Dynamo's indexer joins "
+                   "the run as the peer (the whole run then inside unshare -n)")
     a = p.parse_args(argv)
+    if a.what == "run" and a.dynamo_python and os.environ.get(NETNS_ENV) != "1":
+        env = {**os.environ, NETNS_ENV: "1"}  # Dynamo binds 0.0.0.0: every server and client on a private loopback
+        raise SystemExit(subprocess.call(["unshare", "-n", sys.executable, str(HERE), *(argv or sys.argv[1:])], env=env))
     if a.what == "serve":
         from kvindex import loops
         loops.run(serve(a.stack, a.blocks, a.queries, a.port_file, a.cache), os.environ.get(loops.ENV, "auto"))

@@ -211,6 +211,10 @@ def median_summary(docs: list[dict]) -> str:
             ratio, (_m, kv, d, unit) = cells[(len(cells) - 1) // 2]
             lines.append(f"| {metric} — {name} | {_FMT[unit](kv)} | {_FMT[unit](d)} | "
                          f"**{ratio:.2f}** ({cells[0][0]:.2f}–{cells[-1][0]:.2f}) |")
+    counts = [_mismatches(r) for doc in docs for r in _workloads(doc).values()]
+    truth, dyn_truth, vs_dyn = (sum(c[k] for c in counts if c[k] is not None) for k in range(3))
+    lines.append(f"| matched-token mismatches, every workload of every run: vs the simulator's truth / vs each other "
+                 f"| {truth} / {vs_dyn} | {dyn_truth} | |")
     return "\n".join(lines)
 
 
@@ -226,14 +230,22 @@ def summary(doc: dict) -> str:
             _m, kv, d, unit = c[i]
             lines.append(f"| {metric} — {name} | {_FMT[unit](kv)} | {_FMT[unit](d)} | {_r(kv, d)} |")
     for name, r in runs.items():
-        checks = {ep: v for ep, v in r["match_check"].items() if isinstance(v, dict) and "vs_expected_mismatches" in v}
-        truth = sum(v["vs_expected_mismatches"] for v in checks.values())
-        vs_dyn = [v["vs_dynamo_mismatches"] for v in checks.values() if "vs_dynamo_mismatches" in v]
-        dyn_truth = sum(r["match_check"].get("dynamo_vs_expected", {}).values()) if vs_dyn else None
+        truth, dyn_truth, vs_dyn = _mismatches(r)
         lines.append(f"| matched-token mismatches vs the simulator's truth — {name} | "
                      f"{truth} | {'-' if dyn_truth is None else dyn_truth} | vs each other: "
-                     f"{sum(vs_dyn) if vs_dyn else '-'} |")
+                     f"{'-' if vs_dyn is None else vs_dyn} |")
     return "\n".join(lines)
+
+
+def _mismatches(r: dict) -> tuple[int, int | None, int | None]:
+    """A workload's matched-token mismatches: kvindex vs the simulator's truth, Dynamo vs it, and
+    kvindex vs Dynamo (None without Dynamo)."""
+    checks = {ep: v for ep, v in r["match_check"].items() if isinstance(v, dict) and "vs_expected_mismatches" in v}
+    truth = sum(v["vs_expected_mismatches"] for v in checks.values())
+    vs_dyn = [v["vs_dynamo_mismatches"] for v in checks.values() if "vs_dynamo_mismatches" in v]
+    if not vs_dyn:
+        return truth, None, None
+    return truth, sum(r["match_check"].get("dynamo_vs_expected", {}).values()), sum(vs_dyn)
 
 
 def render(doc: dict) -> str:
