@@ -159,12 +159,17 @@ def run(wl_path: Path, replicas: int, python: str, port: int, threads: int, quer
         http = asyncio.run(http_client_async(f"http://127.0.0.1:{port}", "dynamo", queries, repeat))
         return {"threads": threads, "ingest": ingest, "http": http}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_indexer(proc)
         pub.close()
+
+
+def stop_indexer(proc: subprocess.Popen) -> None:
+    """Terminate the indexer; killed if it has not exited within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -412,27 +412,24 @@ class DynamoServer:
 
     def matched(self, reqs: dict[str, bytes]) -> dict[str, dict[str, int]]:
         """Matched tokens per kvindex pod name on ``/query`` and ``/query_by_hash``."""
-        return {ep: {self.pods[i]: n for i, n in matched_tokens(self.server[1], ep, reqs[ep]).items()}
-                for ep in DYNAMO_ENDPOINTS}
+        from e2e import _matched
+
+        out = {}
+        for ep in DYNAMO_ENDPOINTS:
+            status, data = fetch(self.server[1], ep, reqs[ep])
+            if status != 200:
+                raise RuntimeError(f"Dynamo's {ep} answered {status}: {data[:200]!r}")
+            out[ep] = {self.pods[i]: n for i, n in _matched(ep, json.loads(data)).items()}
+        return out
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        from dynamo_peer import stop_indexer
+
+        stop_indexer(self.proc)
         self.publisher.close()
 
 
 DYNAMO_ENDPOINTS = ("/query", "/query_by_hash")  # what Dynamo serves of ENDPOINTS (and /health)
-
-
-def matched_tokens(port: int, ep: str, body: bytes) -> dict[str, int]:
-    """Matched tokens per instance (max over dp ranks) of a Dynamo-shaped answer, non-zero only."""
-    status, data = fetch(port, ep, body)
-    if status != 200:
-        raise RuntimeError(f"{ep} answered {status}: {data[:200]!r}")
-    return {i: max(r.values()) for i, r in json.loads(data)["scores"].items() if r and max(r.values())}
 
 
 def served(stack: str, ep: str) -> bool:
@@ -494,8 +491,9 @@ def check_answers(servers: dict[str, tuple[subprocess.Popen, int]], reqs: dict[s
         if stack not in ("aiohttp", "dynamo") and (got := answers(port, reqs)) != reference:
             raise SystemExit(f"{stack} answers differ from aiohttp's on {[e for e in ENDPOINTS if got[e] != reference[e]]}")
     if dynamo is not None:
-        ours = {ep: {p: max(r.values()) for p, r in reference[ep][1]["scores"].items() if r and max(r.values())}
-                for ep in DYNAMO_ENDPOINTS}
+        from e2e import _matched
+
+        ours = {ep: _matched(ep, reference[ep][1]) for ep in DYNAMO_ENDPOINTS}
         if (theirs := dynamo.matched(reqs)) != ours:
             raise SystemExit(f"Dynamo's matched tokens differ from kvindex's: {theirs} vs {ours}")
 
