@@ -118,7 +118,7 @@ def adapter_routes() -> dict[tuple[str, str], Any]:
 
 async def answer(routes: dict, method: str, path: str, request: AdaptedRequest) -> tuple[int, str, bytes]:
     """(status, content type, body) of the route's handler; refusals in kvindex's shape."""
-    from kvindex.answers import QueryError
+    from kvindex.query.answers import QueryError
     from kvindex.http.errors import ApiError
 
     handler = routes.get((method, path))

@@ -116,6 +116,11 @@ class Metrics:
         self.decision_fraction = Histogram("kvindex_decision_hit_fraction", "Per decision: the prompt fraction predicted "
                                            "cached (approx, precise) and reported cached by the engine (actual)",
                                            ["pod", "source"], buckets=RATIO_BUCKETS, registry=r)
+        self.decision_tokens = Counter("kvindex_decision_tokens", "Prompt tokens of recorded decisions, by source "
+                                       "(pick, observe, api) and kind: prompt (all of them), realized (the engine's "
+                                       "cached_tokens), precise and approx (what each index predicted cached on the pod "
+                                       "that served it); a hit rate is a ratio of these sums", ["source", "kind"],
+                                       registry=r)
         self.decision_error = Histogram("kvindex_decision_abs_error", "Per decision: |prediction - actual| of each index",
                                         ["pod", "predictor"], buckets=RATIO_BUCKETS, registry=r)
 
@@ -126,7 +131,7 @@ class Metrics:
 
     def observe_decision(self, pod: str, fractions: dict[str, float | None], errors: dict[str, float | None]) -> None:
         """One routing decision: the cached fraction per source (approx, precise, actual) and each
-        index's error against the engine's own report (``kvindex.drift.Decision`` computes both).
+        index's error against the engine's own report (``kvindex.query.drift.Decision`` computes both).
         A decision is an authorised write: its pod may become a label (``KnownNames.learn``)."""
         self.pods.learn(pod)
         pod = self.pods.label(pod)
@@ -137,6 +142,17 @@ class Metrics:
         for predictor, err in errors.items():
             if err is not None:
                 self.decision_error.labels(pod, predictor).observe(abs(err))
+
+
+    def observe_tokens(self, source: str, prompt: int | None, realized: int | None, precise: int | None,
+                       approx: int | None) -> None:
+        """One decision's tokens into ``kvindex_decision_tokens``: only a decision whose engine
+        reported its cached tokens counts, so that every kind shares one denominator."""
+        if prompt is None or realized is None:
+            return
+        for kind, value in (("prompt", prompt), ("realized", realized), ("precise", precise), ("approx", approx)):
+            if value is not None:
+                self.decision_tokens.labels(source, kind).inc(value)
 
 
 class StateCollector(Collector):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from array import array
 
-from kvindex.drift import Decision, DriftAudit
+from kvindex.query.drift import Decision, DriftAudit
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.index.precise import PreciseIndex

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.config import Config
-from kvindex.drift import Decision, DriftAudit
+from kvindex.query.drift import Decision, DriftAudit
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.index.precise import PreciseIndex

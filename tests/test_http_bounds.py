@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.config import Config
 from kvindex.daemon import Daemon
-from kvindex.decisions import MAX_DECISION_PODS
+from kvindex.query.decisions import MAX_DECISION_PODS
 from kvindex.http.bodies import MAX_DEPTH
 from kvindex.limits import MAX_ID_CHARS, MAX_MODEL_CHARS, MAX_SALT_CHARS
 from kvindex.logs import BurstLog, OneLine, shown

@@ -25,7 +25,7 @@ from kvindex.budget import ByteLRU
 from kvindex.config import Config, ModelConfig
 from kvindex.limits import MAX_ID_CHARS, MAX_MODEL_CHARS
 from kvindex.metrics import MAX_LABEL_CHARS, OTHER
-from kvindex.query import SCORE_MEMORY_BYTES
+from kvindex.query.service import SCORE_MEMORY_BYTES
 from kvindex.tokenize import CachingTokenizer
 from tests.conftest import engine_config, ipc_endpoint
 from tests.test_cli import KVINDEX, free_port

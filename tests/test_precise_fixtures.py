@@ -256,7 +256,7 @@ def test_the_fast_index_equals_the_reference_on_the_captures(capture: str) -> No
     equal answers for every request's prompt at the time it was sent."""
     from adapters.dialects import DIALECTS
     from kvindex import keys as K
-    from kvindex.answers import cacheable_tokens
+    from kvindex.query.answers import cacheable_tokens
     from kvindex.index.precise import PreciseIndex
     from kvindex.index.reference import ReferenceIndex
     from kvindex.index.precise import CORE

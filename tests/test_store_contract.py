@@ -22,7 +22,7 @@ from pytest import FixtureRequest
 
 from adapters.dialects import DIALECTS
 from kvindex import keys as K
-from kvindex.answers import cacheable_tokens
+from kvindex.query.answers import cacheable_tokens
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.memory import LocalPreciseIndex, MemoryPreciseStore, new_precise_index
 from kvindex.index.precise import PreciseIndex

@@ -36,16 +36,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvindex.answers import QueryError
+from kvindex.query.answers import QueryError
 from kvindex.config import Config
-from kvindex.decisions import Decisions
-from kvindex.drift import DriftAudit
+from kvindex.query.decisions import Decisions
+from kvindex.query.drift import DriftAudit
 from kvindex.http.errors import ApiError
 from kvindex.http.server import read_body_within
 from kvindex.index.protocol import StoreUnavailable
 from kvindex.logs import BurstLog, shown
 from kvindex.metrics import Metrics
-from kvindex.query import QueryService
+from kvindex.query.service import QueryService
 from kvindex.registrations import EngineRegistry
 from kvindex.views import FleetView, PodsView
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvindex.answers import PreciseAnswer
+from kvindex.query.answers import PreciseAnswer
 from kvindex.http import mooncake
 from kvindex.dynamo_dump import worker_number
 from kvindex.http.app import OPEN, WRITE, Services, scope, services
@@ -61,7 +61,7 @@ async def register(request: web.Request) -> web.Response:
     iid = instance_id(args.instance_id)
     reg = await services(request).engines.register(
         iid, args.model_name, args.routing_group or DEFAULT_GROUP, args.block_size, args.dp_rank, args.endpoint,
-        args.replay_endpoint)
+        args.replay_endpoint, args.url)
     services(request).metrics.known(iid, args.model_name)
     return json_response({"status": "registered", "instance_id": iid, "dp_rank": reg.dp_rank}, status=201)
 

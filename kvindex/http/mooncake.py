@@ -44,7 +44,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import msgspec
 
-from kvindex.answers import PreciseAnswer
+from kvindex.query.answers import PreciseAnswer
 from kvindex.events import MAX_BLOCK_SIZE
 from kvindex.http.errors import ApiError
 from kvindex.http.fields import (

@@ -21,7 +21,7 @@ from urllib.parse import unquote
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvindex.answers import PodAnswer, PreciseAnswer
+from kvindex.query.answers import PodAnswer, PreciseAnswer
 from kvindex.http.app import OPEN, WRITE, authorized, scope, services
 from kvindex.http.bodies import (
     ApiError,
@@ -29,6 +29,7 @@ from kvindex.http.bodies import (
     decision_list,
     explain_request,
     json_response,
+    limit_count,
     name_checked,
     optional_text,
     parse,
@@ -180,6 +181,13 @@ async def decisions(request: web.Request) -> web.Response:
     return json_response(answer)
 
 
+async def latest_decisions(request: web.Request) -> web.Response:
+    """The latest decisions of every source (pick, observe, api), newest first."""
+    log = services(request).decisions.log
+    entries = log.latest(limit_count(request.query.get("limit")))
+    return json_response({"decisions": [e.to_json() for e in entries], "recorded": log.added})
+
+
 async def explain(request: web.Request) -> web.Response:
     """What the router computes for a request: rendered prompt, block hashes, depth per pod."""
     q = services(request).query
@@ -240,6 +248,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/score", score),
         web.get("/v1/models", models),
         web.post("/v1/decisions", decisions),
+        web.get("/v1/decisions", latest_decisions),
         web.post("/v1/approx/explain", explain),
         web.get("/v1/drift", drift),
         web.get("/v1/drift/history", drift_history),

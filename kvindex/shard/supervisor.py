@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvindex
 from kvindex.config import EngineConfig
-from kvindex.drift import DriftAudit
+from kvindex.query.drift import DriftAudit
 from kvindex.index.protocol import ApproxStore, StoreUnavailable
 from kvindex.pods import remove_pod
 from kvindex.shard import channel as ch

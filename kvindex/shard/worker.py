@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from adapters.dialects import DIALECTS
 from kvindex import loops
 from kvindex.config import EngineConfig
-from kvindex.drift import DriftAudit
+from kvindex.query.drift import DriftAudit
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore, MemoryPreciseStore
 from kvindex.ingest.fleet import Fleet

@@ -31,7 +31,7 @@ import msgspec
 import xxhash
 
 from kvindex import keys as K
-from kvindex.answers import ApproxAnswer, PreciseAnswer, QueryError, cacheable_tokens
+from kvindex.query.answers import ApproxAnswer, PreciseAnswer, QueryError, cacheable_tokens
 from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
 from kvindex.budget import ByteLRU, str_bytes
@@ -184,7 +184,7 @@ class QueryService:
             raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
         try:  # an engine's answer is input too: same limits as a caller's token_ids
-            return self.check_token_ids(list(tokens))
+            return self.check_token_ids(tokens if isinstance(tokens, array) else list(tokens))
         except QueryError as exc:
             raise QueryError(f"tokenizer for {model!r} answered badly: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None

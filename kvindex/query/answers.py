@@ -1,6 +1,6 @@
 """What a query answers: per pod, each index's matched prefix, and the errors a query can raise.
 
-Plain values, built by ``kvindex.query.QueryService`` and read by the decisions, the drift audit
+Plain values, built by ``kvindex.query.service.QueryService`` and read by the decisions, the drift audit
 and the HTTP layer (which turns ``QueryError`` into a 4xx naming the field). Invariants: immutable;
 ``ratio`` is a fraction of the prompt's tokens (precise) or of its approximate blocks; ``drift`` is
 the approximate fraction minus the precise one for the same pod.
