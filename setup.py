@@ -64,10 +64,12 @@ def report(not_built):
 setup(
     cmdclass={"build_ext": LoudBuildExt},
     ext_modules=[
-        Extension("kvindex._keys", ["kvindex/_keys.c"], depends=["kvindex/kx_xxh3.h", "kvindex/kx_u64s.h"], extra_compile_args=FLAGS,
+        Extension("kvindex._keys", ["kvindex/_keys.c"], depends=["kvindex/kx_xxh3.h", "kvindex/kx_xxh64.h", "kvindex/kx_u64s.h"], extra_compile_args=FLAGS,
                   optional=True),
         Extension("kvindex._jsontokens", ["kvindex/_jsontokens.c"], extra_compile_args=FLAGS, optional=True),
         Extension("adapters._vllm", ["adapters/_vllm.c"], depends=["kvindex/kx_u64s.h"], extra_compile_args=FLAGS,
+                  optional=True),
+        Extension("adapters._llmd_sim", ["adapters/_llmd_sim.c"], depends=["kvindex/kx_u64s.h"], extra_compile_args=FLAGS,
                   optional=True),
         Extension("kvindex.index._core", ["kvindex/index/_core.c"], depends=["kvindex/kx_u64s.h"],
                   extra_compile_args=FLAGS, optional=True),

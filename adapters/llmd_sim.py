@@ -20,17 +20,31 @@ Invariants:
   without a url/format object) are skipped. Missing or null fields render as ``""``. (The
   audio/video parts follow the simulator's current main; the version pinned in wire-format.md
   renders text and images the same way.)
+- Token ids: ``py_tokenize_prompt`` (``[fnv1a_32(tok) for tok in split_tokens(text)]``) is the
+  definition. ``tokenize_ids`` gives the same ids as one ``array("I")``, from the C twin
+  ``adapters._llmd_sim`` when ``kvindex.native`` loads it (chosen once, at import; ~100x faster),
+  else from the definition. A str the twin cannot encode as UTF-8 (a lone surrogate: the C reads
+  UTF-8 bytes) is tokenized by the definition, which drops that character like any non-ASCII
+  one. tests/test_llmd_sim_native.py holds the two equal.
+- ``SimTokenizer.tokenize_prompt`` answers a ``list[int]``; ``SimTokenizer.tokenize`` (the
+  ``Tokenizer`` protocol) the packed ``array("I")`` of ``tokenize_ids``: tokenizing is cheaper
+  than a cache key, so kvindex does not cache this tokenizer's answers.
 - Pure functions of the input: no state, safe to share.
 """
 
 from __future__ import annotations
 
 import re
+from array import array
 from typing import Any
+
+from kvindex import native
 
 _PUNCT = r"\{|\}|:|,|-|\.|\?|!|;|@|#|\$|%|\^|&|\*|\(|\)|\+|-|_|~|/|\\|>|<|\[|\]|=|\"|'"
 _TOKEN_RE = re.compile(r"(" + _PUNCT + r"|[0-9A-Za-z_]+)([\t\n\f\r ]*)")
 """The simulator's regex in Python syntax with the Go character classes spelled out."""
+
+_C = native.load("adapters._llmd_sim")
 
 _FNV32_OFFSET = 0x811C9DC5
 _FNV32_PRIME = 0x01000193
@@ -55,6 +69,37 @@ def fnv1a_32(data: bytes) -> int:
 def split_tokens(text: str) -> list[str]:
     """The simulator's string tokens of ``text`` (each with its trailing whitespace)."""
     return [m.group(0) for m in _TOKEN_RE.finditer(text)]
+
+
+def py_tokenize_prompt(text: str) -> list[int]:
+    """The simulator's token ids of ``text``: the definition the C twin is held to."""
+    return [fnv1a_32(tok.encode("utf-8")) for tok in split_tokens(text)]
+
+
+if _C is None:
+
+    def tokenize_ids(text: str) -> array:
+        """The token ids of ``text`` as one ``array("I")`` (here from ``py_tokenize_prompt``)."""
+        return array("I", py_tokenize_prompt(text))
+
+    def _tokenize_list(text: str) -> list[int]:
+        return py_tokenize_prompt(text)
+
+else:
+    _c_tokenize = _C.tokenize
+
+    def tokenize_ids(text: str) -> array:
+        """The token ids of ``text`` as one ``array("I")``, from the C twin."""
+        try:
+            return _c_tokenize(text)
+        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 bytes for the C to read
+            return array("I", py_tokenize_prompt(text))
+
+    def _tokenize_list(text: str) -> list[int]:
+        try:
+            return _c_tokenize(text).tolist()
+        except UnicodeEncodeError:
+            return py_tokenize_prompt(text)
 
 
 def _str(value: Any) -> str:
@@ -113,8 +158,8 @@ class SimTokenizer:
     """The simulator's dummy tokenizer; ``model`` is ignored (the simulator ignores it too)."""
 
     def tokenize_prompt(self, text: str) -> list[int]:
-        """Token ids of a plain prompt."""
-        return [fnv1a_32(tok.encode("utf-8")) for tok in split_tokens(text)]
+        """Token ids of a plain prompt (``py_tokenize_prompt``'s, through the C twin when built)."""
+        return _tokenize_list(text)
 
     def render_chat(self, messages: list[Any]) -> str:
         """The text the simulator tokenizes for a chat request; ``ValueError`` on a non-object."""
@@ -125,12 +170,13 @@ class SimTokenizer:
             out.append(render_message(message))
         return "".join(out)
 
-    async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]:
-        """Token ids of a completions body (``prompt`` string) or chat body (``messages`` list)."""
+    async def tokenize(self, model: str, body: dict[str, Any]) -> array:
+        """Token ids of a completions body (``prompt`` string) or chat body (``messages`` list),
+        packed (``tokenize_ids``: on the request path no per-token object is made)."""
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return self.tokenize_prompt(prompt)
+            return tokenize_ids(prompt)
         messages = body.get("messages")
         if isinstance(messages, list):
-            return self.tokenize_prompt(self.render_chat(messages))
+            return tokenize_ids(self.render_chat(messages))
         raise ValueError("request body needs a string 'prompt' or a list 'messages'")

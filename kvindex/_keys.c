@@ -6,6 +6,8 @@
  * Only full blocks have keys. Token ids arrive as a buffer of u32s (an array("I")). XXH3-64 is
  * kvindex's own (kx_xxh3.h, from the published specification): a C compiler is all the build needs.
  * xxh3_64() and xxh3_64_slices() expose it alone, for tests/test_xxh3.py and benchmarks/xxh3.py.
+ * kthena_chain() is the approximate index's Kthena chain (kvindex/approx/hashing.py kthena_hashes
+ * is the reference): h_i = XXH64(decimal(h_{i-1}) || block_i), over XXH64 of kx_xxh64.h.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,6 +16,7 @@
 
 #include "kx_u64s.h"
 #include "kx_xxh3.h"
+#include "kx_xxh64.h"
 
 #define LOCAL_SEED 1337ULL
 
@@ -207,10 +210,57 @@ static PyObject *xxh3_64_slices(PyObject *self, PyObject *args, PyObject *kwargs
     return PyLong_FromUnsignedLongLong(folded);
 }
 
+PyDoc_STRVAR(kthena_chain_doc,
+"kthena_chain(data, first, size, count) -> list[int]\n\n"
+"Kthena's chain over ``count`` blocks of ``size`` bytes of ``data`` (the last may be short):\n"
+"h_i = XXH64(decimal(h_{i-1}) || block_i), h_{-1} = first.");
+
+static PyObject *kthena_chain(PyObject *self, PyObject *args) {
+    Py_buffer view;
+    PyObject *first_obj;
+    Py_ssize_t size, count;
+    uint64_t prev;
+    if (!PyArg_ParseTuple(args, "y*Onn", &view, &first_obj, &size, &count)) return NULL;
+    if (as_u64(first_obj, &prev) < 0 || size <= 0 || size > 4096 || count < 0 || count > (view.len + size - 1) / size) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "size must be in 1..4096 and count cover data");
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    unsigned char *buf = PyMem_Malloc((size_t)size + 20);
+    PyObject *out = buf != NULL ? PyList_New(count) : NULL;
+    if (out == NULL) {
+        PyMem_Free(buf);
+        PyBuffer_Release(&view);
+        return buf == NULL ? PyErr_NoMemory() : NULL;
+    }
+    const unsigned char *data = view.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        char digits[21];
+        int n = 0;
+        uint64_t v = prev;
+        do { digits[n++] = (char)('0' + v % 10); v /= 10; } while (v);
+        for (int j = 0; j < n; j++) buf[j] = (unsigned char)digits[n - 1 - j];
+        Py_ssize_t start = i * size, len = view.len - start < size ? view.len - start : size;
+        memcpy(buf + n, data + start, (size_t)len);
+        prev = kx_xxh64(buf, (size_t)n + (size_t)len, 0);
+        PyObject *h = PyLong_FromUnsignedLongLong(prev);
+        if (h == NULL) {
+            Py_DECREF(out);
+            out = NULL;
+            break;
+        }
+        PyList_SET_ITEM(out, i, h);
+    }
+    PyMem_Free(buf);
+    PyBuffer_Release(&view);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"prompt_keys", prompt_keys, METH_VARARGS, prompt_keys_doc},
     {"local_hashes", local_hashes, METH_VARARGS, local_hashes_doc},
     {"chain_keys", chain_keys, METH_VARARGS, chain_keys_doc},
+    {"kthena_chain", kthena_chain, METH_VARARGS, kthena_chain_doc},
     {"xxh3_64", (PyCFunction)(void (*)(void))xxh3_64, METH_VARARGS | METH_KEYWORDS, xxh3_64_doc},
     {"xxh3_64_slices", (PyCFunction)(void (*)(void))xxh3_64_slices, METH_VARARGS | METH_KEYWORDS, xxh3_64_slices_doc},
     {NULL, NULL, 0, NULL},

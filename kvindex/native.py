@@ -8,6 +8,7 @@ Invariants:
   ``kvindex.index._core``  the precise index's memory and loops (``PreciseIndex``); its twin is the
                            readable ``kvindex.index.reference.ReferenceIndex``, which serves without it;
   ``adapters._vllm``       the vLLM decoder's typed path (``VllmDecoder.decode_python``);
+  ``adapters._llmd_sim``   llm-d-inference-sim's dummy tokenizer (``llmd_sim.py_tokenize_prompt``);
   ``kvindex.ingest._drain`` a socket's queued messages in one call (``transport.queued``, through
                            pyzmq), on the libzmq pyzmq loaded (``kvindex.ingest.libzmq``).
 - A C compiler is all the build needs (XXH3 is kvindex's own, ``kvindex/kx_xxh3.h``).
@@ -27,7 +28,8 @@ import os
 import shutil
 from types import ModuleType
 
-ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex.index._core", "adapters._vllm", "kvindex.ingest._drain")
+ACCELERATORS = ("kvindex._keys", "kvindex._jsontokens", "kvindex.index._core", "adapters._vllm", "adapters._llmd_sim",
+                "kvindex.ingest._drain")
 HINT = "install a C compiler (Debian: apt-get install gcc libc6-dev), then pip install -e . again"
 COMPILERS = ("cc", "gcc", "clang")
 REBUILD = "then pip install -e . again (or python setup.py build_ext --inplace)"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvindex.budget import ByteLRU, str_bytes
@@ -47,7 +48,7 @@ _TOKEN_BYTES = 32  # a token id in the cached tuple: its int object (most are no
 class Tokenizer(Protocol):
     """Anything that tokenizes request bodies for a model."""
 
-    async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]: ...
+    async def tokenize(self, model: str, body: dict[str, Any]) -> Sequence[int]: ...
 
 
 def tokenize_input(body: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.approx.gie import go_float, go_marshal, render_gie
-from kvindex.approx.gojson import RenderError, go_json_loads
+from kvindex.approx.gojson import RenderError, go_json_fast, go_json_loads, has_digit_run, may_differ
 from kvindex.approx.hashing import (
     gie_hashes,
     hash_request,
@@ -375,6 +376,48 @@ def test_go_json_loads_rejects(raw: bytes) -> None:
     with pytest.raises(RenderError, match="^malformed JSON: ") as info:
         go_json_loads(raw)
     assert "\n" not in str(info.value)
+
+
+FAST_PATH_CASES = [raw for _, raw, _ in GO_DECODE_CASES] + [
+    b'{"input":[-0,0,1e2]}', b'{"a":-0.5,"b":-0e1,"c":-10}', b'[-0]', b'{"p":"\\u0041\\uD83D\\uDE00"}', b'{"p":"\\uDBFF"}',
+    b'{"n":' + b"7" * 4000 + b"}", b'{"n":' + b"7" * 3999 + b"}", b'{"s":"' + b"1" * 5000 + b'"}',
+    b'{"prompt":' + json.dumps(list(range(3000))).encode() + b"}", '{"p":"١٢٣"}'.encode(),
+]
+
+
+@given(st.lists(st.tuples(st.sampled_from([b"7", b"a", b",", b"0"]), st.integers(1, 40)), max_size=40),
+       st.integers(1, 60))
+@settings(max_examples=500, deadline=None)
+def test_has_digit_run_is_the_regex_it_replaces(parts: list[tuple[bytes, int]], n: int) -> None:
+    data = b"".join(c * k for c, k in parts)
+    assert has_digit_run(data, n) == bool(re.search(rb"[0-9]{%d}" % n, data))
+
+
+@given(st.lists(st.sampled_from([b"-", b"0", b"1", b".", b"e", b"a", b"\\", b"u", b"d", b"8"]), max_size=80))
+@settings(max_examples=500, deadline=None)
+def test_may_differ_is_the_regex_it_replaces(parts: list[bytes]) -> None:
+    data = b"".join(parts)
+    assert may_differ(data) == bool(re.search(rb"\\u[dD][89a-fA-F]|-0(?![.0-9eE])|[0-9]{4000}", data))
+
+
+def test_may_differ_flags_only_what_msgspec_could_read_otherwise() -> None:
+    assert may_differ(b'"\\ud800"') and may_differ(b"[-0]") and may_differ(b"1" * 4000)
+    assert not may_differ(b'"\\u0041"') and not may_differ(b"[-0.5, -01]") and not may_differ(b"1" * 3999)
+
+
+@pytest.mark.parametrize("raw", FAST_PATH_CASES, ids=range(len(FAST_PATH_CASES)))
+def test_go_json_fast_agrees_with_the_reference_decoder(raw: bytes) -> None:
+    """The msgspec fast path is only an optimisation of ``go_json_loads``: same value, and the
+    same rendering (a 4000-digit integer or a -0 goes to the reference)."""
+    ref = go_json_loads(raw)
+    fast = go_json_fast(raw)
+    assert type(fast) is type(ref) and repr(fast) == repr(ref)
+
+
+def test_go_json_fast_refuses_as_the_reference_does() -> None:
+    for raw in (b"", b"{", b'{"a":1,}', b"NaN", b"[1] [2]", b'"\x01"'):
+        with pytest.raises(RenderError, match="^malformed JSON: "):
+            go_json_fast(raw)
 
 
 def test_lone_surrogate_hashes_like_replacement_character() -> None:

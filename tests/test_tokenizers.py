@@ -94,9 +94,9 @@ def test_render_chat_parts_and_tool_calls() -> None:
 
 async def test_sim_tokenize_bodies() -> None:
     sim = SimTokenizer()
-    assert await sim.tokenize("m", {"prompt": "### user: Hello, world!\n"}) == VECTOR
+    assert list(await sim.tokenize("m", {"prompt": "### user: Hello, world!\n"})) == VECTOR
     chat = {"messages": [{"role": "user", "content": "Hello, world!"}]}
-    assert await sim.tokenize("m", chat) == VECTOR
+    assert list(await sim.tokenize("m", chat)) == VECTOR
     with pytest.raises(ValueError, match="prompt"):
         await sim.tokenize("m", {"prompt": [1, 2, 3]})
     with pytest.raises(ValueError, match=r"messages\[0\]"):

@@ -4,7 +4,6 @@ its frame cap. Real pyzmq sockets on ipc endpoints; nothing of kvindex is mocked
 from __future__ import annotations
 
 import asyncio
-import resource
 import time
 from pathlib import Path
 from typing import Any

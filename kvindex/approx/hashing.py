@@ -10,6 +10,8 @@ Invariants:
 - ``settings`` is a model's ``kvindex.settings.ApproxSettings`` (the vocabulary); this module
   depends on no layer above ``kvindex.approx``.
 - Every body the router would not hash raises ``RenderError`` (one line, names the problem).
+- The Kthena chain is written once here (``kthena_chain``); ``kvindex._keys.kthena_chain`` is
+  its C twin (XXH64 of ``kvindex/kx_xxh64.h``), used when built; tests hold the two equal.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from typing import Any, Protocol
 
 import xxhash
 
+from kvindex import native
 from kvindex.approx.gie import render_gie
 from kvindex.approx.gojson import go_utf8
 from kvindex.approx.kthena import render_kthena
 from kvindex.settings import GIE_V1_5, ApproxSettings
+
+_C = native.load("kvindex._keys")
 
 
 class PerModel(Protocol):
@@ -39,10 +44,21 @@ def kthena_hashes(model: str, rendered: str, settings: ApproxSettings, cache_sal
     (``h_0 = XXH64(model || 0x00 || salt)``) so salted tenants never match each other; Kthena
     ignores the salt, and an unsalted request hashes exactly as Kthena does.
     """
-    data, size = go_utf8(rendered), settings.block_size_to_hash
+    size = settings.block_size_to_hash
+    # only the first max_blocks_to_match blocks are hashed: as many characters give at least as
+    # many bytes (each is 1-4), so the bytes hashed, and the count, are those of the whole prompt
+    data = go_utf8(rendered[:size * settings.max_blocks_to_match])
     count = min(-(-len(data) // size), settings.max_blocks_to_match)
     seed = go_utf8(model) + (b"\x00" + go_utf8(cache_salt) if cache_salt else b"")
-    prev = xxhash.xxh64_intdigest(seed)
+    first = xxhash.xxh64_intdigest(seed)
+    chain = _C.kthena_chain if _C is not None else kthena_chain
+    result: list[int] = chain(data, first, size, count)
+    return result
+
+
+def kthena_chain(data: bytes, prev: int, size: int, count: int) -> list[int]:
+    """``count`` blocks of ``size`` bytes of ``data`` (the last may be short), chained:
+    ``h_i = XXH64(decimal(h_{i-1}) || block_i)`` from ``h_{-1} = prev``."""
     out: list[int] = []
     for start in range(0, count * size, size):
         prev = xxhash.xxh64_intdigest(b"%d" % prev + data[start : start + size])

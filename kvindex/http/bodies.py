@@ -32,8 +32,8 @@ import msgspec
 from aiohttp import web
 
 from kvindex import native
-from kvindex.approx.gojson import NestingTooDeep, RenderError, go_json_loads
-from kvindex.decisions import MAX_BATCH, DecisionIn
+from kvindex.approx.gojson import MAX_DEPTH, NestingTooDeep, RenderError, check_nesting, go_json_fast
+from kvindex.query.decisions import MAX_BATCH, DecisionIn
 from kvindex.events import MAX_BLOCK_SIZE
 from kvindex.http.errors import ApiError
 from kvindex.http.fields import (
@@ -53,10 +53,8 @@ from kvindex.limits import FIELD_LIMITS, MAX_MODEL_CHARS
 
 MSGPACK = "application/msgpack"
 MAX_PODS = 10_000
-MAX_DEPTH = 64  # arrays and objects in a body nest at most this deep (OpenAI bodies: under 10)
 
 T = TypeVar("T", bound="Body")
-_CONTAINERS = frozenset((dict, list))
 _SIGNED_ZERO = re.compile(rb"-0(?![.0-9eE])")
 
 
@@ -65,23 +63,12 @@ def too_deep() -> ApiError:
 
 
 def check_depth(value: Any, text: bytes | None = None) -> Any:
-    """``value`` if its arrays and objects nest at most ``MAX_DEPTH`` deep, else the ``too_deep``
-    refusal. ``text``: the JSON it was decoded from; with no more brackets than ``MAX_DEPTH`` in
-    it (nearly every body) nothing is walked. The walk is level by level (no recursion), and a
-    level of scalars (8k token ids) is skipped in C."""
-    if text is not None and text.count(b"[") + text.count(b"{") <= MAX_DEPTH:
-        return value
-    level = [value] if type(value) in _CONTAINERS else []
-    for _ in range(MAX_DEPTH):
-        below: list[Any] = []
-        for node in level:
-            items = node.values() if type(node) is dict else node
-            if not _CONTAINERS.isdisjoint(map(type, items)):
-                below.extend(x for x in items if type(x) in _CONTAINERS)
-        if not below:
-            return value
-        level = below
-    raise too_deep()
+    """``value`` if its arrays and objects nest at most ``MAX_DEPTH`` deep (``check_nesting``),
+    else the ``too_deep`` refusal."""
+    try:
+        return check_nesting(value, text)
+    except NestingTooDeep:
+        raise too_deep() from None
 
 
 def check_signed_zero(raw: bytes, u32_field: str) -> None:
@@ -142,7 +129,7 @@ async def read_body(request: web.Request, *, allow_msgpack: bool = False, go: bo
             raise ApiError("body is not valid msgpack", field="body", reason="malformed") from None
     else:
         try:
-            body = decode_json(raw, u32_field, go_json_loads if go else msgspec.json.decode, u64_field=u64_field)
+            body = decode_json(raw, u32_field, go_json_fast if go else msgspec.json.decode, u64_field=u64_field)
         except (RenderError, msgspec.DecodeError):
             raise ApiError("body is not valid JSON", field="body", reason="malformed") from None
     if not isinstance(body, dict):
@@ -189,6 +176,7 @@ class RegisterBody(Body, frozen=True):
     routing_group: Id | None = None
     dp_rank: DpRank = 0
     replay_endpoint: Endpoint | None = None
+    url: Endpoint | None = None  # kvindex's: the engine's OpenAI base URL (where the request path routes)
 
 
 class UnregisterBody(Body, frozen=True):
@@ -374,6 +362,15 @@ def window_seconds(window: str | None) -> float | None:
     if seconds is not None and not 0 < seconds < 1e9:
         raise ApiError("window must be a positive number of seconds", field="window", reason="bad_field")
     return seconds
+
+
+def limit_count(limit: str | None, default: int = 100, most: int = 10_000) -> int:
+    """``GET /v1/decisions?limit=``: how many, from 1 to ``most`` (default ``default``)."""
+    if limit is None:
+        return default
+    if not limit.isdigit() or not 1 <= int(limit) <= most:
+        raise ApiError(f"limit must be an integer from 1 to {most}", field="limit", reason="bad_field")
+    return int(limit)
 
 
 # -- writing -----------------------------------------------------------------------------------
