@@ -32,7 +32,7 @@ import functools
 import inspect
 import operator
 import typing
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jinja2

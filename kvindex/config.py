@@ -15,14 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from kvindex.events import MAX_BLOCK_SIZE, MAX_DP_RANK
 from kvindex.lora import checked_adapters
 from kvindex.settings import (
     FSYNC_POLICIES,
+    ROUTE_MODES,
+    SCORERS,
     ApproxConfig,
     ApproxSettings,
     DriftSettings,
+    RouteSettings,
     TierWeights,
 )
 from kvindex.storeurl import MEMORY, check_store_url, describe, is_memory
@@ -64,6 +68,17 @@ def check_zmq_endpoint(endpoint: str, what: str) -> None:
             raise ConfigError(f"{what} {endpoint!r}: this libzmq {zmq.zmq_version()} was built without {scheme}://")
 
 
+def check_engine_url(url: str) -> None:
+    """An engine's OpenAI base URL: ``http(s)://host[:port]`` (a path after it is kept)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise ConfigError(f"engine url {url!r} is not the engine's base URL like http://10.0.0.5:8000")
+
+
 def check_block_size(value: int | None, what: str) -> None:
     if value is not None and not 1 <= value <= MAX_BLOCK_SIZE:
         raise ConfigError(f"{what} must be an integer from 1 to {MAX_BLOCK_SIZE}")
@@ -81,9 +96,12 @@ class EngineConfig:
     dialect: str = "vllm"
     block_size: int | None = None
     dp_rank: int | None = None  # overrides the batch's rank (one publisher per rank)
+    url: str | None = None  # the engine's OpenAI base URL: where requests go, where /metrics is read
 
     def __post_init__(self) -> None:
         check_zmq_endpoint(self.endpoint, "engine endpoint")
+        if self.url is not None:
+            check_engine_url(self.url)
         if self.replay:
             check_zmq_endpoint(self.replay, "engine replay endpoint")
         if self.dialect not in DIALECT_NAMES:
@@ -180,6 +198,9 @@ class Config:
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD  # past it a pod's stores are refused (kvindex.ingest.capacity)
     engine_silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about ([server])
     dynamo_dump: bool = False  # keep what Dynamo's /dump needs, so its indexer can recover from kvindex
+    route: RouteSettings = field(default_factory=RouteSettings)  # [route]: the request path (kvindex.route)
+    ext_proc_port: int | None = None  # Envoy ext_proc (gRPC) port; None: no request path served
+    ext_proc_host: str | None = None  # None: ``host``
 
     def __post_init__(self) -> None:
         try:
@@ -219,6 +240,9 @@ class Config:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _check_tiers(self.tiers)
+        check_route(self.route)
+        if self.ext_proc_port is not None and (type(self.ext_proc_port) is not int or not 0 <= self.ext_proc_port < 65536):
+            raise ConfigError("ext_proc_port must be a port number from 0 to 65535")
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex or Dynamo indexer")
 
@@ -249,3 +273,28 @@ def _check_tiers(t: TierWeights) -> None:
         value = getattr(t, name)
         if type(value) not in (int, float) or not 0 <= value <= 1e6:
             raise ConfigError(f"[tiers] {name} must be a number from 0 to 1e6 (what a matched block on that tier is worth)")
+
+
+def check_route(r: RouteSettings) -> None:
+    for model, mode in [("", r.mode), *r.models.items()]:
+        if mode not in ROUTE_MODES:
+            where = f'[route.models."{model}"] mode' if model else "[route] mode"
+            raise ConfigError(f"{where} {mode!r}: expected one of {', '.join(ROUTE_MODES)}")
+    for name, weight in r.weights.items():
+        if name not in SCORERS:
+            raise ConfigError(f"[route.scorers] {name!r} is not a scorer: expected one of {', '.join(SCORERS)}")
+        if type(weight) not in (int, float) or not 0 <= weight <= 1e6:
+            raise ConfigError(f"[route.scorers] {name} must be a weight from 0 to 1e6")
+    if r.prefix_index not in ("precise", "approx"):
+        raise ConfigError("[route] prefix_index must be \"precise\" or \"approx\"")
+    for name in ("gpu_weight", "cpu_weight", "disk_weight", "match_length_weight"):
+        if type(getattr(r, name)) not in (int, float) or not 0 <= getattr(r, name) <= 1:
+            raise ConfigError(f"[route] {name} must be a number from 0 to 1")
+    for name in ("scrape_seconds", "staleness_seconds", "pending_seconds"):
+        if type(getattr(r, name)) not in (int, float) or not 0.001 <= getattr(r, name) <= 86400:
+            raise ConfigError(f"[route] {name} must be a number of seconds from 0.001 to 86400")
+    for name in ("max_body_bytes", "max_pending", "match_length_scale_tokens"):
+        if type(getattr(r, name)) is not int or getattr(r, name) < 1:
+            raise ConfigError(f"[route] {name} must be a positive integer")
+    if r.seed is not None and type(r.seed) is not int:
+        raise ConfigError("[route] seed must be an integer")

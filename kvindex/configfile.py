@@ -8,7 +8,7 @@ Invariants:
 - Engine spec syntax on the command line: ``--engine ENDPOINT`` or
   ``--engine key=value,key=value`` with the keys of an ``[[engines]]`` TOML table
   (``endpoint`` required; ``pod``, ``model``, ``replay``, ``bind``, ``dialect``, ``block_size``,
-  ``dp_rank``).
+  ``dp_rank``, ``url``).
 - The values themselves are checked where they are built (``kvindex.config``), once.
 - Vocabulary: imports only the standard library, msgspec and other vocabulary modules.
 """
@@ -25,7 +25,7 @@ from msgspec import UNSET, UnsetType
 
 from kvindex import strict
 from kvindex.config import Config, ConfigError, EngineConfig, ModelConfig
-from kvindex.settings import ApproxConfig, DriftSettings, TierWeights
+from kvindex.settings import ApproxConfig, DriftSettings, RouteSettings, TierWeights
 
 
 class _Table(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -49,6 +49,39 @@ class ServerTable(_Table, frozen=True):
     max_blocks_per_pod: int | UnsetType = UNSET
     engine_silent_seconds: float | UnsetType = UNSET
     dynamo_dump: bool | UnsetType = UNSET
+    ext_proc_port: int | UnsetType = UNSET
+    ext_proc_host: str | UnsetType = UNSET
+
+
+class RouteModelTable(_Table, frozen=True):
+    mode: str | UnsetType = UNSET
+
+
+class RouteTable(_Table, frozen=True):
+    """[route], [route.scorers] (llm-d's scorer names -> weights) and [route.models."<model>"]."""
+
+    mode: str | UnsetType = UNSET
+    prefix_index: str | UnsetType = UNSET
+    gpu_weight: float | UnsetType = UNSET
+    cpu_weight: float | UnsetType = UNSET
+    disk_weight: float | UnsetType = UNSET
+    match_length_weight: float | UnsetType = UNSET
+    match_length_scale_tokens: int | UnsetType = UNSET
+    scrape_seconds: float | UnsetType = UNSET
+    staleness_seconds: float | UnsetType = UNSET
+    max_body_bytes: int | UnsetType = UNSET
+    pending_seconds: float | UnsetType = UNSET
+    max_pending: int | UnsetType = UNSET
+    seed: int | UnsetType = UNSET
+    scorers: dict[str, float] | UnsetType = UNSET
+    models: dict[str, RouteModelTable] = {}
+
+    def settings(self) -> RouteSettings:
+        given = self.given()
+        models = {m: t.mode for m, t in given.pop("models", {}).items() if t.mode is not UNSET}
+        if "scorers" in given:
+            given["weights"] = given.pop("scorers")
+        return RouteSettings(**given, models=models)
 
 
 class StateTable(_Table, frozen=True):
@@ -83,6 +116,7 @@ class ConfigFile(_Table, frozen=True):
     drift: DriftSettings = msgspec.field(default_factory=DriftSettings)
     tiers: TierWeights = msgspec.field(default_factory=TierWeights)
     state: StateTable = StateTable()
+    route: RouteTable = RouteTable()
 
 
 def unique_endpoints(engines: tuple[EngineConfig, ...]) -> tuple[EngineConfig, ...]:
@@ -149,7 +183,7 @@ def config_from_toml(doc: dict[str, Any], source: str | None = None) -> Config:
             state_dir = state.pop("dir")
             state["state_dir"] = Path(state_dir) if state_dir else None
         return Config(**f.server.given(), **state, engines=unique_endpoints(tuple(f.engines)), models=f.models,
-                      approx=approx, drift=_checked_drift(f.drift), tiers=f.tiers)
+                      approx=approx, drift=_checked_drift(f.drift), tiers=f.tiers, route=f.route.settings())
     except (ConfigError, strict.Refused) as exc:
         raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
 

@@ -52,8 +52,8 @@ from adapters.hf_tokenizer import HFTokenizer
 from adapters.llmd_sim import SimTokenizer
 from kvindex import native
 from kvindex.config import Config, EngineConfig
-from kvindex.decisions import Decisions
-from kvindex.drift import DriftAudit
+from kvindex.query.decisions import Decisions
+from kvindex.query.drift import DriftAudit
 from kvindex.http import dynamo
 from kvindex.http import native as native_api
 from kvindex.http.app import Services, make_app
@@ -72,8 +72,8 @@ from kvindex.logs import BurstLog
 from kvindex.lora import LoraAdapters, checked_adapters
 from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
-from kvindex.pods import PodDirectory, pod_census
-from kvindex.query import QueryService
+from kvindex.pods import Gauge, PodDirectory, pod_census, state_gauges
+from kvindex.query.service import QueryService
 from kvindex.registrations import EngineRegistry, Registrations
 from kvindex.shard.channel import Metrics as WorkerMetrics
 from kvindex.shard.channel import WorkerSettings
@@ -87,12 +87,12 @@ from kvindex.shard.supervisor import (
 )
 from kvindex.storeurl import describe, is_memory
 from kvindex.tokenize import CachingTokenizer, Tokenizer
-from kvindex.types import TIERS
 from kvindex.views import FleetView, PodsView
 
 log = logging.getLogger("kvindex.daemon")
 SHARED_GAUGES_SECONDS = 10.0  # the pod gauges of a shared store are read at most this often
 WORKER_EXIT_GRACE = 5.0  # seconds between a worker's death and the daemon's exit (readyz says why)
+ROUTE_GRACE = 5.0  # seconds ext_proc streams in flight get to finish at stop
 
 
 class Daemon:
@@ -149,6 +149,7 @@ class Daemon:
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
                                  before_metrics=self._refresh_gauges, store_problem=self._store_problem,
                                  loading=lambda: self.loading)
+        self.route = None if config.ext_proc_port is None else self._wire_route(config)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, [*native_api.routes(), *dynamo.routes()])
         self.recovery = Recovery(config, index=self.index or new_precise_index(),
@@ -163,6 +164,7 @@ class Daemon:
         self._snapshot_task: asyncio.Task[None] | None = None
         self._fsync_task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.ext_proc_port: int | None = None
 
     def _wire_stores(self, config: Config) -> bool:
         """The stores of ``config.store`` (not opened yet), guarded unless in memory; True for memory."""
@@ -178,6 +180,19 @@ class Daemon:
         self.store = self.stores.precise if memory else Guarded(self.stores.precise, self.guard)
         self.approx_store = self.stores.approx if memory else Guarded(self.stores.approx, self.guard)
         return memory
+
+    def _wire_route(self, config: Config) -> Any:
+        """The request path (``kvindex.route``): Envoy's ext_proc port, built only when asked for."""
+        from kvindex.route.build import build_route
+
+        return build_route(config, self.fleet, self.pods, self.services.decisions, self.lora.base_of, self.registry,
+                           self._client, ready=lambda: self.loading is None and self._runner is not None)
+
+    def _client(self) -> aiohttp.ClientSession:
+        """The one HTTP client session (engines' /tokenize, /metrics), made on first use."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
 
     def _wire_shards(self, config: Config) -> Shards | None:
         """With ``workers`` >= 2: the worker processes (not started yet) and the store over them."""
@@ -266,39 +281,14 @@ class Daemon:
             if mc.tokenizer == "llmd-sim":
                 inner = SimTokenizer()
             elif mc.tokenizer in ("engine", "render") and mc.tokenize_url:
-                if self._session is None:
-                    self._session = aiohttp.ClientSession()
-                inner = (EngineTokenizer if mc.tokenizer == "engine" else RenderTokenizer)(mc.tokenize_url, self._session)
-            self._tokenizers[model] = CachingTokenizer(inner) if inner is not None else None
+                inner = (EngineTokenizer if mc.tokenizer == "engine" else RenderTokenizer)(mc.tokenize_url, self._client())
+            cheap = isinstance(inner, SimTokenizer)  # tokenizing costs less than the cache key (C)
+            self._tokenizers[model] = inner if cheap else CachingTokenizer(inner) if inner is not None else None
         return self._tokenizers[model]
 
-    def _state_gauges(self) -> Iterable[tuple[str, str, list[str], list[tuple[list[str], float]]]]:
-        """Per-pod gauges: a pod no engine, registration or (up to a few) decision made known is
-        summed under "other" (``Metrics.pods``), so what requests name cannot grow /metrics."""
+    def _state_gauges(self) -> Iterable[Gauge]:
         views, approx_entries = self._gauges
-        fold = self.metrics.pods.fold
-        for v in views:  # an engine's pods (a stream, or blocks in the precise index, e.g. restored ones)
-            if v.get("endpoint") or any(v["blocks"].values()):
-                self.metrics.pods.admit(v["pod"])
-        yield ("kvindex_blocks_held", "Block copies held per pod and tier (precise index)", ["pod", "tier"],
-               fold(([v["pod"], t], v["blocks"][t]) for v in views for t in TIERS))
-        yield ("kvindex_orphan_blocks_held", "Keyless (orphan) engine hashes held per pod", ["pod"],
-               fold(([v["pod"]], v["blocks"]["orphans"]) for v in views))
-        yield ("kvindex_pod_synced", "1 when the pod's event stream is complete, 0 when unsynced", ["pod"],
-               fold(([v["pod"]], 1.0 if v.get("synced", True) else 0.0) for v in views))
-        yield ("kvindex_engine_connected", "1 when the engine's publisher is connected", ["pod"],
-               fold(([v["pod"]], 1.0 if v.get("connected") else 0.0) for v in views if v.get("endpoint")))
-        drift = self.drift.pods
-        yield ("kvindex_drift_stale", "Sampled decisions whose prefix the router believes but the engine evicted",
-               ["pod"], fold(([p], d.stale) for p, d in drift.items()))
-        yield ("kvindex_drift_unseen", "Sampled requests whose prefix the pod holds but the router never recorded there",
-               ["pod"], fold(([p], d.unseen) for p, d in drift.items()))
-        yield ("kvindex_drift_sampled", "Decisions in the drift sample", ["pod"],
-               fold(([p], d.sampled) for p, d in drift.items()))
-        yield ("kvindex_wal_degraded", "1 while a change is missing from the write-ahead log (a failed append) "
-               "and no snapshot covers it yet", [], [([], 1.0 if self.wal_degraded else 0.0)])
-        yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",
-               [], [([], float(approx_entries))])
+        return state_gauges(views, approx_entries, self.metrics, self.drift, self.wal_degraded)
 
     async def start(self) -> None:
         self.recovery.lock()  # a second daemon on the state dir stops here (exit 2), before anything else
@@ -326,6 +316,11 @@ class Daemon:
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
         self.loading = None
+        if self.route is not None:
+            self.ext_proc_port = await self.route.start(self.config.ext_proc_host or self.config.host,
+                                                        self.config.ext_proc_port)
+            log.info("request path: Envoy ext_proc (gRPC) on %s:%d", self.config.ext_proc_host or self.config.host,
+                     self.ext_proc_port)
         if self.index is not None and (why := core_missing()):
             log.warning("%s", why)
         log.info("kvindex listening on http://%s:%d with %d engine(s), at most %d connections; event loop %s; %s",
@@ -353,6 +348,9 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.lora_pollers.stop()
+        route, self.route = self.route, None
+        if route is not None:  # streams in flight finish first (GOAWAY), then its tasks stop
+            await route.stop(ROUTE_GRACE)
         if self.recovery.wal is not None:  # while the lanes still hold their streams' watermarks
             await self.recovery.try_snapshot("final")  # (no log before the state was whole: no snapshot)
         try:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from kvindex.drift import DriftAudit
+from kvindex.metrics import Metrics
+from kvindex.query.drift import DriftAudit
 from kvindex.index.protocol import ApproxStore, PreciseStore
 from kvindex.sequence import Position
+from kvindex.types import TIERS
 from kvindex.views import FleetView, LaneView, StreamView
 
 
@@ -94,7 +96,7 @@ class PodDirectory:
 
 
 def pod_census(fleet: FleetView, store: PreciseStore, approx: ApproxStore) -> Callable[[set[str]], Awaitable[tuple[set[str], int]]]:
-    """The decisions' census (``kvindex.decisions.Census``): of ``pods``, those no engine lane or
+    """The decisions' census (``kvindex.query.decisions.Census``): of ``pods``, those no engine lane or
     stream and neither index knows; and how many pods only the approximate index knows (pods known
     only from decisions). Engines' pods cost no store call."""
     async def census(pods: set[str]) -> tuple[set[str], int]:
@@ -125,3 +127,35 @@ def _sync_state(st: StreamView, pos: Position | None) -> tuple[bool, str | None]
     if pos is None:
         return st.synced, st.unsynced_reason  # nothing stored yet: what this replica saw
     return pos.synced, pos.reason
+
+
+Gauge = tuple[str, str, list[str], list[tuple[list[str], float]]]  # name, help, labels, samples
+
+
+def state_gauges(views: list[dict[str, Any]], approx_entries: int, metrics: Metrics, drift_audit: DriftAudit,
+                 wal_degraded: bool) -> Iterable[Gauge]:
+    """Per-pod gauges: a pod no engine, registration or (up to a few) decision made known is
+    summed under "other" (``Metrics.pods``), so what requests name cannot grow /metrics."""
+    fold = metrics.pods.fold
+    for v in views:  # an engine's pods (a stream, or blocks in the precise index, e.g. restored ones)
+        if v.get("endpoint") or any(v["blocks"].values()):
+            metrics.pods.admit(v["pod"])
+    yield ("kvindex_blocks_held", "Block copies held per pod and tier (precise index)", ["pod", "tier"],
+           fold(([v["pod"], t], v["blocks"][t]) for v in views for t in TIERS))
+    yield ("kvindex_orphan_blocks_held", "Keyless (orphan) engine hashes held per pod", ["pod"],
+           fold(([v["pod"]], v["blocks"]["orphans"]) for v in views))
+    yield ("kvindex_pod_synced", "1 when the pod's event stream is complete, 0 when unsynced", ["pod"],
+           fold(([v["pod"]], 1.0 if v.get("synced", True) else 0.0) for v in views))
+    yield ("kvindex_engine_connected", "1 when the engine's publisher is connected", ["pod"],
+           fold(([v["pod"]], 1.0 if v.get("connected") else 0.0) for v in views if v.get("endpoint")))
+    drift = drift_audit.pods
+    yield ("kvindex_drift_stale", "Sampled decisions whose prefix the router believes but the engine evicted",
+           ["pod"], fold(([p], d.stale) for p, d in drift.items()))
+    yield ("kvindex_drift_unseen", "Sampled requests whose prefix the pod holds but the router never recorded there",
+           ["pod"], fold(([p], d.unseen) for p, d in drift.items()))
+    yield ("kvindex_drift_sampled", "Decisions in the drift sample", ["pod"],
+           fold(([p], d.sampled) for p, d in drift.items()))
+    yield ("kvindex_wal_degraded", "1 while a change is missing from the write-ahead log (a failed append) "
+           "and no snapshot covers it yet", [], [([], 1.0 if wal_degraded else 0.0)])
+    yield ("kvindex_approx_entries", "Approximate index entries, summed over pods (Kthena's prefix_cache_entries)",
+           [], [([], float(approx_entries))])

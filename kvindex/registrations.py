@@ -21,7 +21,7 @@ from typing import Any
 
 from kvindex import dynamo_dump
 from kvindex import keys as K
-from kvindex.answers import QueryError
+from kvindex.query.answers import QueryError
 from kvindex.config import ConfigError, EngineConfig
 from kvindex.index.protocol import PreciseStore
 from kvindex.views import FleetView, PodsView
@@ -45,7 +45,7 @@ class Registration:
     def to_json(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, "model": self.model, "group": self.group,
                 "block_size": self.block_size, "dp_rank": self.dp_rank, "endpoint": self.engine.endpoint,
-                "replay": self.engine.replay}
+                "replay": self.engine.replay, "url": self.engine.url}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Registration:
@@ -54,7 +54,8 @@ class Registration:
             iid, model, group = str(d["instance_id"]), str(d["model"]), str(d["group"])
             block_size, dp_rank = int(d["block_size"]), int(d["dp_rank"])
             engine = EngineConfig(endpoint=str(d["endpoint"]), pod=iid, model=model, block_size=block_size,
-                                  dp_rank=dp_rank, replay=d.get("replay") if isinstance(d.get("replay"), str) else None)
+                                  dp_rank=dp_rank, replay=d.get("replay") if isinstance(d.get("replay"), str) else None,
+                                  url=d.get("url") if isinstance(d.get("url"), str) else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"saved registration {d!r} is malformed: {exc}") from None
         return cls(iid, model, group, block_size, dp_rank, engine)
@@ -96,7 +97,7 @@ class EngineRegistry:
         self._store, self._fleet, self._pods = store, fleet, pods
 
     async def register(self, iid: str, model: str, group: str, block_size: int, dp_rank: int,
-                       endpoint: str, replay: str | None) -> Registration:
+                       endpoint: str, replay: str | None, url: str | None = None) -> Registration:
         regs = self.registrations
         if (iid, dp_rank) in regs.by_key:
             raise QueryError(f"instance {iid} dp_rank {dp_rank} is already registered", field="instance_id",
@@ -107,9 +108,9 @@ class EngineRegistry:
                              f"for {model}:{group}", field="block_size", status=409, reason="block_size_mismatch")
         try:
             engine = EngineConfig(endpoint=endpoint, pod=iid, model=model, block_size=block_size, dp_rank=dp_rank,
-                                  replay=replay)
+                                  replay=replay, url=url)
         except ConfigError as exc:
-            raise QueryError(str(exc), field="endpoint", reason="bad_field") from None
+            raise QueryError(str(exc), field="url" if "url" in str(exc) else "endpoint", reason="bad_field") from None
         reg = Registration(iid, model, group, block_size, dp_rank, engine)
         held = await self._store.set_block_size(model, block_size)  # set unless engines hold blocks of another
         if held != block_size:

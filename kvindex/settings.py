@@ -1,8 +1,8 @@
 """Settings value types of the stages above: the approximate index's, the drift audit's, the WAL's,
-the tier weights of ``/v1/score``.
+the tier weights of ``/v1/score``, the request path's (``RouteSettings``: modes, scorer weights, scraping).
 
 Vocabulary: imports nothing of kvindex, so ``kvindex.config`` (which builds them from the command
-line and the TOML file) and the stages that use them (``kvindex.index.approx``, ``kvindex.drift``,
+line and the TOML file) and the stages that use them (``kvindex.index.approx``, ``kvindex.query.drift``,
 ``kvindex.persist.wal``) all depend on this module and not on each other.
 
 Invariants:
@@ -129,7 +129,7 @@ def _model_settings(name: str, base: Mapping[str, Any], table: Any) -> ApproxSet
 
 @dataclass(frozen=True, slots=True)
 class DriftSettings:
-    """How the drift audit samples and re-checks decisions ([drift] in the TOML; kvindex.drift)."""
+    """How the drift audit samples and re-checks decisions ([drift] in the TOML; kvindex.query.drift)."""
 
     sample_size: int = 2048
     recheck_seconds: float = 5.0
@@ -148,3 +148,42 @@ class TierWeights:
     device_weight: float = 1.0
     host_weight: float = 0.75
     disk_weight: float = 0.25
+
+
+PICK, OBSERVE = "pick", "observe"
+ROUTE_MODES = (PICK, OBSERVE)
+PREFIX_SCORER, KV_SCORER, QUEUE_SCORER, NO_HIT_LRU_SCORER = (
+    "prefix-cache-scorer", "kv-cache-utilization-scorer", "queue-scorer", "no-hit-lru-scorer")
+SCORERS = (PREFIX_SCORER, KV_SCORER, QUEUE_SCORER, NO_HIT_LRU_SCORER)
+PRECISE_PROFILE = MappingProxyType({PREFIX_SCORER: 2.0, KV_SCORER: 1.0, QUEUE_SCORER: 1.0})
+"""llm-d's precise-prefix-cache profile (deploy/config/epp-precise-prefix-cache-config.yaml)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSettings:
+    """The request path ([route] in the TOML; ``kvindex.route``): whether kvindex picks engines or
+    only watches a gateway pick them, per model; the scorers' weights by llm-d's names; the
+    engines' load scraping. Checked by ``kvindex.config``."""
+
+    mode: str = PICK  # pick | observe, for models without their own
+    models: Mapping[str, str] = field(default_factory=dict)  # model -> mode
+    weights: Mapping[str, float] = field(default_factory=lambda: dict(PRECISE_PROFILE))  # scorer name -> weight
+    prefix_index: str = "precise"  # what feeds prefix-cache-scorer: precise | approx
+    gpu_weight: float = 1.0  # a matched block per tier, as llm-d's precise producer weighs it
+    cpu_weight: float = 0.8
+    disk_weight: float = 0.0
+    match_length_weight: float = 0.0  # prefix-cache-scorer's matchLengthWeight / matchLengthScaleTokens
+    match_length_scale_tokens: int = 8192
+    scrape_seconds: float = 0.05  # each engine's /metrics, this often (llm-d's --refresh-metrics-interval)
+    staleness_seconds: float = 2.0  # load older than this is neutral and flagged (--metrics-staleness-threshold)
+    max_body_bytes: int = 32 << 20  # request body the picker holds; past it: 413 (pick) or not predicted (observe)
+    pending_seconds: float = 600.0  # a request unanswered this long is forgotten (counted)
+    max_pending: int = 65536  # requests in flight at once that kvindex tracks
+    seed: int | None = None  # the tie-break's random seed (None: from the OS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+
+    def mode_of(self, model: str) -> str:
+        return self.models.get(model, self.mode)

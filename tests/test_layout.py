@@ -41,10 +41,11 @@ LAYERS: dict[int, tuple[str, ...]] = {
     2: ("kvindex.approx",),  # request -> prompt string -> hashes
     3: ("kvindex.index",),  # the index contracts and backends
     4: ("kvindex.ingest",),  # transport, lanes, fleet
-    5: ("kvindex.answers", "kvindex.query", "kvindex.drift", "kvindex.decisions", "kvindex.pods",
+    5: ("kvindex.query", "kvindex.pods",
         "kvindex.registrations", "kvindex.dynamo_dump"),
     6: ("kvindex.persist",),
-    7: ("kvindex.http", "kvindex.http.fields", "kvindex.http.mooncake"),  # (mooncake: the RFC's other dialect)
+    7: ("kvindex.http", "kvindex.http.fields", "kvindex.http.mooncake",  # (mooncake: the RFC's other dialect)
+        "kvindex.route"),  # the two front doors: HTTP, and the request path (Envoy ext_proc over gRPC)
     8: ("kvindex.shard",),
     9: ("kvindex.daemon", "kvindex.cli", "kvindex.__main__"),  # the composition root, the CLI
     10: ("kvindex.tools",),  # demo, simulator, workload, recorder: may use anything, used by no core module

