@@ -43,10 +43,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import RESULTS, latency_summary, machine  # noqa: E402
 from kvindex.route.envoy import ENGINES_CLUSTER, EnvoyPlan, envoy_config  # noqa: E402
 from kvindex.route.gateway import Envoy, find_envoy  # noqa: E402
+from kvindex.tools.replay_gateway import prompt_of, whatif_table  # noqa: E402
+from kvindex.tools.replay_routing import read_trace  # noqa: E402
 
 MODEL = "bench-model"
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-WORDS_PER_HASH = 32
+TRACE = ROOT / "fixtures" / "traces" / "mooncake_conversation_trace.jsonl.gz"
 
 
 def free_port() -> int:
@@ -137,15 +138,9 @@ def chat_bodies(n: int, rng: random.Random) -> list[bytes]:
 
 
 def trace_bodies(limit: int) -> list[bytes]:
-    out = []
-    with open(TRACE) as f:
-        for line in f:
-            if len(out) >= limit:
-                break
-            ids = json.loads(line)["hash_ids"]
-            prompt = " ".join(f"h{h}w{j}" for h in ids for j in range(WORDS_PER_HASH))
-            out.append(json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode())
-    return out
+    """The trace's first requests as completions whose text blocks follow their hash_ids."""
+    return [json.dumps({"model": MODEL, "prompt": prompt_of(req), "max_tokens": 1}).encode()
+            for req in read_trace(TRACE, limit)]
 
 
 def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> int:
@@ -245,6 +240,7 @@ async def hit_rates(envoy: str, args: argparse.Namespace, tmp: Path) -> dict[str
             prompt, cached = engine_totals(engines)
             text = get(kv, "/metrics")[1].decode()
             source = "observe" if mode == "observe" else "pick"
+            out[f"whatif_{mode}"] = get(kv, "/v1/whatif?window=86400")[1]
             out["round_robin" if mode == "observe" else "pick"] = {
                 "hit_rate": cached / prompt, "prompt_tokens": prompt, "cached_tokens": cached, "seconds": seconds,
                 "recorded": _metric(text, "kvindex_route_requests_total", f'outcome="recorded",source="{source}"'),
@@ -262,17 +258,15 @@ async def hit_rates(envoy: str, args: argparse.Namespace, tmp: Path) -> dict[str
     return out
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
-    envoy = find_envoy(None)
-    version = subprocess.run([envoy, "--version"], capture_output=True, text=True).stdout.strip().split()[-1]
-    tmp = Path(tempfile.mkdtemp(prefix="kvindex-bench-gw-"))
+async def latency(envoy: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Sequential and concurrent latency of every setup, against two engines and one kvindex."""
     eng_proc, engines = start_engines(2, args.cache_blocks)
     kv_proc, kv, ext = start_kvindex(engines, tmp, "latency")
     shapes = {"rr": ("rr", "buffered"), "pick": ("pick", "buffered"), "pick_full_duplex": ("pick", "full-duplex"),
               "observe": ("observe", "buffered")}
     ports = {name: free_port() for name in shapes}
     envoys = [Envoy(envoy, shape(mode, ports[name], ext, engines, body)) for name, (mode, body) in shapes.items()]
-    result: dict[str, Any] = {"machine": machine(), "envoy": version, "args": vars(args)}
+    result: dict[str, Any] = {}
     try:
         for e in envoys:
             await e.start()
@@ -287,6 +281,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await e.stop()
         kv_proc.stop()
         eng_proc.stop()
+    return result
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    envoy = find_envoy(None)
+    version = subprocess.run([envoy, "--version"], capture_output=True, text=True).stdout.strip().split()[-1]
+    tmp = Path(tempfile.mkdtemp(prefix="kvindex-bench-gw-"))
+    result: dict[str, Any] = {"machine": machine(), "envoy": version, "args": vars(args)}
+    if not args.skip_latency:
+        result.update(await latency(envoy, args, tmp))
     if args.trace_requests:
         result["hit_rate"] = await hit_rates(envoy, args, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -309,6 +313,14 @@ def _mean_metric(text: str, name: str, label: str) -> float | None:
 
 
 def report(r: dict[str, Any]) -> None:
+    if "sequential" in r:
+        report_latency(r)
+    h = r.get("hit_rate")
+    if h:
+        report_hit_rate(h)
+
+
+def report_latency(r: dict[str, Any]) -> None:
     print(f"Envoy {r['envoy']}, body {r['body_bytes']} bytes (8k tokens), sequential, one connection:")
     print(f"  {'setup':<18} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}")
     for name, s in r["sequential"].items():
@@ -327,17 +339,19 @@ def report(r: dict[str, Any]) -> None:
                 print(f"  {name:<18} p50 {s.get('p50_ms', float('nan')):7.3f} ms  p99 {s.get('p99_ms', float('nan')):7.3f} ms  "
                       f"+p50 {s['added_p50_ms']:7.3f} ms  +p99 {s['added_p99_ms']:7.3f} ms  {s['requests']} requests "
                       f"({s['throughput_vs_rr']:.2f}x rr), {s['errors']} errors")
-    h = r.get("hit_rate")
-    if h:
-        rr, pk = h["round_robin"], h["pick"]
-        print(f"Mooncake trace, {h['requests']} requests, {h['engines']} engines of {h['cache_blocks']} blocks:")
-        print(f"  realized hit rate: round-robin {rr['hit_rate']:.3f}, kvindex pick {pk['hit_rate']:.3f} "
-              f"({h['pick_over_round_robin']:.2f}x)")
-        print(f"  the observer behind round-robin recorded {rr['recorded']:.0f}/{h['requests']} requests, cached tokens "
-              f"{rr['recorded_cached_tokens']:.0f} (the engines counted {rr['cached_tokens']:.0f}), prompt tokens "
-              f"{rr['recorded_prompt_tokens']:.0f} ({rr['prompt_tokens']:.0f})")
-        print(f"  the picker recorded {pk['recorded']:.0f}/{h['requests']}, cached tokens {pk['recorded_cached_tokens']:.0f} "
-              f"(engines {pk['cached_tokens']:.0f}); its precise prediction summed {pk['precise_predicted_tokens']:.0f}")
+
+
+def report_hit_rate(h: dict[str, Any]) -> None:
+    rr, pk = h["round_robin"], h["pick"]
+    print(f"Mooncake trace, {h['requests']} requests, {h['engines']} engines of {h['cache_blocks']} blocks:")
+    print(f"  realized hit rate: round-robin {rr['hit_rate']:.3f}, kvindex pick {pk['hit_rate']:.3f} "
+          f"({h['pick_over_round_robin']:.2f}x)")
+    print(f"  the observer behind round-robin recorded {rr['recorded']:.0f}/{h['requests']} requests, cached tokens "
+          f"{rr['recorded_cached_tokens']:.0f} (the engines counted {rr['cached_tokens']:.0f}), prompt tokens "
+          f"{rr['recorded_prompt_tokens']:.0f} ({rr['prompt_tokens']:.0f})")
+    print(f"  the picker recorded {pk['recorded']:.0f}/{h['requests']}, cached tokens {pk['recorded_cached_tokens']:.0f} "
+          f"(engines {pk['cached_tokens']:.0f}); its precise prediction summed {pk['precise_predicted_tokens']:.0f}")
+    print("behind round-robin, " + whatif_table(h["whatif_observe"]))
 
 
 if __name__ == "__main__":
@@ -350,6 +364,7 @@ if __name__ == "__main__":
     p.add_argument("--trace-requests", type=int, default=3000, help="Mooncake requests replayed (default 3000; 0: none)")
     p.add_argument("--trace-engines", type=int, default=8)
     p.add_argument("--cache-blocks", type=int, default=4096, help="KV blocks (16 tokens) per engine (default 4096)")
+    p.add_argument("--skip-latency", action="store_true", help="only the hit rates on the trace")
     p.add_argument("--smoke", action="store_true", help="a small run (CI): 30 requests, 2 s of wrk, 200 trace requests")
     p.add_argument("--out", type=Path, default=RESULTS / "gateway.json")
     a = p.parse_args()

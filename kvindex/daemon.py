@@ -74,6 +74,7 @@ from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
 from kvindex.pods import Gauge, PodDirectory, pod_census, state_gauges
 from kvindex.query.service import QueryService
+from kvindex.route.shadows import Shadows
 from kvindex.registrations import EngineRegistry, Registrations
 from kvindex.shard.channel import Metrics as WorkerMetrics
 from kvindex.shard.channel import WorkerSettings
@@ -118,8 +119,8 @@ class Daemon:
         self._fatal = asyncio.Event()
         self.wal_errors = Counter("kvindex_wal_errors", "Write-ahead log failures (append, open, truncate, fsync, "
                                   "close); kvindex keeps serving", ["op"], registry=self.registry)
-        self.snapshot_errors = Counter("kvindex_snapshot_errors", "Snapshot writes that failed (disk full, EIO); "
-                                       "kvindex keeps serving and retries at the next snapshot", registry=self.registry)
+        self.snapshot_errors = Counter("kvindex_snapshot_errors", "Snapshot writes that failed (disk full, EIO); kvindex "
+                                       "keeps serving and retries at the next snapshot", registry=self.registry)
         self.loading: str | None = None  # while start() restores the state: HTTP answers 503 with this
         self._burst = BurstLog(logging.getLogger("kvindex.ingest.lane"))
         self.fleet: FleetView = (
@@ -140,10 +141,12 @@ class Daemon:
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
                                   behind=self._behind, adapters=self.lora)
         self.registrations = Registrations()
+        self.shadows = Shadows.create(self.registry)  # what-if: every decision beside each policy's pick
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
                                  pods=self.pods, decisions=Decisions(self.query, self.drift, self.metrics,
                                                      pod_census(self.fleet, self.store, self.approx_store),
-                                                     tier_weights=config.tiers),
+                                                     tier_weights=config.tiers, shadow=self.shadows.hook(self.query)),
+                                 whatif=self.shadows.whatif,
                                  drift=self.drift, token=token,
                                  engines=EngineRegistry(self.registrations, self.store, self.fleet, self.pods),
                                  state=(lambda: self.recovery.state_bytes()) if memory and not self.shards else None,
@@ -186,12 +189,11 @@ class Daemon:
         from kvindex.route.build import build_route
 
         return build_route(config, self.fleet, self.pods, self.services.decisions, self.lora.base_of, self.registry,
-                           self._client, ready=lambda: self.loading is None and self._runner is not None)
+                           self._client, lambda: self.loading is None and self._runner is not None, self.shadows)
 
     def _client(self) -> aiohttp.ClientSession:
         """The one HTTP client session (engines' /tokenize, /metrics), made on first use."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
+        self._session = self._session or aiohttp.ClientSession()
         return self._session
 
     def _wire_shards(self, config: Config) -> Shards | None:

@@ -26,7 +26,7 @@ OPEN_ROUTES = {("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/health"), ("GE
 WRITE_ROUTES = {("DELETE", "/v1/pods/{pod}"), ("POST", "/v1/pods/{pod}/resync"), ("POST", "/register"),
                 ("POST", "/unregister"), ("POST", "/v1/decisions"), ("GET", "/v1/state"), ("GET", "/dump")}
 READ_ROUTES = {("GET", "/metrics"), ("GET", "/v1/pods"), ("GET", "/v1/pods/{pod}"), ("POST", "/v1/score"),
-               ("POST", "/v1/approx/explain"), ("GET", "/v1/drift"), ("GET", "/v1/decisions"), ("GET", "/v1/drift/history"),
+               ("POST", "/v1/approx/explain"), ("GET", "/v1/drift"), ("GET", "/v1/decisions"), ("GET", "/v1/whatif"), ("GET", "/v1/drift/history"),
                ("GET", "/v1/drift/pods/{pod}"), ("GET", "/workers"), ("POST", "/query"), ("POST", "/query_by_hash"),
                ("POST", "/query_tiered_by_hash"), ("GET", "/v1/models")}
 

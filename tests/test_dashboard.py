@@ -63,6 +63,7 @@ class Dom(HTMLParser):
         super().__init__()
         self.rows: dict[str, dict[str, str]] = {}
         self.prefixes: dict[str, dict[str, str]] = {}
+        self.policies: dict[str, dict[str, str]] = {}  # the what-if table's rows
         self.overall: dict[str, str] = {}
         self.fields: dict[str, str] = {}
         self.body: dict[str, str] = {}
@@ -87,6 +88,8 @@ class Dom(HTMLParser):
             self._row = self.rows.setdefault(a["data-pod"], {})
         elif tag == "tr" and "data-prefix" in a:
             self._row = self.prefixes.setdefault(a["data-prefix"], {})
+        elif tag == "tr" and "data-policy" in a:
+            self._row = self.policies.setdefault(a["data-policy"], {})
         elif tag == "th":
             self._in_th = True
             self.headers.append("")
@@ -160,6 +163,10 @@ async def feed(h: Any, engine: Any) -> tuple[dict[str, int], int]:
             continue
         for pod, seq in last.items():  # what the engines sent before the request, applied before its decision
             await h.wait_seq(pod, seq)
+        # the router scores each request first (so every decision is shadowed: the what-if table)
+        status, _ = await h.post("/v1/score", {**request_body(r), "token_ids": r["prompt_token_ids"],
+                                               "pods": ["127.0.0.1:8000", "127.0.0.1:8001"]})
+        assert status == 200
         status, _ = await h.post("/v1/decisions", {"pod": f"127.0.0.1:800{r['i'] % 2}", "request": request_body(r),
                                                    "token_ids": r["prompt_token_ids"], "cached_tokens": r["cached_tokens"],
                                                    "prompt_tokens": r["prompt_tokens"]})
@@ -291,9 +298,16 @@ async def test_dashboard_shows_the_pods_and_the_api_figures(make_harness: Any, m
     _, history = await h.get("/v1/drift/history")
     assert len(history["points"]) == 2 and pods["pods"]
 
+    _, whatif = await h.get("/v1/whatif?window=300")
+    assert whatif["decisions"] > 0 and whatif["actual"]["decided_by"] == {"router": whatif["decisions"]}
+
     dom = Dom()
     dom.feed(await run_chromium(h.url + "/", "--dump-dom"))
     check_page(dom, pods, drift, history, last, posted)
+    assert set(dom.policies) == {"actual (realized)", *whatif["policies"]}
+    for policy, row in whatif["policies"].items():  # the what-if table shows the API's figures
+        assert int(dom.policies[policy]["decisions"]) == row["decisions"] == whatif["decisions"]
+        assert math.isclose(float(dom.policies[policy]["hit_rate"]), row["predicted_hit_rate"])
 
     pod = "127.0.0.1:8001"  # the pod the bypassed requests went to
     status, view = await h.get(f"/v1/drift/pods/{pod}")

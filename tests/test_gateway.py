@@ -137,6 +137,62 @@ async def test_pick_routes_a_prefix_to_its_holder_and_predicts_its_cached_tokens
     assert b.stats.requests == 0
 
 
+async def test_whatif_shadows_every_request_and_the_live_policy_agrees(make_gateway: Any) -> None:
+    """Every pick shadowed by every policy: the shadow of the policy the picker runs (llm-d's
+    precise profile, the default) always picks what it picked; GET /v1/whatif recounts what
+    GET /v1/decisions lists. Then behind Envoy's round-robin, the observer's decisions too."""
+    g = await make_gateway("pick")
+    a, _ = g.engines
+    await g.send(chat("warm up"), base=a.url)
+    for i in range(8):
+        await g.settle()
+        system = SYSTEM if i % 2 else f"tenant {i} " * 40  # shared prefixes and cold ones
+        status, _ = await g.send(chat(f"q{i}", system=system))
+        assert status == 200
+    await wait_for(lambda: g.h.daemon.shadows.whatif.added == 8, 5, "eight shadows")
+    status, w = await g.h.get("/v1/whatif")
+    assert status == 200 and w["decisions"] == 8 and w["actual"]["decided_by"] == {"precise": 8}, w
+    assert w["policies"]["precise"]["agreement"] == 1.0 and set(w["policies"]) == {
+        "precise", "approx", "kthena", "load", "dynamo", "round_robin"}
+    decisions = await g.decisions(8)
+    assert w["prompt_tokens"] == sum(d["prompt_tokens"] for d in decisions)
+    assert w["actual"]["predicted_tokens"] == sum(d["predicted"]["precise"] for d in decisions)
+    assert w["actual"]["realized_tokens"] == sum(d["realized_cached_tokens"] for d in decisions)
+    assert w["policies"]["precise"]["predicted_tokens"] == w["actual"]["predicted_tokens"]
+    assert w["regret"]["tokens"] >= 0
+    status, text = await g.h.get("/metrics")
+    assert 'kvindex_whatif_agreements_total{policy="precise"} 8.0' in text.decode()
+    o = await make_gateway("observe")
+    for i in range(4):
+        status, _ = await o.send(chat(f"watched {i}"))
+        assert status == 200
+    await wait_for(lambda: o.h.daemon.shadows.whatif.added == 4, 5, "four shadows")
+    w = (await o.h.get("/v1/whatif"))[1]
+    assert w["actual"]["decided_by"] == {"gateway": 4} and w["policies"]["round_robin"]["decisions"] == 4
+    assert w["actual"]["realized_tokens"] == sum(e.stats.cached_tokens for e in o.engines)
+
+
+async def test_replay_routing_through_the_gateway_reports_realized_and_whatif(make_gateway: Any, tmp_path: Any) -> None:
+    """``kvindex replay-routing --gateway``: the shared trace's first requests through Envoy's
+    round-robin with kvindex watching; the realized hit rate is the engines' own, and the run's
+    what-if is every one of those requests beside each policy's pick."""
+    from tests.test_replay_routing import TRACE
+
+    g = await make_gateway("observe")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvindex", "replay-routing", str(TRACE), "--limit", "30", "--gateway", g.url + "/v1",
+        "--model", MODEL, "--kvindex", g.h.url, "--out", str(tmp_path), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    doc = json.loads((tmp_path / "replay-routing-gateway.json").read_text())
+    run, whatif = doc["gateway"], doc["whatif"]
+    assert run["answered"] == 30 and run["errors"] == 0
+    assert run["cached_tokens"] == sum(e.stats.cached_tokens for e in g.engines) > 0
+    assert whatif["decisions"] == 30 and whatif["actual"]["realized_tokens"] == run["cached_tokens"]
+    assert "regret of the actual picks" in out.decode() and "round_robin" in out.decode()
+
+
 @BODIES
 async def test_pick_moves_cold_requests_by_load_and_skips_a_dead_engine(make_gateway: Any, body: str) -> None:
     g = await make_gateway("pick", body=body)

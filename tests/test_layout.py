@@ -47,7 +47,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     7: ("kvindex.http", "kvindex.http.fields", "kvindex.http.mooncake",  # (mooncake: the RFC's other dialect)
         "kvindex.route"),  # the two front doors: HTTP, and the request path (Envoy ext_proc over gRPC)
     8: ("kvindex.shard",),
-    9: ("kvindex.daemon", "kvindex.cli", "kvindex.__main__"),  # the composition root, the CLI
+    9: ("kvindex.daemon", "kvindex.cli", "kvindex.tool_args", "kvindex.__main__"),  # the composition root, the CLI
     10: ("kvindex.tools",),  # demo, simulator, workload, recorder: may use anything, used by no core module
 }
 VOCABULARY = 0

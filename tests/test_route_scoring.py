@@ -125,7 +125,7 @@ def test_usage_from_json_and_from_the_last_sse_chunk() -> None:
 def test_inflight_bounds_and_expiry() -> None:
     now = [0.0]
     dropped: list[str] = []
-    f: InFlight[str] = InFlight(3, 100, ttl=10, on_drop=dropped.append, clock=lambda: now[0])
+    f: InFlight[str] = InFlight(3, 100, ttl=10, on_drop=lambda why, value: dropped.append(why), clock=lambda: now[0])
     for i in range(4):
         assert f.add(f"k{i}", f"v{i}", 10)
     assert len(f) == 3 and "k0" not in f and dropped == ["evicted"]

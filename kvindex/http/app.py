@@ -39,6 +39,7 @@ from aiohttp import web
 from kvindex.query.answers import QueryError
 from kvindex.config import Config
 from kvindex.query.decisions import Decisions
+from kvindex.query.whatif import WhatIf
 from kvindex.query.drift import DriftAudit
 from kvindex.http.errors import ApiError
 from kvindex.http.server import read_body_within
@@ -81,6 +82,7 @@ class Services:
     before_metrics: Callable[[], Awaitable[None]] | None = None  # reads the store-backed gauges
     store_problem: Callable[[], str | None] | None = None  # why the store cannot serve, for /readyz
     loading: Callable[[], str | None] | None = None  # set while the saved state loads (start): 503s
+    whatif: WhatIf | None = None  # every decision shadowed by each routing policy (GET /v1/whatif)
 
 
 SERVICES = web.AppKey("services", Services)

@@ -188,6 +188,17 @@ async def latest_decisions(request: web.Request) -> web.Response:
     return json_response({"decisions": [e.to_json() for e in entries], "recorded": log.added})
 
 
+async def whatif(request: web.Request) -> web.Response:
+    """Every decision of the last ``window`` seconds beside what each routing policy would have
+    picked: agreement, predicted tokens (a ratio of sums), the actual decisions' realized tokens
+    and their regret (``kvindex.query.whatif``)."""
+    svc = services(request)
+    window = window_seconds(request.query.get("window"))
+    if svc.whatif is None:
+        return json_response({"decisions": 0, "policies": {}})
+    return json_response(svc.whatif.summary(window))
+
+
 async def explain(request: web.Request) -> web.Response:
     """What the router computes for a request: rendered prompt, block hashes, depth per pod."""
     q = services(request).query
@@ -249,6 +260,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/v1/models", models),
         web.post("/v1/decisions", decisions),
         web.get("/v1/decisions", latest_decisions),
+        web.get("/v1/whatif", whatif),
         web.post("/v1/approx/explain", explain),
         web.get("/v1/drift", drift),
         web.get("/v1/drift/history", drift_history),

@@ -22,6 +22,8 @@ Invariants:
   ``/v1/pods``, which lists every pod either index holds, cannot be flooded with made-up names.
 - The store unreachable (``StoreUnavailable``): the decision fails before it is recorded (the
   reads come first); in a batch, the decisions before it stay recorded.
+- What-if: a router's decision is handed to the ``shadow`` hook after its prediction and before it
+  is recorded (``kvindex.route.shadows``), so the shadows see the state the router's score saw.
 """
 
 from __future__ import annotations
@@ -122,10 +124,13 @@ class Predictor(Protocol):
     async def record_approx(self, pod: str, model: str, hashes: Sequence[int]) -> None: ...
 
 
+ShadowHook = Callable[[Prepared, Prediction, Outcome], Awaitable[None]]
+
+
 class Decisions:
     def __init__(self, query: Predictor, drift: DriftAudit, metrics: Metrics, census: Census | None = None,
                  max_pods: int = MAX_DECISION_PODS, tier_weights: TierWeights = TierWeights(),
-                 log: DecisionLog | None = None) -> None:
+                 log: DecisionLog | None = None, shadow: ShadowHook | None = None) -> None:
         self._query = query
         self._tier_weights = tier_weights  # [tiers]: the answer's tier_score, as /v1/score gives it
         self._drift = drift
@@ -133,6 +138,7 @@ class Decisions:
         self._census = census
         self._max_pods = max_pods
         self.log = log if log is not None else DecisionLog()
+        self._shadow = shadow  # what-if: a router's decision shadowed before it is recorded
 
     async def record(self, items: Sequence[DecisionIn]) -> list[dict[str, Any]]:
         """Decisions in order: all are validated before any is recorded, then each is predicted
@@ -143,7 +149,10 @@ class Decisions:
         out = []
         for item, prepared in ready:
             prediction = await self.predict(prepared, [item.pod], recall=True)
-            out.append(await self.commit(prepared, prediction, Outcome(item.pod, item.cached_tokens, item.prompt_tokens)))
+            outcome = Outcome(item.pod, item.cached_tokens, item.prompt_tokens)
+            if self._shadow is not None:
+                await self._shadow(prepared, prediction, outcome)
+            out.append(await self.commit(prepared, prediction, outcome))
         return out
 
     async def check_pods(self, pods: set[str]) -> None:

@@ -93,6 +93,15 @@ class ScoreMemory:
         then = entry[2].get(pod)
         return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, {pod: then} if then else {}, answer.root)
 
+    def recall_all(self, model: str, token_ids: Sequence[int], answer: PreciseAnswer
+                   ) -> tuple[PreciseAnswer, frozenset[str] | None] | None:
+        """``answer`` with every pod's match as the last score saw it, and the pods it asked
+        about (None: every pod), or None if no score did."""
+        entry = self._entries.get(self._key(model, answer.root, token_ids))
+        if entry is None or self._clock() - entry[0] > self._ttl:
+            return None
+        return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, dict(entry[2]), answer.root), entry[1]
+
 
 def _changing(model: str) -> QueryError:
     return QueryError(f"model {model!r}: its block size keeps changing (engines restarting with another): ask again",
@@ -231,6 +240,10 @@ class QueryService:
     def recall(self, model: str, token_ids: Sequence[int], pod: str, answer: PreciseAnswer) -> PreciseAnswer | None:
         """``answer`` with ``pod``'s match as the last ``/v1/score`` of this prompt saw it (or None)."""
         return self.scores.recall(model, token_ids, pod, answer)
+
+    def recall_all(self, model: str, token_ids: Sequence[int], answer: PreciseAnswer
+                   ) -> tuple[PreciseAnswer, frozenset[str] | None] | None:
+        return self.scores.recall_all(model, token_ids, answer)
 
     async def record_approx(self, pod: str, model: str, hashes: Sequence[int]) -> None:
         """Record a routing decision's hashes into the approximate index (as the router does)."""

@@ -20,7 +20,7 @@ from kvindex.views import FleetView, PodsView
 
 def build_route(config: Config, fleet: FleetView, pods: PodsView, decisions: Decisions, base_of: Callable[[str], Any],
                 registry: CollectorRegistry, session: Callable[[], aiohttp.ClientSession],
-                ready: Callable[[], bool]) -> Any:
+                ready: Callable[[], bool], shadows: Any = None) -> Any:
     try:
         from kvindex.route.server import RouteServer
     except ImportError as exc:
@@ -35,5 +35,5 @@ def build_route(config: Config, fleet: FleetView, pods: PodsView, decisions: Dec
     metrics = RouteMetrics(registry)
     scraper = LoadScraper(session, interval=r.scrape_seconds, staleness=r.staleness_seconds,
                           on_failure=lambda reason: metrics.errors.labels(f"scrape_{reason}").inc())
-    path = RequestPath(r, Directory(fleet, pods), scraper, decisions, metrics, bases=base_of)
+    path = RequestPath(r, Directory(fleet, pods), scraper, decisions, metrics, bases=base_of, shadows=shadows)
     return RouteServer(path, ready, on_error=lambda reason: metrics.errors.labels(reason).inc())

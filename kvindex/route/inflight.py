@@ -6,7 +6,7 @@ Invariants:
   the request path's own (``kvindex.route.path.Pending``), with the size its owner estimated.
 - Bounded three ways: at most ``max_entries`` entries and ``max_bytes`` bytes, the oldest going
   first when a new one needs room; and none older than ``ttl`` seconds (``expire``, on every
-  ``add``). Each one that leaves without being taken is counted by why (``on_drop``: ``expired``,
+  ``add``). Each one that leaves without being taken is handed to ``on_drop`` with why (``expired``,
   ``evicted``, ``too_large``: one alone over the budget is not kept).
 - ``take`` hands an entry over exactly once.
 """
@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 
 class InFlight(Generic[T]):
-    def __init__(self, max_entries: int, max_bytes: int, ttl: float, on_drop: Callable[[str], None] = lambda why: None,
+    def __init__(self, max_entries: int, max_bytes: int, ttl: float, on_drop: Callable[[str, T], None] = lambda why, value: None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_entries, self.max_bytes, self.ttl = max_entries, max_bytes, ttl
         self._on_drop, self._clock = on_drop, clock
@@ -39,7 +39,7 @@ class InFlight(Generic[T]):
         """Keep ``value``; False when it alone is over the byte budget (not kept, counted)."""
         self.expire()
         if size > self.max_bytes:
-            self._on_drop("too_large")
+            self._on_drop("too_large", value)
             return False
         while self._entries and (len(self._entries) >= self.max_entries or self.bytes + size > self.max_bytes):
             self._pop_oldest("evicted")
@@ -60,6 +60,6 @@ class InFlight(Generic[T]):
             self._pop_oldest("expired")
 
     def _pop_oldest(self, why: str) -> None:
-        _, (_, size, _) = self._entries.popitem(last=False)
+        _, (value, size, _) = self._entries.popitem(last=False)
         self.bytes -= size
-        self._on_drop(why)
+        self._on_drop(why, value)

@@ -32,13 +32,15 @@ from typing import Any
 
 from kvindex.approx.gojson import NestingTooDeep, RenderError, check_nesting, go_json_fast
 from kvindex.logs import BurstLog
-from kvindex.query.answers import PreciseAnswer, QueryError
+from kvindex.query.answers import QueryError
 from kvindex.query.decisions import Decisions, Outcome, Prediction, Prepared
 from kvindex.route.endpoints import Directory, Endpoint
 from kvindex.route.inflight import InFlight
 from kvindex.route.load import LoadScraper
 from kvindex.route.metrics import RouteMetrics
-from kvindex.route.scorers import Candidate, PrefixParams, best, combine, prefix_view, scores
+from kvindex.route.policies import profile_of
+from kvindex.route.scorers import Active, Candidate, PrefixParams, best, combine, prefix_view, scores
+from kvindex.route.shadows import Shadows, candidate
 from kvindex.route.usage import Usage
 from kvindex.route.verdicts import Refused, Routed
 from kvindex.settings import PICK, RouteSettings
@@ -59,6 +61,9 @@ class Pending:
     started: float  # monotonic
     picked: str | None = None  # the pod kvindex chose (pick)
     details: dict[str, Any] = field(default_factory=dict)
+    candidates: tuple[Candidate, ...] = ()  # as scored, for the shadows (kvindex.route.shadows)
+    seed: int = 0  # the tie-break's, shared with the shadows
+    active: tuple[int, int] = (0, 0)  # the (prefill, decode) blocks it adds to its picked pod until answered
 
 
 def pending_bytes(p: Pending) -> int:
@@ -67,7 +72,7 @@ def pending_bytes(p: Pending) -> int:
     precise, approx = p.prediction.precise, p.prediction.approx
     return (1200 + 4 * tokens + 36 * len(p.prepared.hashes or ()) + 64 * len(p.details) + len(p.prepared.model)
             + (8 * len(precise.keys) + 96 * len(precise.matches) if precise is not None else 0)
-            + (96 * len(approx.blocks) if approx is not None else 0))
+            + (96 * len(approx.blocks) if approx is not None else 0) + 160 * len(p.candidates))
 
 
 @dataclass(slots=True)
@@ -79,12 +84,16 @@ class _Scored:
 
 class RequestPath:
     def __init__(self, settings: RouteSettings, directory: Directory, scraper: LoadScraper, decisions: Decisions,
-                 metrics: RouteMetrics, bases: Any = None) -> None:
+                 metrics: RouteMetrics, bases: Any = None, shadows: Shadows | None = None) -> None:
         self.settings, self.directory, self.scraper, self.decisions, self.metrics = \
             settings, directory, scraper, decisions, metrics
         self._bases = bases  # model -> its LoRA base (kvindex.lora.LoraAdapters.base_of), if any
+        self.shadows = shadows
         self.inflight: InFlight[Pending] = InFlight(settings.max_pending, PENDING_BYTES, settings.pending_seconds,
-                                 on_drop=lambda why: metrics.outcomes.labels("none", why).inc())
+                                                    on_drop=self._dropped)
+        self._active: dict[str, list[int]] = {}  # pod -> [prefill, decode] blocks routed there, unanswered
+        self._tiers = (settings.gpu_weight, settings.cpu_weight, settings.disk_weight)
+        self.policy = profile_of(settings.weights, settings.prefix_index) or "configured"  # the live one
         self.rng = random.Random(settings.seed)
         self._recent: OrderedDict[str, None] = OrderedDict()  # pods by last pick, most recent last
         self._prefix = PrefixParams(settings.prefix_index, settings.match_length_weight,
@@ -122,10 +131,12 @@ class RequestPath:
         prediction = await self.decisions.predict(prepared, [e.pod for e in endpoints])
         scored = self._score(prepared, prediction, endpoints)
         picking = source == PICK and self.settings.mode_of(model) == PICK
-        pod = self._choose(scored) if picking else None
+        seed = self.rng.getrandbits(63)
+        pod = self._choose(scored, seed) if picking else None
         pending = Pending(secrets.token_hex(8), PICK if picking else "observe", prepared, prediction,
-                          time.monotonic(), pod, scored.details)
-        self.inflight.add(pending.id, pending, pending_bytes(pending))
+                          time.monotonic(), pod, scored.details, tuple(scored.candidates), seed)
+        if self.inflight.add(pending.id, pending, pending_bytes(pending)) and pod is not None:
+            self._hold(pending, pod)
         self.metrics.outcomes.labels(pending.source, "routed" if picking else "watched").inc()
         self.metrics.pick_seconds.labels(pending.source).observe(time.perf_counter() - t0)
         return Routed(pending.id, scored.endpoints[pod].address if pod else None, pod)
@@ -174,31 +185,41 @@ class RequestPath:
             load = self.scraper.load(e.url)
             if self.scraper.stale(e.url):
                 stale.append(e.pod)
-            cand = Candidate(e.pod, self._tiered(precise, e.pod) if e.synced else None,
-                             len(precise.keys) if precise is not None else 0,
-                             approx.blocks.get(e.pod, 0) if approx is not None else 0,
-                             len(approx.hashes) if approx is not None else 0,
-                             precise.block_size if precise is not None else 0, load)
+            active = self._active.get(e.pod)
+            cand = candidate(e.pod, precise, approx, e.synced, load, self._tiers,
+                             Active(*active) if active else Active())
             out.candidates.append(cand)
             from_[e.pod] = prefix_view(cand, self._prefix.index)[2]
         out.details.update(prefix_from=from_, load_stale=stale, candidates=len(endpoints))
         return out
 
-    def _tiered(self, precise: PreciseAnswer | None, pod: str) -> float | None:
-        """The pod's matched blocks weighed by tier (llm-d's precise producer), None without tokens."""
-        if precise is None:
-            return None
-        m = precise.matches.get(pod)
-        if m is None:
-            return 0.0
-        s = self.settings
-        return s.gpu_weight * m.gpu + s.cpu_weight * (m.cpu - m.gpu) + s.disk_weight * (m.disk - m.cpu)
+    def _hold(self, pending: Pending, pod: str) -> None:
+        """What ``pending`` adds to ``pod`` until answered: its uncached and all its blocks."""
+        c = next((c for c in pending.candidates if c.pod == pod), None)
+        total = (c.precise_total or c.approx_total) if c else 0
+        pending.active = (max(0, total - (c.tiers[0] if c and c.tiers else 0)), total)
+        held = self._active.setdefault(pod, [0, 0])
+        held[0] += pending.active[0]
+        held[1] += pending.active[1]
 
-    def _choose(self, scored: _Scored) -> str:
+    def _release(self, pending: Pending) -> None:
+        held = self._active.get(pending.picked or "")
+        if held is None or pending.active == (0, 0):
+            return
+        held[0] -= pending.active[0]
+        held[1] -= pending.active[1]
+        if held == [0, 0]:
+            del self._active[pending.picked or ""]
+
+    def _dropped(self, why: str, pending: Pending) -> None:
+        self._release(pending)
+        self.metrics.outcomes.labels("none", why).inc()
+
+    def _choose(self, scored: _Scored, seed: int) -> str:
         weights = self.settings.weights
         per = scores(scored.candidates, weights, self._prefix, list(reversed(self._recent)))
         totals = combine(per, weights, [c.pod for c in scored.candidates])
-        pod = best(totals, self.rng)
+        pod = best(totals, random.Random(seed))
         self._recent.pop(pod, None)
         self._recent[pod] = None
         while len(self._recent) > RECENT_PICKS:
@@ -222,6 +243,7 @@ class RequestPath:
         if pending is None:
             self.metrics.outcomes.labels("none", "unknown_request").inc()
             return None
+        self._release(pending)
         endpoint = self.directory.by_address(served)
         why = None if status is not None and 200 <= status < 300 else "error_status"
         if why is None and endpoint is None:
@@ -238,10 +260,14 @@ class RequestPath:
                           pending.source, pending.id, details)
         answer = await self.decisions.commit(pending.prepared, pending.prediction, outcome)
         self.metrics.outcomes.labels(pending.source, "recorded").inc()
+        if self.shadows is not None:
+            self.shadows.shadow(pending.source, self.policy if pending.source == PICK else "gateway", endpoint.pod,
+                                pending.candidates, pending.seed, answer.get("prompt_tokens"), outcome.cached_tokens)
         return answer
 
     def forget(self, request_id: str, why: str) -> None:
         """The request ended without an answer (reset, client gone): nothing to record."""
         pending = self.inflight.take(request_id)
         if pending is not None:
+            self._release(pending)
             self.metrics.outcomes.labels(pending.source, why).inc()

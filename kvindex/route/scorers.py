@@ -38,6 +38,14 @@ class Load:
 
 
 @dataclass(frozen=True, slots=True)
+class Active:
+    """What kvindex has routed to an endpoint and not yet seen answered, in blocks."""
+
+    prefill_blocks: int = 0  # the uncached blocks of those requests
+    decode_blocks: int = 0  # all their blocks
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """One endpoint as the scorers see it for one request."""
 
@@ -48,6 +56,8 @@ class Candidate:
     approx_total: int
     block_tokens: int  # tokens per precise block (the match-length term)
     load: Load = Load()
+    tiers: tuple[int, int, int] | None = None  # matched blocks on the device, then host, then disk only
+    active: Active = Active()
 
 
 @dataclass(frozen=True, slots=True)
