@@ -17,6 +17,9 @@ Invariants:
   counted (``RouteMetrics``).
 - Only a successful answer (2xx) from a known endpoint is recorded, as a router records only the
   requests it served; every other outcome is counted and forgotten.
+- A recorded request is then shadowed by every routing policy (``kvindex.route.shadows``) from the
+  candidates and the tie-break seed it was routed with. A picked request's blocks count as in
+  flight on its pod (``Active``: Dynamo's load) from its pick until it is answered or forgotten.
 """
 
 from __future__ import annotations
