@@ -61,9 +61,17 @@ class WhatIfMetrics:
                                 "decisions that reported them", registry=r)
         self.regret = Counter("kvindex_whatif_regret_tokens", "Per decision: the most tokens any policy predicted "
                               "minus what the actual pick's pod held, summed", registry=r)
+        self._children: dict[str, tuple[Any, Any, Any]] = {}
         for policy in (ACTUAL, *policies):  # every series exists from the start, at 0
-            for family in (self.decisions, self.agreements, self.predicted):
-                family.labels(policy)
+            self.of(policy)
+
+    def of(self, policy: str) -> tuple[Any, Any, Any]:
+        """``policy``'s (decisions, agreements, predicted tokens) counters."""
+        children = self._children.get(policy)
+        if children is None:
+            children = self._children[policy] = (self.decisions.labels(policy), self.agreements.labels(policy),
+                                                  self.predicted.labels(policy))
+        return children
 
 
 class WhatIf:
@@ -88,10 +96,11 @@ class WhatIf:
             m.realized.inc(s.realized)
         m.regret.inc(s.regret())
         for policy, (pod, tokens) in [(ACTUAL, (s.pod, s.predicted)), *s.picks.items()]:
-            m.decisions.labels(policy).inc()
-            m.predicted.labels(policy).inc(tokens)
+            decisions, agreements, predicted = m.of(policy)
+            decisions.inc()
+            predicted.inc(tokens)
             if pod == s.pod:
-                m.agreements.labels(policy).inc()
+                agreements.inc()
 
     def latest(self, window: float | None) -> list[Shadow]:
         """The shadows of the last ``window`` seconds (None: all that are kept), oldest first."""

@@ -222,7 +222,7 @@ class RequestPath:
         weights = self.settings.weights
         per = scores(scored.candidates, weights, self._prefix, list(reversed(self._recent)))
         totals = combine(per, weights, [c.pod for c in scored.candidates])
-        pod = best(totals, random.Random(seed))
+        pod = best(totals, seed)
         self._recent.pop(pod, None)
         self._recent[pod] = None
         while len(self._recent) > RECENT_PICKS:

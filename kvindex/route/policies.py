@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -77,7 +76,7 @@ def profile_pick(cands: Sequence[Candidate], profile: Profile, seed: int, prefix
     """The endpoint ``profile`` picks and every endpoint's total."""
     params = PrefixParams(profile.index, prefix.match_length_weight, prefix.match_length_scale_tokens)
     totals = combine(scores(cands, profile.weights, params, recent), profile.weights, [c.pod for c in cands])
-    return best(totals, random.Random(seed)), totals
+    return best(totals, seed), totals
 
 
 def kthena_scores(cands: Sequence[Candidate]) -> dict[str, float]:
@@ -106,10 +105,10 @@ class Policies:
         if policy in PROFILES:
             return profile_pick(cands, PROFILES[policy], seed, self._prefix)[0]
         if policy == KTHENA:
-            return best(kthena_scores(cands), random.Random(seed))
+            return best(kthena_scores(cands), seed)
         if policy == DYNAMO:
             costs = dynamo_costs(cands, self._dynamo)
-            return best({p: -v for p, v in costs.items()}, random.Random(seed))
+            return best({p: -v for p, v in costs.items()}, seed)
         if policy == ROUND_ROBIN:
             pods = sorted(c.pod for c in cands)
             self._turn += 1
@@ -117,7 +116,25 @@ class Policies:
         raise ValueError(f"unknown policy {policy!r}")
 
     def pick_all(self, cands: Sequence[Candidate], seed: int) -> dict[str, str]:
-        return {p: self.pick(p, cands, seed) for p in POLICIES}
+        """Every policy's pick; the profiles share their scorers' scores (each computed once)."""
+        shared: dict[tuple[str, str], dict[str, float]] = {}
+        pods = [c.pod for c in cands]
+        out = {}
+        for name in POLICIES:
+            profile = PROFILES.get(name)
+            if profile is None:
+                out[name] = self.pick(name, cands, seed)
+                continue
+            per = {}
+            for scorer in profile.weights:
+                key = (scorer, profile.index if scorer == PREFIX_SCORER else "")
+                if key not in shared:
+                    params = PrefixParams(profile.index, self._prefix.match_length_weight,
+                                          self._prefix.match_length_scale_tokens)
+                    shared[key] = scores(cands, {scorer: 1.0}, params)[scorer]
+                per[scorer] = shared[key]
+            out[name] = best(combine(per, profile.weights, pods), seed)
+        return out
 
 
 def matched_tokens(c: Candidate) -> int:

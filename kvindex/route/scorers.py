@@ -129,11 +129,20 @@ def scores(cands: Sequence[Candidate], weights: Mapping[str, float], prefix: Pre
 
 def combine(per_scorer: Mapping[str, Mapping[str, float]], weights: Mapping[str, float],
             pods: Sequence[str]) -> dict[str, float]:
-    return {p: sum(weights[name] * min(1.0, max(0.0, s.get(p, 0.0))) for name, s in per_scorer.items())
-            for p in pods}
+    totals = dict.fromkeys(pods, 0.0)
+    for name, s in per_scorer.items():
+        w = weights[name]
+        for p in pods:
+            v = s.get(p, 0.0)
+            totals[p] += w * (1.0 if v > 1.0 else 0.0 if v < 0.0 else v)
+    return totals
 
 
-def best(totals: Mapping[str, float], rng: random.Random) -> str:
+def best(totals: Mapping[str, float], rng: random.Random | int) -> str:
+    """The highest total; a tie broken by ``rng`` (a seed: its own ``random.Random``, made only
+    when there is a tie, so that every caller with the same seed breaks it alike)."""
     top = max(totals.values())
     tied = sorted(p for p, v in totals.items() if v == top)
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+    if len(tied) == 1:
+        return tied[0]
+    return (random.Random(rng) if isinstance(rng, int) else rng).choice(tied)
