@@ -136,6 +136,9 @@ def message_garbage(real_payload: bytes) -> list[tuple[str, list[bytes], str, bo
         ("7-byte seq", [TOPIC, b"\x00" * 7, real_payload], "bad_seq", False),
         ("9-byte seq", [TOPIC, b"\x00" * 9, real_payload], "bad_seq", False),
         ("non-utf8 topic", [b"kv@\xff\xfe@tiny", seq8(0), real_payload], "bad_topic", False),
+        ("NUL in the topic's pod", [b"kv@pod-a\x00@tiny", seq8(0), real_payload], "bad_topic", False),
+        ("newline in the topic's model", [b"kv@pod-a@ti\nny", seq8(0), real_payload], "bad_topic", False),
+        ("C1 control in the topic", ["kv@pod-\u0085a@tiny".encode(), seq8(0), real_payload], "bad_topic", False),
     ]
     # random bytes (seeded), with the reason plain msgpack gives them
     rng = random.Random(1234)

@@ -4,7 +4,9 @@ Invariants:
 - The transport yields ``Frame`` (3 frames: topic, 8-byte big-endian seq, payload) or
   ``Malformed(reason)``, in bursts (``Subscriber.bursts``: the message a wake-up awaited, then up
   to ``DRAIN_BURST`` in all of what is already queued); it never decodes payloads and never drops
-  a message silently. A topic over ``MAX_TOPIC_BYTES`` is ``Malformed("topic_too_long")``.
+  a message silently. A topic over ``MAX_TOPIC_BYTES`` is ``Malformed("topic_too_long")``; one
+  that is not UTF-8 or holds a control character (NUL, C0, DEL, C1: a pod or model name no
+  engine sends, that would make a pod of its own) is ``Malformed("bad_topic")``.
 - Queued messages are read by a reader (``queued``, on pyzmq's calls; or its native twin,
   ``kvindex.ingest.libzmq``): the same parts in the same order (tests/test_drain.py). Framing
   (``parse_message``) is judged here, once, whichever reader read the parts.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import resource
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -58,6 +61,7 @@ from kvindex.limits import MAX_TOPIC_BYTES
 log = logging.getLogger("kvindex.ingest.transport")
 
 END_SEQ = b"\xff" * 8
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")  # in a topic: no engine names a pod or model so
 DRAIN_BURST = 256
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_REPLAY_FRAMES = 200_000
@@ -122,6 +126,8 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
     try:
         topic_s = topic.decode("utf-8")
     except UnicodeDecodeError:
+        return Malformed("bad_topic")
+    if _CONTROL.search(topic_s):
         return Malformed("bad_topic")
     return Frame(topic_s, int.from_bytes(seq, "big"), payload)
 
