@@ -337,7 +337,8 @@ static PyObject *medium_of(PyObject *raw, PyObject *gpu) {
     return PyObject_CallMethod(raw, "upper", NULL);
 }
 
-/* vLLM's cache_salt: the last string of the first block's extra keys other than the LoRA name.
+/* vLLM's cache_salt, by position (adapters/vllm_fields.py cache_salt_of is the reference): the last
+   string of the first block's extra keys, not counting position 0 when it is the LoRA name.
    Sets *salt (new ref, maybe None). -1: declined (a first entry of another shape). */
 static int cache_salt(Buf *b, PyObject *lora_name, PyObject **salt) {
     Item it, first;
@@ -360,8 +361,8 @@ static int cache_salt(Buf *b, PyObject *lora_name, PyObject **salt) {
                 PyErr_Clear();
                 return -1;
             }
-            int same = lora_name != Py_None && PyUnicode_Compare(s, lora_name) == 0;
-            if (same) Py_DECREF(s);
+            int adapter = i == 0 && lora_name != Py_None && PyUnicode_Compare(s, lora_name) == 0;
+            if (adapter) Py_DECREF(s);
             else Py_SETREF(*salt, s);
         }
     } else if (first.kind == K_MAP || first.kind == K_EXT) {

@@ -71,7 +71,11 @@ def small_int(value: Any, default: int) -> int:
 
 
 def cache_salt_of(extra_keys: Any, lora_name: str | None) -> str | None:
-    """vLLM puts cache_salt in the first block's extra keys, after the LoRA name and MM keys."""
+    """vLLM's cache_salt, by position in the first block's extra keys: vLLM writes the LoRA
+    adapter's name first (when the event names one), then the multimodal entries (``[identifier,
+    offset]`` pairs), then the salt (a string), then the prompt-embeds digest (bytes). So the salt
+    is the last string after position 0 when position 0 is the adapter's name, of all of them
+    otherwise: never judged by comparing values (a salt equal to the adapter's name is a salt)."""
     if not isinstance(extra_keys, list) or not extra_keys:
         return None
     first = extra_keys[0]
@@ -80,5 +84,6 @@ def cache_salt_of(extra_keys: Any, lora_name: str | None) -> str | None:
         return salt if isinstance(salt, str) else None
     if not isinstance(first, list):
         return None
-    strings = [k for k in first if isinstance(k, str) and k != lora_name]
+    rest = first[1:] if lora_name is not None and first and first[0] == lora_name else first
+    strings = [k for k in rest if isinstance(k, str)]
     return strings[-1] if strings else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from typing import Any
 
 import msgpack
 import pytest
@@ -85,6 +86,23 @@ def test_vllm_cache_salt_from_first_extra_keys_and_lora() -> None:
           "lora_name": "sql", "extra_keys": [["sql", "salt-9"], ["sql"]], "future_field": {"x": 1}}
     got = VllmDecoder().decode(pack([0, [ev], 0])).events[0]
     assert (got.lora_name, got.cache_salt) == ("sql", "salt-9")
+
+
+@pytest.mark.parametrize("lora,first,salt", [
+    ("sql", ["sql", "sql"], "sql"),  # a tenant's salt equal to the adapter's name is still its salt
+    ("sql", ["sql"], None),  # the adapter's name alone: no salt
+    (None, ["sql"], "sql"),  # no adapter: a string that looks like one is the salt
+    (None, [["img-1", 0], "img-1"], "img-1"),  # equal to a multimodal identifier
+    ("sql", ["sql", ["sql", 0], "sql", b"\x01" * 32], "sql"),  # adapter, an MM entry, salt, embeds digest
+    ("sql", ["other", "salt"], "salt"),  # position 0 is not the adapter: every string counts
+])
+def test_vllm_cache_salt_is_taken_by_position_not_by_value(lora: str | None, first: list[Any], salt: str | None) -> None:
+    ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": TOK[:16],
+          "block_size": 16, "lora_name": lora, "extra_keys": [first]}
+    d = VllmDecoder()
+    got = d.decode(pack([0, [ev], 0])).events[0]
+    assert (got.lora_name, got.cache_salt) == (lora, salt)
+    assert d.decode_python(pack([0, [ev], 0])).events[0] == got  # the C path and its reference agree
 
 
 def test_unknown_events_and_fields_are_skipped_and_counted() -> None:
