@@ -248,6 +248,16 @@ async def test_score_prompt_with_llmd_sim_tokenizer(make_harness: Any, make_engi
 
 
 # -- refusals --------------------------------------------------------------------------------------
+async def test_a_prompt_that_tokenizes_past_the_limit_is_the_callers_413(make_harness: Any) -> None:
+    """The caller's prompt over max_token_ids once tokenized: 413 naming the limit, not a 503
+    saying the tokenizer is unavailable (it answered; the prompt is too long)."""
+    h = await make_harness(Config(max_token_ids=8, models={"m": ModelConfig(tokenizer="llmd-sim")}))
+    status, answer = await h.post("/v1/score", {"model": "m", "prompt": "one two three four five six seven eight nine"})
+    assert status == 413 and answer["field"] == "request" and "limit is 8" in answer["error"], answer
+    status, answer = await h.post("/v1/score", {"model": "m", "prompt": "one two three"})
+    assert status == 200, answer
+
+
 async def test_bad_bodies_get_4xx_naming_the_field_and_are_counted(make_harness: Any) -> None:
     h = await make_harness(Config(max_token_ids=8, max_body_bytes=2048))
     before = await counter(h, "kvindex_http_rejections")

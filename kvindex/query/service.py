@@ -192,6 +192,9 @@ class QueryService:
         except Exception as exc:  # an engine's /tokenize may be down: say so, don't crash
             raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
+        if len(tokens) > self._max_token_ids:  # the caller's prompt is too long: its error, not kvindex's
+            raise QueryError(f"the prompt is {len(tokens)} tokens; the limit is {self._max_token_ids} "
+                             "(max_token_ids)", field="request", status=413, reason="too_large")
         try:  # an engine's answer is input too: same limits as a caller's token_ids
             return self.check_token_ids(tokens if isinstance(tokens, array) else list(tokens))
         except QueryError as exc:
