@@ -10,6 +10,10 @@ lane, if any, keeps running and may add blocks again). A configured (or register
 not published yet is listed too, under its pod (else its endpoint), with ``connected`` and
 ``last_event_age_seconds: null`` (never); once it publishes, its streams' rows replace it.
 ``last_event_age_seconds`` is the seconds since this process last received a batch of the stream.
+A pod whose blocks the store holds but that no configured or registered engine publishes for (its
+engine removed from the configuration, blocks restored from a snapshot or a peer) is listed
+unsynced (``ORPHANED``): nothing keeps its blocks up to date. It stays until removed
+(``DELETE /v1/pods/{pod}``) or until an engine publishes for it again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from kvindex.index.protocol import ApproxStore, PreciseStore
 from kvindex.sequence import Position
 from kvindex.types import TIERS
 from kvindex.views import FleetView, LaneView, StreamView
+
+
+ORPHANED = ("no configured or registered engine publishes for this pod: its blocks (from a snapshot, a peer "
+            "or a removed engine) are not kept up to date")
 
 
 class PodDirectory:
@@ -58,14 +66,17 @@ class PodDirectory:
             if not lane.state.streams:  # configured, never published: listed, its age null (never)
                 view = self._engine_view(key, lane)
                 views.setdefault(view["pod"], view)
-        for pod in set(await self._store.pods()) | set(await self._approx.pods()):
-            views.setdefault(pod, {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True})
+        orphans = (set(await self._store.pods()) | set(await self._approx.pods())) - set(views)
+        for pod in orphans:
+            views[pod] = {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True}
         pods = sorted(views)
         blocks = await asyncio.gather(*(self._store.blocks_held(p) for p in pods))
         entries = await asyncio.gather(*(self._approx.entries(p) for p in pods))
         for pod, held, n in zip(pods, blocks, entries):
             views[pod]["blocks"] = held
             views[pod]["approx_entries"] = n
+            if pod in orphans and any(held.values()):  # blocks no engine stream keeps up to date
+                views[pod].update(synced=False, unsynced_reason=ORPHANED)
         return [views[p] for p in pods]
 
     def _engine_view(self, key: str, lane: LaneView) -> dict[str, Any]:
