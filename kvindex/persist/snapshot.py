@@ -20,7 +20,8 @@ Invariants:
 - ``decode`` refuses (``StateError``, one clear line) anything that is not a complete snapshot of a
   version it knows: foreign bytes, a future version, a truncated or corrupted body. Nothing is
   loaded from a refused snapshot; the caller starts empty.
-- ``write_atomic`` writes a temp file in the same directory, fsyncs it, renames it over the old
+- ``write_atomic`` writes a temp file in the same directory (created exclusively, ``O_NOFOLLOW``:
+  a symlink planted at its name is never followed), fsyncs it, renames it over the old
   snapshot and fsyncs the directory: a reader sees the old snapshot or the new one, never half.
   A failed write removes its temp file; one left by a killed process is removed at the next start
   (``remove_stale_temps``, under the state dir's lock).
@@ -185,12 +186,25 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+
+
+def _create(tmp: Path) -> int:
+    """A new temp file, created exclusively and never through a symlink: whatever is at its name
+    (a file or link left there, or planted) is unlinked, never followed, and creation retried once."""
+    try:
+        return os.open(tmp, NEW_FILE, 0o600)
+    except FileExistsError:
+        tmp.unlink()  # removes a symlink itself, not what it points to
+        return os.open(tmp, NEW_FILE, 0o600)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` as ``path`` atomically; on any failure (disk full, EIO, interrupted) the temp
     file is removed before the error propagates and the old file is untouched."""
     tmp = temp_path(path)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = _create(tmp)
         try:
             view = memoryview(data)
             while view:

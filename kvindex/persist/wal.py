@@ -94,7 +94,9 @@ class WriteAheadLog:
             self._lost_in = None
 
     def _open(self) -> None:
-        fd = os.open(segment_path(self.directory, self.segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # O_NOFOLLOW: a symlink at a segment's name is an open error (counted, logged), never followed
+        fd = os.open(segment_path(self.directory, self.segment),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         try:
             self._size = os.lseek(fd, 0, os.SEEK_END)
         except OSError:
