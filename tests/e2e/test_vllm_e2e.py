@@ -343,7 +343,7 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
     require_vllm()
     t0 = time.monotonic()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(12)
+    ports = free_ports(8)
     engines = [Engine("a", ports[0], ports[1], ports[2]), Engine("b", ports[3], ports[4], ports[5])]
     kv_port, kv_hf_port = ports[6], ports[7]
     for e in engines:
@@ -450,7 +450,7 @@ def test_kvindex_against_real_vllm(capsys: pytest.CaptureFixture[str]) -> None:
         assert not differ, differ
 
         # 8. one conversation through `kvindex gateway` (a real Envoy; kvindex picks each turn's engine)
-        gw = gateway_conversation(ports[8:12], engines, work, procs)
+        gw = gateway_conversation(engines, work, procs)
         summary.update(gateway_turns=gw["turns"], gateway_realized_equal=gw["equal"],
                        gateway_cached_tokens=gw["cached"], gateway_envoy=gw["envoy"])
         assert gw["equal"] == gw["turns"] and gw["cached"] > 0, [
@@ -500,14 +500,15 @@ def kvindex_proc(name: str, port: int, engines: list[Engine], tokenizer: str) ->
 CHAT_HI = [{"role": "user", "content": "hi"}]
 
 
-def gateway_conversation(ports: list[int], engines: list[Engine], work: Workload, procs: list[Proc],
-                         turns: int = 6) -> dict[str, Any]:
+def gateway_conversation(engines: list[Engine], work: Workload, procs: list[Proc], turns: int = 6) -> dict[str, Any]:
     """``kvindex gateway`` (pick) in front of both engines, tokenizing with the model's own files;
     one chat sent through Envoy turn by turn. Each turn is recorded (GET /v1/decisions) with the
     engine's cached_tokens beside kvindex's precise prediction for the engine it picked."""
-    http_port, ext_port, listen, _ = ports
+    # ports taken now, not at the test's start: ninety seconds of engines and clients later, one
+    # picked then may have become another connection's ephemeral port (Envoy: "address already in use")
+    http_port, listen = free_ports(2)
     config = ARTIFACTS / "gateway-e2e.toml"
-    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {http_port}\next_proc_port = {ext_port}\n\n'
+    config.write_text(f'[server]\nhost = "127.0.0.1"\nport = {http_port}\next_proc_port = 0\n\n'
                       f'[models.{MODEL}]\ntokenizer = "hf"\ntokenizer_path = "{VLLM_MODEL_DIR}"\n')
     argv = [sys.executable, "-m", "kvindex", "gateway", "--config", str(config), "--listen", f"127.0.0.1:{listen}"]
     for e in engines:
