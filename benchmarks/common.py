@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -150,6 +151,13 @@ def latency_summary(seconds: list[float]) -> dict[str, float]:
     us = [x * 1e6 for x in seconds]
     return {"p50_us": pct(us, 50), "p99_us": pct(us, 99), "mean_us": statistics.fmean(us) if us else 0.0,
             "n": len(us)}
+
+
+def free_port() -> int:
+    """A TCP port on loopback nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rss_bytes() -> int:

@@ -29,7 +29,6 @@ import json
 import random
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, latency_summary, machine  # noqa: E402
+from benchmarks.common import RESULTS, free_port, latency_summary, machine  # noqa: E402
 from kvindex.route.envoy import ENGINES_CLUSTER, EnvoyPlan, envoy_config  # noqa: E402
 from kvindex.route.gateway import Envoy, find_envoy  # noqa: E402
 from kvindex.tools.replay_gateway import prompt_of, whatif_table  # noqa: E402
@@ -48,12 +47,6 @@ from kvindex.tools.replay_routing import read_trace  # noqa: E402
 
 MODEL = "bench-model"
 TRACE = ROOT / "fixtures" / "traces" / "mooncake_conversation_trace.jsonl.gz"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proc:

@@ -30,16 +30,11 @@ from kvindex.route.gateway import Envoy, GatewayOptions, find_envoy, plan_for
 from kvindex.settings import RouteSettings
 from kvindex.tools.openai_engine import EngineOptions, OpenAIEngine
 from tests.conftest import wait_for
+from tests.faultkit import free_port
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "sim-model"
 SYSTEM = "You are a helpful assistant of tenant seven. " + " ".join(f"rule{i}" for i in range(300))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Gateway:

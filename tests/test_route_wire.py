@@ -164,6 +164,13 @@ async def _exchange(port: int, data: bytes) -> bytes:
         writer.close()
 
 
+async def still_echoes(port: int) -> None:
+    """A well-behaved client on a new connection is still answered."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        echo = ch.unary_unary("/t.T/Echo", request_serializer=raw, response_deserializer=raw)
+        assert await echo(b"ok") == b"ko"
+
+
 @pytest.mark.parametrize("data, reason", [
     (b"GET / HTTP/1.1\r\n\r\n", "bad_preface"),
     (PREFACE + frame(4, 0, 1, b""), "settings_on_stream"),
@@ -175,6 +182,7 @@ async def _exchange(port: int, data: bytes) -> bytes:
     (PREFACE + frame(6, 0, 0, b"1234"), "bad_ping"),
     (PREFACE + struct.pack(">I", 2 << 20)[1:] + b"\x00\x00\x00\x00\x00\x01", "frame_too_large"),
 ])
+
 async def test_hostile_connections_get_goaway_and_the_server_lives(data: bytes, reason: str) -> None:
     errors: list[str] = []
     srv = await serve(errors)
@@ -182,9 +190,7 @@ async def test_hostile_connections_get_goaway_and_the_server_lives(data: bytes, 
         answer = await _exchange(srv.port, data)
         assert 7 in frame_types(answer)  # GOAWAY
         assert reason in errors
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            echo = ch.unary_unary("/t.T/Echo", request_serializer=raw, response_deserializer=raw)
-            assert await echo(b"ok") == b"ko"
+        await still_echoes(srv.port)
     finally:
         await srv.stop(1)
 
@@ -196,9 +202,7 @@ async def test_random_bytes_after_the_preface_never_crash() -> None:
     try:
         for _ in range(40):
             await _exchange(srv.port, PREFACE + bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))))
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
-            echo = ch.unary_unary("/t.T/Echo", request_serializer=raw, response_deserializer=raw)
-            assert await echo(b"ok") == b"ko"
+        await still_echoes(srv.port)
     finally:
         await srv.stop(1)
 

@@ -85,10 +85,16 @@ class ScoreMemory:
             sum(str_bytes(p) + _MATCH_BYTES for p in answer.matches)
         self._entries.put(self._key(model, answer.root, token_ids), (self._clock(), asked, dict(answer.matches)), size)
 
+    def _fresh(self, model: str, token_ids: Sequence[int], answer: PreciseAnswer
+               ) -> tuple[float, frozenset[str] | None, dict[str, PodMatch]] | None:
+        """The last score of this prompt, while it is at most ``ttl`` old."""
+        entry = self._entries.get(self._key(model, answer.root, token_ids))
+        return None if entry is None or self._clock() - entry[0] > self._ttl else entry
+
     def recall(self, model: str, token_ids: Sequence[int], pod: str, answer: PreciseAnswer) -> PreciseAnswer | None:
         """``answer`` with ``pod``'s match as the last score saw it, or None if none did."""
-        entry = self._entries.get(self._key(model, answer.root, token_ids))
-        if entry is None or self._clock() - entry[0] > self._ttl or (entry[1] is not None and pod not in entry[1]):
+        entry = self._fresh(model, token_ids, answer)
+        if entry is None or (entry[1] is not None and pod not in entry[1]):
             return None
         then = entry[2].get(pod)
         return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, {pod: then} if then else {}, answer.root)
@@ -97,8 +103,8 @@ class ScoreMemory:
                    ) -> tuple[PreciseAnswer, frozenset[str] | None] | None:
         """``answer`` with every pod's match as the last score saw it, and the pods it asked
         about (None: every pod), or None if no score did."""
-        entry = self._entries.get(self._key(model, answer.root, token_ids))
-        if entry is None or self._clock() - entry[0] > self._ttl:
+        entry = self._fresh(model, token_ids, answer)
+        if entry is None:
             return None
         return PreciseAnswer(answer.block_size, answer.prompt_tokens, answer.keys, dict(entry[2]), answer.root), entry[1]
 
@@ -192,12 +198,12 @@ class QueryService:
         except Exception as exc:  # an engine's /tokenize may be down: say so, don't crash
             raise QueryError(f"tokenizer for {model!r} failed: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
-        if len(tokens) > self._max_token_ids:  # the caller's prompt is too long: its error, not kvindex's
-            raise QueryError(f"the prompt is {len(tokens)} tokens; the limit is {self._max_token_ids} "
-                             "(max_token_ids)", field="request", status=413, reason="too_large")
         try:  # an engine's answer is input too: same limits as a caller's token_ids
             return self.check_token_ids(tokens if isinstance(tokens, array) else list(tokens))
         except QueryError as exc:
+            if exc.reason == "too_large":  # the caller's prompt is too long: its error, not kvindex's
+                raise QueryError(f"the prompt is {len(tokens)} tokens; the limit is {self._max_token_ids} "
+                                 "(max_token_ids)", field="request", status=413, reason="too_large") from None
             raise QueryError(f"tokenizer for {model!r} answered badly: {exc}", field="request", status=503,
                              reason="tokenizer_unavailable") from None
 

@@ -199,7 +199,7 @@ class RequestPath:
     def _hold(self, pending: Pending, pod: str) -> None:
         """What ``pending`` adds to ``pod`` until answered: its uncached and all its blocks."""
         c = next((c for c in pending.candidates if c.pod == pod), None)
-        total = (c.precise_total or c.approx_total) if c else 0
+        total = c.request_blocks if c else 0
         pending.active = (max(0, total - (c.tiers[0] if c and c.tiers else 0)), total)
         held = self._active.setdefault(pod, [0, 0])
         held[0] += pending.active[0]

@@ -86,7 +86,7 @@ def kthena_scores(cands: Sequence[Candidate]) -> dict[str, float]:
 def dynamo_costs(cands: Sequence[Candidate], cfg: DynamoConfig = DynamoConfig()) -> dict[str, float]:
     out = {}
     for c in cands:
-        request = c.precise_total or c.approx_total  # the request's blocks (engine blocks when tokenized)
+        request = c.request_blocks
         device, host, disk = c.tiers if c.tiers is not None else (0, 0, 0)
         credit = cfg.overlap_score_credit * device + cfg.host_cache_hit_weight * host + cfg.disk_cache_hit_weight * disk
         prefill = request + c.active.prefill_blocks

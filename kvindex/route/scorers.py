@@ -59,6 +59,11 @@ class Candidate:
     tiers: tuple[int, int, int] | None = None  # matched blocks on the device, then host, then disk only
     active: Active = Active()
 
+    @property
+    def request_blocks(self) -> int:
+        """The request's blocks: engine blocks when it was tokenized, else approximate-index blocks."""
+        return self.precise_total or self.approx_total
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixParams:

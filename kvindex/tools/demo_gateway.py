@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -36,11 +35,6 @@ from kvindex.route.gateway import Envoy, GatewayOptions, find_envoy, plan_for
 from kvindex.tools.demo_replica import BLOCK_SIZE, Replica
 from kvindex.tools.openai_engine import EngineOptions, OpenAIEngine
 from kvindex.tools.workload import Request
-
-
-def envoy_installed() -> bool:
-    """Whether ``kvindex demo`` can put Envoy in front (the ``envoy`` console script or binary)."""
-    return shutil.which("envoy") is not None
 
 
 def free_listen(host: str) -> str:
@@ -66,8 +60,12 @@ class GatewayClient:
                  settle: Callable[[], Awaitable[None]]) -> None:
         self._session, self._url, self._model, self._engines, self._settle = session, envoy_url, model, engines, settle
         self.totals = GatewayTotals()
-        self.decisions = 0  # what the demo's summary calls the router's decisions: requests Envoy routed
         self.exact = 0  # filled in by ``count_exact`` at the end
+
+    @property
+    def decisions(self) -> int:
+        """What the demo's summary calls the router's decisions: the requests Envoy routed."""
+        return self.totals.requests
 
     async def _post(self, base: str, req: Request) -> dict[str, Any]:
         body = {"model": self._model, "prompt": req.text, "max_tokens": 1}
@@ -86,7 +84,6 @@ class GatewayClient:
         t.requests += 1
         t.prompt_tokens += usage["prompt_tokens"]
         t.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        self.decisions += 1
 
     async def bypass(self, req: Request, rng: random.Random) -> None:
         await self._settle()

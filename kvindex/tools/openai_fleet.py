@@ -11,10 +11,11 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import zmq.asyncio
 
+from kvindex import loops
 from kvindex.tools.demo_replica import BLOCK_SIZE
 from kvindex.tools.openai_api import dumps
 from kvindex.tools.openai_engine import EngineOptions, OpenAIEngine
@@ -96,19 +97,10 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when it is importable, else asyncio's default."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loops.factory("auto")[1]) as runner:
         return runner.run(serve(args))
 
 

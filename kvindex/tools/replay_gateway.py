@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from kvindex.tools.replay_routing import TraceRequest
+from kvindex.tools.replay_routing import TraceRequest, quantile
 
 WORDS_PER_BLOCK = 32
 
@@ -57,10 +57,9 @@ async def send_all(trace: Sequence[TraceRequest], url: str, model: str, speed: f
             prompt += int(usage.get("prompt_tokens") or 0)
             cached += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     latency.sort()
-    pick = (lambda q: latency[min(len(latency) - 1, int(q * len(latency)))] if latency else 0.0)
     return {"requests": len(trace), "answered": len(latency), "errors": errors, "prompt_tokens": prompt,
             "cached_tokens": cached, "hit_rate": round(cached / prompt, 6) if prompt else None,
-            "latency_p50_s": round(pick(0.5), 6), "latency_p99_s": round(pick(0.99), 6)}
+            "latency_p50_s": round(quantile(latency, 0.5), 6), "latency_p99_s": round(quantile(latency, 0.99), 6)}
 
 
 async def whatif_of(kvindex: str, settle: float = 0.3, most: float = 5.0) -> dict[str, Any]:

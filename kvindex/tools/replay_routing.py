@@ -159,11 +159,11 @@ class PolicyResult:
         return {"policy": self.policy, "requests": self.requests, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens,
                 "hit_rate": round(self.cached_tokens / self.prompt_tokens, 6) if self.prompt_tokens else None,
-                "ttft_p50_s": round(_quantile(t, 0.5), 6), "ttft_p99_s": round(_quantile(t, 0.99), 6),
+                "ttft_p50_s": round(quantile(t, 0.5), 6), "ttft_p99_s": round(quantile(t, 0.99), 6),
                 "requests_per_engine_max": max(counts, default=0), "requests_per_engine_min": min(counts, default=0)}
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
+def quantile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
