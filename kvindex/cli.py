@@ -147,6 +147,12 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--store-buffer", type=int, metavar="N", help="batches each engine lane keeps, in order, while "
                    "the store cannot be reached (retried with backoff); past N they are dropped, the engine's "
                    "streams are unsynced and replayed from the engine when the store answers (default 10000)")
+    s.add_argument("--receive-buffer-bytes", type=int, metavar="N", help="bytes of each engine's batches kvindex "
+                   "keeps received but not yet applied (default 134217728); an engine that outruns kvindex past it "
+                   "has its batches dropped, its pods unsynced, and the gap replayed once kvindex caught up")
+    s.add_argument("--max-lag-seconds", type=float, metavar="S", help="an engine whose oldest batch not yet applied "
+                   "was received more than S seconds ago is lagging: its pods say unsynced and /readyz 503 until "
+                   "it catches up (default 5)")
 
     s.add_argument("--workers", type=int, metavar="N", help=WORKERS_HELP)
     s.add_argument("--replay-timeout", type=float, metavar="S", help="seconds an engine's replay endpoint has to "
@@ -215,6 +221,7 @@ def load_config(args: argparse.Namespace) -> Config:
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
+                          receive_buffer_bytes=args.receive_buffer_bytes, max_lag_seconds=args.max_lag_seconds,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
                           max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod,
                           dynamo_dump=args.dynamo_dump, ext_proc_port=args.ext_proc_port,

@@ -167,6 +167,8 @@ def check_tokenizer_path(path: str | None) -> None:
 
 
 MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer
+RECEIVE_BUFFER_BYTES = 128 << 20  # per engine: what kvindex received and has not applied yet, at most
+MAX_LAG_SECONDS = 5.0  # an engine's oldest batch not applied this long after kvindex received it: lagging
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +186,8 @@ class Config:
     replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold (--replay-max-bytes)
     rcvhwm: int = 1_000_000
     max_message_bytes: int = 64 << 20  # ZeroMQ MAXMSGSIZE of the SUB and replay sockets ([server] max_message_bytes)
+    receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES  # per engine: received, not yet applied ([server])
+    max_lag_seconds: float = MAX_LAG_SECONDS  # an engine's lane this far behind is lagging: unsynced ([server])
     state_dir: Path | None = None  # snapshots + write-ahead log; None: state lives in memory only
     snapshot_seconds: float = 60.0
     fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
@@ -230,6 +234,13 @@ class Config:
         if isinstance(self.replay_timeout, bool) or not isinstance(self.replay_timeout, (int, float)) \
                 or not 0 < self.replay_timeout <= 3600:
             raise ConfigError("replay_timeout must be a number of seconds, > 0 and at most 3600")
+        if type(self.receive_buffer_bytes) is not int or self.receive_buffer_bytes < 1 << 20:
+            raise ConfigError("receive_buffer_bytes must be an integer of at least 1048576 (bytes per engine)")
+        if self.receive_buffer_bytes < 2 * self.max_message_bytes:
+            raise ConfigError(f"receive_buffer_bytes ({self.receive_buffer_bytes}) must be at least twice "
+                              f"max_message_bytes ({self.max_message_bytes}): the largest batch must fit")
+        if type(self.max_lag_seconds) not in (int, float) or not 0 < self.max_lag_seconds < 1e6:
+            raise ConfigError("max_lag_seconds must be a positive number of seconds")
         if type(self.engine_silent_seconds) not in (int, float) or not 0 < self.engine_silent_seconds < 1e6:
             raise ConfigError("engine_silent_seconds must be a positive number of seconds")
         if not self.snapshot_seconds > 0:

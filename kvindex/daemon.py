@@ -204,7 +204,8 @@ class Daemon:
                                   store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes,
                                   replay_max_bytes=config.replay_max_bytes,
                                   max_blocks_per_pod=config.max_blocks_per_pod,
-                                  silent_seconds=config.engine_silent_seconds)
+                                  silent_seconds=config.engine_silent_seconds,
+                                  receive_buffer_bytes=config.receive_buffer_bytes, max_lag_seconds=config.max_lag_seconds)
         shards = Shards(config.workers, settings, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None
@@ -230,10 +231,7 @@ class Daemon:
 
     def _make_lane(self, engine: EngineConfig) -> EngineLane:
         dialect = DIALECTS[engine.dialect]
-        settings = LaneSettings(replay_timeout=self.config.replay_timeout, rcvhwm=self.config.rcvhwm,
-                                store_buffer=self.config.store_buffer, replay_max_bytes=self.config.replay_max_bytes,
-                                max_blocks_per_pod=self.config.max_blocks_per_pod,
-                                silent_seconds=self.config.engine_silent_seconds)
+        settings = LaneSettings.of(self.config)
         lane = EngineLane(engine, intake=self.intake, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)

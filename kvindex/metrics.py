@@ -84,7 +84,9 @@ class Metrics:
         self.pod_over_capacity = Gauge("kvindex_pod_over_capacity", "1 while the pod holds more blocks than "
                                        "--max-blocks-per-pod (its stores are refused; it is unsynced)", ["pod"], registry=r)
         self.unknown_removals = Counter("kvindex_unknown_removals", "BlockRemoved for a hash the pod does not hold", ["pod"], registry=r)
-        self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between the engine's batch timestamp and its application", ["pod"], registry=r)
+        self.lag_seconds = Gauge("kvindex_ingest_lag_seconds", "Seconds between kvindex receiving a batch and applying it (the engine's ts is not trusted)", ["pod"], registry=r)
+        self.receive_dropped = Counter("kvindex_receive_dropped_batches", "Batches dropped because the engine's inbox "
+                                       "was over receive_buffer_bytes (recovered from the replay)", ["engine"], registry=r)
         self.http_rejections = Counter("kvindex_http_rejections", "HTTP requests refused with a 4xx, by endpoint and reason", ["endpoint", "reason"], registry=r)
         self.http_connections_refused = Counter("kvindex_http_connections_refused", "HTTP connections refused (503, closed) because max_connections were open", registry=r)
         self.query_seconds = Histogram("kvindex_query_duration_seconds", "Time to answer a query, by endpoint", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)

@@ -4,7 +4,8 @@
 Invariants: it owns no state of its own beyond what it reads at call time. Whether a stream is
 synced comes from the store's position (so every replica sharing a store reports the same),
 joined with this replica's own state: its connection, and a resync it still owes (after the store
-was unreachable past the buffer bound, or lost). The store reads of a view are gathered, not
+was unreachable past the buffer bound, or lost) or what its inbox says (lagging behind the engine,
+batches dropped over its byte budget or lost with a connection: ``LaneState.receiving_problem``). The store reads of a view are gathered, not
 awaited one by one. Removing a pod removes it from both stores and the drift sample (the engine
 lane, if any, keeps running and may add blocks again). A configured (or registered) engine that has
 not published yet is listed too, under its pod (else its endpoint), with ``connected`` and
@@ -49,7 +50,7 @@ class PodDirectory:
     async def _positions(self, streams: list[tuple[str, LaneView, StreamView]]) -> list[tuple[bool, str | None]]:
         """(synced, reason) per stream: the store's position, unless this replica owes a resync."""
         positions = await asyncio.gather(*(self._store.position(st.ref) for _, _, st in streams))
-        return [_sync_state(st, pos) for (_, _, st), pos in zip(streams, positions)]
+        return [_sync_state(lane, st, pos) for (_, lane, st), pos in zip(streams, positions)]
 
     async def views(self) -> list[dict[str, Any]]:
         views: dict[str, dict[str, Any]] = {}
@@ -132,7 +133,10 @@ async def remove_pod(pod: str, store: PreciseStore, approx: ApproxStore, drift: 
     return known
 
 
-def _sync_state(st: StreamView, pos: Position | None) -> tuple[bool, str | None]:
+def _sync_state(lane: LaneView, st: StreamView, pos: Position | None) -> tuple[bool, str | None]:
+    receiving = lane.state.receiving_problem()  # lagging, or batches dropped or lost with the connection
+    if receiving is not None:
+        return False, receiving
     if st.needs_resync is not None:
         return False, st.needs_resync
     if pos is None:

@@ -59,6 +59,10 @@ class LaneStateView(Protocol):
     def connected_peers(self) -> int: ...
     @property
     def streams(self) -> Mapping[str, StreamView]: ...  # by topic
+    def receiving_problem(self) -> str | None:
+        """Why every stream of the lane is unsynced now whatever the store says: lagging, or batches
+        dropped or lost with the connection (None: nothing)."""
+        ...
 
 
 class LaneView(Protocol):

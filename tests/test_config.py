@@ -49,10 +49,12 @@ def refusal(text: str) -> str:
     ("port = 8080", "unknown key port at the top level (did you mean port in [server]?)"),
     ("[server]\nprot = 8080", "unknown key prot in [server] (did you mean port?)"),
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
-    ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, store, "
+    ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, receive_buffer_bytes, "
+                             "max_lag_seconds, store, "
                              "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
                              "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host)"),
-    ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, store, "
+    ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, receive_buffer_bytes, "
+                             "max_lag_seconds, store, "
                                  "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
                                  "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
@@ -206,7 +208,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
     assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig),
                                     ("route", RouteTable))} == {
-        "server": {"host", "port", "max_message_bytes", "store", "store_buffer", "workers", "auth",
+        "server": {"host", "port", "max_message_bytes", "receive_buffer_bytes", "max_lag_seconds", "store", "store_buffer", "workers", "auth",
                    "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod",
                    "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},

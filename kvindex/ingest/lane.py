@@ -7,9 +7,10 @@ endpoint (``ingest.replay``), the store-outage buffer (``ingest.buffer``), the o
 and the restored state.
 
 Invariants:
-- A lane owns one SUB socket (``ingest.intake``) and processes its messages strictly in order, one
-  at a time, a burst under its lock at once; while it fetches a replay, live messages wait in
-  the socket (they are held, not dropped).
+- A lane's receiver (``ingest.receiver``) reads its SUB socket into its inbox (``ingest.inbox``,
+  bounded in bytes); the lane applies the inbox's bursts strictly in order, a burst under its lock
+  at once; while it fetches a replay, live messages wait in the inbox (past its budget: dropped,
+  a gap). A loss or a lag past ``max_lag_seconds``: unsynced (``LaneState.receiving_problem``).
 - A payload is decoded before its seq is looked at: garbage never moves a watermark, never
   triggers a restart, and changes nothing held; it is counted by reason.
 - The store's ``Position`` of a stream (``StreamRef.of(pod, topic|publisher, model)``, the
@@ -23,25 +24,19 @@ Invariants:
   recovers ``[last_seq + 1, seq)`` from the engine's replay endpoint and then applies, with
   ``force=<reason>`` when history is gone (the stream is then unsynced in the store); BEHIND (the
   store lost writes) resynchronises the stream: clear, then replay the engine's history.
-- A seq that goes back with the very bytes the stream had there (its payload digest, remembered for
-  the current life's recent batches; past them the engine's replay is asked about the watermark)
-  is a duplicate: dropped and counted (``kvindex_batches_skipped_total{outcome="duplicate"}``).
-  With other bytes the engine restarted: ``store.restart(stream, epoch, ranks)`` clears
-  the stream's ranks once (the first replica to announce it); the epoch it returns is adopted, so
-  a later replica's copies of what the first one applied come back DUPLICATE (``ingest.life``). A stream's first
-  batch with a seq past the dialect's first seq and no stored history means kvindex joined
-  mid-stream: recovered the same way. Whether a batch belongs to the engine's current life is
-  asked of its replay endpoint where the store alone cannot tell (a replica's first batch, a
-  STALE batch, a gap the engine's history does not reach): a lagging replica never applies a
-  batch of an ended life, and a restart while no replica ran is seen by the next one.
+- A seq that goes back is a duplicate (the very bytes the stream had there: dropped, counted) or
+  an engine restart (``store.restart`` clears the stream's ranks once, whichever replica is first);
+  which one, and which engine life a batch is of where the store cannot tell, is ``ingest.life``'s
+  rule (asked of the replay endpoint). A first batch past the first seq with no stored history is
+  a join mid-stream: recovered as a gap.
 - The store unreachable (``StoreUnavailable``): the lane keeps the batches it cannot apply, in
   order, up to ``store_buffer`` batches (``ingest.buffer``), retrying while live messages keep
   arriving; past the bound, or after ``StoreLost``, every stream of the lane is resynchronised
   through the engine's replay once the store answers (clear + replay from the first seq; history
   gone: the next batch is force-applied and the stream stays unsynced with the reason).
   ``behind(model)`` is true meanwhile, and queries for that model answer 503, not a partial answer.
-- Every re-run of a batch after a failed store call is safe: the store's apply and restart are
-  idempotent, and local state moves only after the store answered.
+- Every re-run of a batch after a failed store call is safe (idempotent store calls; local state
+  moves only after the store answered).
 - Restored state (snapshot, write-ahead log, peer; memory store only) enters only before
   ``run()``: ``restore_streams`` seeds the seq state, ``apply_logged``/``resync_logged`` re-apply
   logged changes through the same decode and apply (no network); ``run()`` first asks the replay
@@ -49,8 +44,8 @@ Invariants:
   the engine no longer holds (other bytes at that seq, or a history that stops before it) is an
   engine restart kvindex did not see: the stream restarts and is replayed from the first seq,
   unsynced until that completes. Every applied batch goes to ``journal`` when set.
-- An operator's resync clears the pod and replays the engine's history; when that history no
-  longer reaches the first seq the pod is left unsynced with the reason, never empty and synced.
+- An operator's resync clears the pod and replays the engine's history; a history that no longer
+  reaches the first seq leaves the pod unsynced with the reason.
 """
 
 from __future__ import annotations
@@ -58,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from time import monotonic
 from typing import Any
 
@@ -71,6 +67,8 @@ from kvindex.ingest.life import Lives
 from kvindex.ingest.replay import Replay
 from kvindex.ingest.sequencer import NOT_THIS_LIFE, After, Live
 from kvindex.ingest.streams import MAX_TOPICS, LaneSettings, LaneState, Stream
+from kvindex.ingest.inbox import Inbox
+from kvindex.ingest.receiver import DropLog, Receiver
 from kvindex.ingest.transport import Malformed
 from kvindex.ingest.watch import ConnectionWatch
 from kvindex.ingest.writer import StreamWriter
@@ -80,14 +78,13 @@ from kvindex.sequence import Outcome, Position
 from kvindex.views import Journal
 
 log = logging.getLogger("kvindex.ingest.lane")
+TURN_SECONDS = 0.01  # a burst's batches applied at most this long before the loop gets a turn
 # enum members as module globals for the per-batch path (a lookup through the class costs ~150 ns on 3.11)
 OFFER, FILL_GAP, RESYNC, ADOPT, APPLIED, STALE = (Live.OFFER, After.FILL_GAP, After.RESYNC, After.ADOPT,
                                                   Outcome.APPLIED, Outcome.STALE)
 
-
 async def _always_open() -> None:  # no store guard: nothing to re-open
     return None
-
 
 class EngineLane:
     """Everything about one engine publisher: its socket, its streams, their seq state."""
@@ -106,12 +103,13 @@ class EngineLane:
         ensure_open: Callable[[], Awaitable[None]] = _always_open,
     ) -> None:
         self.engine = engine
-        self.state = LaneState()
+        self.state = LaneState(inbox=Inbox(settings.receive_buffer_bytes, settings.max_lag_seconds))
         self._intake = intake  # the process's ZeroMQ context and how its SUB sockets read
         self._first_seq = first_seq
         self._store = store
         self._metrics = metrics
         self._settings = settings
+        self._burst_log = burst
         self._ensure_open = ensure_open  # re-opens the stores after a loss (the guard's)
         self._lock = asyncio.Lock()
         self.writer = StreamWriter(engine, self.state.streams, decoder=decoder, first_seq=first_seq, store=store,
@@ -125,8 +123,7 @@ class EngineLane:
         self._restored_positions: dict[str, Position] = {}
 
     @property
-    def key(self) -> str:
-        """The fleet's key for this lane (set by ``Fleet.add``; the engine's name until then)."""
+    def key(self) -> str:  # the fleet's key for this lane (set by ``Fleet.add``; the engine's name until then)
         return self.writer.key
 
     @key.setter
@@ -134,8 +131,7 @@ class EngineLane:
         self.writer.key = key
 
     @property
-    def journal(self) -> Journal | None:
-        """The write-ahead log: each applied batch, each operator's resync (``views.Journal``)."""
+    def journal(self) -> Journal | None:  # the write-ahead log: each applied batch, each operator's resync
         return self.writer.journal
 
     @journal.setter
@@ -144,25 +140,33 @@ class EngineLane:
 
     # -- the loop ------------------------------------------------------------------------------
     async def run(self) -> None:
-        e = self.engine
+        e, s, inbox = self.engine, self._settings, self.state.inbox
         await self.install_restored()
         await self._catch_up()
-        sub = self._intake.subscriber(e.endpoint, bind=e.bind, rcvhwm=self._settings.rcvhwm)
-        watch = ConnectionWatch(e, self.state, self._settings.silent_seconds)  # logs: subscribing, connected
+        watch = ConnectionWatch(e, self.state, s.silent_seconds)  # logs: subscribing, connected
+        drops = DropLog(self._metrics.receive_dropped.labels(e.name), self._burst_log)
+        receiver = Receiver(partial(self._intake.subscriber, e.endpoint, bind=e.bind, rcvhwm=s.rcvhwm), inbox,
+                            watch.peers, e.name, s.max_message_bytes, drops)
+        sub = receiver.open()  # at start, a socket's failure is the lane's
         watch.starting()
-        tasks = (asyncio.create_task(sub.watch_peers(watch.peers), name=f"monitor {e.endpoint}"),
+        tasks = (asyncio.create_task(receiver.run(sub), name=f"receiver {e.endpoint}"),
                  asyncio.create_task(watch.warn_if_silent(), name=f"silence {e.endpoint}"))
         try:
-            async for burst in sub.bursts():
+            while True:
+                burst = await inbox.get()
                 async with self._lock:  # once per burst: a resync or a buffer drain waits for its end
-                    for msg in burst:
+                    self.writer.received, turn = burst.received, monotonic() + TURN_SECONDS
+                    for msg in burst.messages:
                         await self.handle(msg)
+                        if monotonic() > turn:  # the receiver, HTTP and other lanes get the loop
+                            await asyncio.sleep(0)
+                            turn = monotonic() + TURN_SECONDS
+                inbox.done(burst)
         finally:
             for task in tasks:
                 task.cancel()
             drainer = self._buffer.stop()
             await asyncio.gather(*tasks, *([drainer] if drainer else []), return_exceptions=True)
-            sub.close()
 
     async def handle(self, msg: Frame | Malformed) -> None:
         self.state.frames += 1

@@ -18,12 +18,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvindex.config import MAX_BLOCKS_PER_POD
+from kvindex.config import MAX_BLOCKS_PER_POD, MAX_LAG_SECONDS, RECEIVE_BUFFER_BYTES
+from kvindex.ingest.inbox import Inbox
 from kvindex.ingest.sequencer import RECENT_DIGESTS
 from kvindex.sequence import Position, StreamRef
 
 if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
-    from kvindex.config import EngineConfig
+    from kvindex.config import Config, EngineConfig
     from kvindex.metrics import Metrics
     from kvindex.types import Applied
 
@@ -172,13 +173,29 @@ class LaneSettings:
     store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
     silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about (ingest.watch)
+    receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES  # bytes received and not yet applied, at most (ingest.inbox)
+    max_lag_seconds: float = MAX_LAG_SECONDS  # behind by more (from kvindex's receive time): lagging, unsynced
+    max_message_bytes: int | None = None  # ZeroMQ MAXMSGSIZE in force (for the log of a dropped connection)
+
+    @classmethod
+    def of(cls, config: Config) -> LaneSettings:
+        """A lane's settings from the daemon's configuration."""
+        return cls(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm, store_buffer=config.store_buffer,
+                   replay_max_bytes=config.replay_max_bytes, max_blocks_per_pod=config.max_blocks_per_pod,
+                   silent_seconds=config.engine_silent_seconds, receive_buffer_bytes=config.receive_buffer_bytes,
+                   max_lag_seconds=config.max_lag_seconds, max_message_bytes=config.max_message_bytes)
 
 
 @dataclass(slots=True)
 class LaneState:
+    inbox: Inbox = field(default_factory=lambda: Inbox(RECEIVE_BUFFER_BYTES, MAX_LAG_SECONDS))
     connected_peers: int = 0
     frames: int = 0
     streams: dict[str, Stream] = field(default_factory=dict)
+
+    def receiving_problem(self) -> str | None:
+        """Why every stream of the lane is unsynced now, whatever the store says (``Inbox.problem``)."""
+        return self.inbox.problem()
 
 
 def split_topic(topic: str) -> tuple[str | None, str | None]:

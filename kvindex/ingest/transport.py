@@ -19,12 +19,16 @@ Invariants:
   the connection that sent one, so an oversized batch becomes a seq gap / a failed replay, never
   a memory spike). Not given, it is the context's default (the daemon sets it from
   ``Config.max_message_bytes``), else ``MAX_MESSAGE_BYTES``.
-- libzmq reconnects a connecting SUB by itself after a network error, but not after a protocol
-  error (a message over ``MAXMSGSIZE`` is one): that engine then shows as not connected
-  (``/readyz``, ``kvindex_engine_connected``) until kvindex restarts or it is registered again.
-  (Re-dialling from the monitor was tried and removed: under engine churn it aborted libzmq.)
+- libzmq reconnects a connecting SUB by itself after a network error (its monitor says
+  ``CONNECT_RETRIED`` at once), but not after a protocol error (a message over ``MAXMSGSIZE`` is
+  one): then nothing follows the ``DISCONNECTED``. ``Subscriber.watch_peers`` reports such a
+  connection as *abandoned* (no retry within ``ABANDONED_AFTER`` seconds) and returns; the owner
+  closes the socket and opens a new one (``ingest.receiver``). (Re-dialling the same socket from
+  the monitor was tried and removed: under engine churn it aborted libzmq.)
 - ``Subscriber.watch_peers`` counts the connected peers from the socket's monitor (connected or
   accepted: one more; disconnected: one less, never below zero).
+- ``Subscriber.bursts`` sets ``burst_bytes`` to the size of the burst it yields (its parts, and
+  ``MESSAGE_OVERHEAD`` per message: what the lane's inbox counts against its budget).
 - A replay answer is bounded three ways: ``timeout`` seconds of waiting for the engine for the
   whole answer (the time the caller spends on the batches it was handed does not count), at most
   ``max_frames`` batches and at most ``max_bytes`` bytes (``MAX_REPLAY_BYTES``); past a bound the
@@ -67,6 +71,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_REPLAY_FRAMES = 200_000
 MAX_REPLAY_BYTES = 128 << 20
 YIELD_EVERY = 64  # replay frames read between two turns given to the event loop
+ABANDONED_AFTER = 0.5  # seconds after a DISCONNECTED with no CONNECT_RETRIED: libzmq gave the connection up
+MESSAGE_OVERHEAD = 200  # bytes a queued message costs beyond its parts (its Python objects)
 
 
 def raise_nofile() -> int:
@@ -174,6 +180,8 @@ class Subscriber:
         self._sock = ctx.socket(zmq.SUB)
         self._queued = (reader or queued)(self._sock.underlying)  # limit -> the queued messages' parts
         self.monitor: zmq.asyncio.Socket | None = None
+        self.bind = bind
+        self.burst_bytes = 0  # the size of the burst ``bursts`` yielded last
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -183,7 +191,7 @@ class Subscriber:
             # address: pyzmq's default names it after the socket's fd, which a closed socket's
             # lingering inproc endpoint may still hold ("Address already in use" under churn)
             monitor = self._sock.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED,
+                zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED,
                 addr=f"inproc://kvindex-monitor-{uuid.uuid4().hex}")
             self.monitor = monitor
             if bind:
@@ -204,6 +212,7 @@ class Subscriber:
             awaited = not burst
             if awaited:
                 burst = [await self._sock.recv_multipart(), *self._queued(DRAIN_BURST - 1)]
+            self.burst_bytes = sum(len(p) for parts in burst for p in parts) + MESSAGE_OVERHEAD * len(burst)
             yield [parse_message(parts) for parts in burst]
             handled, burst = burst, []
             if len(handled) == DRAIN_BURST:  # more may be queued: a turn for the loop, then look
@@ -220,18 +229,26 @@ class Subscriber:
 
     async def watch_peers(self, on_change: Callable[[int], None]) -> None:
         """Count the connected peers from the socket's monitor events, handing each new count to
-        ``on_change`` (for /v1/pods and /readyz); until cancelled."""
+        ``on_change`` (for /v1/pods and /readyz); until cancelled, or until a connecting socket's
+        connection is abandoned by libzmq (then it returns: see the module's invariants)."""
         from zmq.utils.monitor import parse_monitor_message
 
         monitor = self.monitor
         assert monitor is not None  # set by __init__, or it raised
         peers = 0
+        retrying = True  # until a DISCONNECTED: then libzmq must say it re-dials
         while True:
-            kind = parse_monitor_message(await monitor.recv_multipart())["event"]
+            try:
+                raw = await asyncio.wait_for(monitor.recv_multipart(), None if retrying else ABANDONED_AFTER)
+            except TimeoutError:
+                return  # DISCONNECTED, and no CONNECT_RETRIED: libzmq will not re-dial this socket
+            kind = parse_monitor_message(raw)["event"]
+            retrying = True
             if kind in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                 peers += 1
             elif kind == zmq.EVENT_DISCONNECTED:
                 peers = max(0, peers - 1)
+                retrying = self.bind  # a bound socket's peers dial again themselves
             else:
                 continue
             on_change(peers)

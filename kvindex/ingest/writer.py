@@ -6,7 +6,7 @@ Invariants:
   local state moves only after the store answered, from its answer (``Stream.observe``), so a
   re-run after ``StoreUnavailable`` is safe.
 - An APPLIED batch adds its rank to the stream, moves ``last_seq``, is counted (events, blocks,
-  lag) and goes to ``journal`` when set; DUPLICATE and STALE are counted skipped, and a
+  lag: from ``received``, kvindex's own receive time) and goes to ``journal`` when set; DUPLICATE and STALE are counted skipped, and a
   DUPLICATE moves ``last_seq`` (another replica applied it: this one has handled it).
 - An engine restart (``restart``, ``restart_unseen``) is a new process: the decoder forgets what it
   learned of the previous one (``Decoder.new_life``: a hybrid model's prefix group).
@@ -62,6 +62,7 @@ class StreamWriter:
         self._capacity = PodCapacity(max_blocks_per_pod, store, metrics)
         self.journal: Journal | None = None
         self.on_lora: Callable[[str, str, Iterable[str]], None] | None = None  # (pod, model, lora names)
+        self.received = time.monotonic()  # when the burst being applied was read off the socket (the lane sets it)
         self._waiting: dict[str, str] = {}  # topic -> the reason its stream was marked unsynced while waiting
 
     def stream(self, topic: str) -> Stream:
@@ -156,9 +157,8 @@ class StreamWriter:
                                     st.pod, done.tier_unkeyed)
         st.last_seq = seq
         st.batches += 1
-        now = time.time()
-        st.last_applied = now
-        st.counters.lag_seconds = max(0.0, now - batch.ts)
+        st.last_applied = time.time()
+        st.counters.lag_seconds = max(0.0, time.monotonic() - self.received)  # kvindex's clock, not the engine's ts
         if self.journal is not None:
             self.journal.batch(self.key, st.topic, seq, payload)
 

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
-from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
+from kvindex.config import MAX_BLOCKS_PER_POD, MAX_LAG_SECONDS, RECEIVE_BUFFER_BYTES, EngineConfig
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
@@ -81,6 +81,8 @@ class WorkerSettings(msgspec.Struct, frozen=True):
     replay_max_bytes: int = 128 << 20
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
     silent_seconds: float = 10.0
+    receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES
+    max_lag_seconds: float = MAX_LAG_SECONDS
 
     def to_json(self) -> str:
         return msgspec.json.encode(self).decode()

@@ -200,6 +200,9 @@ class RemoteLane:
     def behind(self, model: str) -> bool:
         return model in self.behind_models
 
+    def receiving_problem(self) -> str | None:  # judged in the worker (its pods' views say it)
+        return None
+
 
 class ShardedFleet:
     """The fleet's interface (``kvindex.views.FleetView``: ``add``, ``remove``, ``lanes``, ``resync``, ...)
