@@ -14,10 +14,17 @@ Invariants:
   (``messages``) is rendered by ``adapters.chat_template`` and encoded with
   ``add_special_tokens`` default **false** (vLLM's /v1/chat/completions default: the template
   writes BOS itself, so it is never doubled; a body that sets it true gets what vLLM gives it).
-- A body of at most ``INLINE_CHARS`` characters is tokenized on the event loop; a longer one in
-  the loop's default executor with ``encode_batch``, which releases the GIL (``encode`` does not:
-  in a thread it would stall the loop as much), so a long body never stalls the loop (measured in
-  benchmarks/tokenizer.py).
+- A completion body (``prompt``) of at most ``INLINE_CHARS`` characters is tokenized on the event
+  loop; a longer one in the loop's default executor with ``encode_batch``, which releases the GIL
+  (``encode`` does not: in a thread it would stall the loop as much), so a long body never stalls
+  the loop (measured in benchmarks/tokenizer.py).
+- A chat body (``messages``) is always rendered and encoded there, whatever its length: a template
+  is code, and what it costs is not bounded by the body's size (97 characters may scan an 8 MiB
+  string for the whole ``MAX_RENDER_SECONDS``). At most ``RENDER_THREADS`` of one tokenizer's
+  renders run at once (more wait, each its own request's time); each keeps its own bounds
+  (``adapters.template_bounds``, the 10 s one included). The loop then waits at most for the GIL
+  between two of a render's bytecodes (the switch interval, 5 ms), or one C call of it (a
+  ``sort`` of the largest list a template may build).
 - A body that cannot be tokenized raises ``ValueError`` (``ChatTemplateError``), one line.
 - A body's own ``chat_template`` counts into its size (it is compiled and rendered in the same call).
 - ``cache_epoch(model, body)``: the ``strftime_now`` values the body's template reads now ("" for a
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
     from adapters.chat_template import ChatTemplates
 
 INLINE_CHARS = 2048  # below this, a thread hop costs more than the tokenization itself
+RENDER_THREADS = 2  # chat renders of one tokenizer at once, each in a thread of the loop's default executor
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 EXTRA_HINT = 'tokenizer = "hf" needs the optional libraries: pip install "kvindex[hf]"'
 
@@ -126,6 +134,7 @@ class HFTokenizer:
     def __init__(self, backend: HFBackend, templates: ChatTemplates) -> None:
         self._backend = backend
         self._templates = templates
+        self._render_slots = asyncio.Semaphore(RENDER_THREADS)  # bound to a loop when first awaited
 
     @classmethod
     def load(cls, folder: str | Path, model: str = "*", trust_request_templates: bool = False) -> HFTokenizer:
@@ -183,10 +192,14 @@ class HFTokenizer:
         raise ValueError("request body needs a string 'prompt' or a list 'messages'")
 
     async def tokenize(self, model: str, body: dict[str, Any]) -> list[int]:
-        """``Tokenizer`` protocol: long bodies are tokenized off the event loop."""
-        if _body_chars(body) <= INLINE_CHARS:
-            return self.tokenize_now(body)
-        return await asyncio.get_running_loop().run_in_executor(None, self.tokenize_now, body, True)
+        """``Tokenizer`` protocol: chats and long prompts are tokenized off the event loop."""
+        loop = asyncio.get_running_loop()
+        if not isinstance(body.get("messages"), list):
+            if _body_chars(body) <= INLINE_CHARS:
+                return self.tokenize_now(body)
+            return await loop.run_in_executor(None, self.tokenize_now, body, True)
+        async with self._render_slots:
+            return await loop.run_in_executor(None, self.tokenize_now, body, True)
 
 
 def _body_chars(body: dict[str, Any]) -> int:
