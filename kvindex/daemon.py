@@ -72,7 +72,7 @@ from kvindex.logs import BurstLog
 from kvindex.lora import LoraAdapters, checked_adapters
 from kvindex.metrics import Metrics, StateCollector
 from kvindex.persist.restore import Recovery
-from kvindex.pods import Gauge, PodDirectory, pod_census, state_gauges
+from kvindex.pods import Gauge, Orphans, PodDirectory, pod_census, state_gauges
 from kvindex.query.service import QueryService
 from kvindex.route.shadows import Shadows
 from kvindex.registrations import EngineRegistry, Registrations
@@ -126,10 +126,11 @@ class Daemon:
         self.fleet: FleetView = (
             ShardedFleet(self.shards) if self.shards is not None
             else Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane)))
-        self.drift = DriftAudit(self.store, self.approx_store, config.drift)
+        self.drift, self.orphans = DriftAudit(self.store, self.approx_store, config.drift), Orphans(self.fleet)
         self.pods: PodsView = (
             ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
-            if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift))
+            if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift,
+                                                         self.orphans))
         self._session: aiohttp.ClientSession | None = None
         self.lora = LoraAdapters(checked_adapters({m: mc.base_model for m, mc in config.models.items()}), self.metrics,
                                  bases=[m for m, mc in config.models.items() if mc.base_model is None and m != "*"]
@@ -139,7 +140,7 @@ class Daemon:
         if self.shards is not None:  # the workers' lanes report their events' lora_names every WATCH_SECONDS
             self.shards.on_lora = self.lora.learn_from_events
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
-                                  behind=self._behind, adapters=self.lora)
+                                  behind=self.fleet.behind, adapters=self.lora, orphans=self.orphans.among)
         self.registrations = Registrations()
         self.shadows = Shadows.create(self.registry)  # what-if: every decision beside each policy's pick
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,
@@ -239,9 +240,6 @@ class Daemon:
         return lane
 
     # -- the store's health --------------------------------------------------------------------
-    def _behind(self, model: str) -> bool:
-        return self.fleet.behind(model)
-
     def _store_lost(self) -> None:
         self.fleet.store_lost()
 
@@ -315,6 +313,8 @@ class Daemon:
             self.fleet.add(engine.lane_key, engine)
         for reg in list(self.registrations.by_key.values()):
             self.fleet.add(reg.lane_key, reg.engine)
+        if self.recovery.restored_from:  # restored pods no engine publishes for: in no answer
+            await self.orphans.settle(self.store)
         self.loading = None
         if self.route is not None:
             self.ext_proc_port = await self.route.start(self.config.ext_proc_host or self.config.host,

@@ -11,10 +11,12 @@ lane, if any, keeps running and may add blocks again). A configured (or register
 not published yet is listed too, under its pod (else its endpoint), with ``connected`` and
 ``last_event_age_seconds: null`` (never); once it publishes, its streams' rows replace it.
 ``last_event_age_seconds`` is the seconds since this process last received a batch of the stream.
-A pod whose blocks the store holds but that no configured or registered engine publishes for (its
-engine removed from the configuration, blocks restored from a snapshot or a peer) is listed
-unsynced (``ORPHANED``): nothing keeps its blocks up to date. It stays until removed
-(``DELETE /v1/pods/{pod}``) or until an engine publishes for it again.
+An orphaned pod (``Orphans``: blocks restored from a snapshot or a peer, and no configured or
+registered engine publishes for it, e.g. its engine was removed from the configuration) is listed
+unsynced (``ORPHANED``) and left out of every answer: nothing keeps its blocks up to date. Its
+blocks stay until removed (``DELETE /v1/pods/{pod}``); once an engine publishes for it (a lane
+names it) it is an engine's pod again. Only this process's own store has orphans: a replica of a
+shared store that subscribes to no engine answers for the pods other replicas keep.
 """
 
 from __future__ import annotations
@@ -36,8 +38,49 @@ ORPHANED = ("no configured or registered engine publishes for this pod: its bloc
             "or a removed engine) are not kept up to date")
 
 
+def published_pods(fleet: FleetView) -> set[str]:
+    """The pods a configured or registered engine publishes for: each lane's (its pod, else its
+    endpoint, as the directory lists it) and its streams'."""
+    lanes = fleet.lanes().values()
+    return {lane.engine.pod or lane.engine.endpoint for lane in lanes} | \
+        {st.pod for lane in lanes for st in lane.state.streams.values()}
+
+
+class Orphans:
+    """Pods whose blocks came from saved state (a snapshot, the log, a peer) and that no engine
+    publishes for: listed unsynced and left out of answers (the module docstring).
+
+    Settled once, after the restore and the lanes' start (``settle``); from then on a pod only
+    leaves the set: an engine that publishes for it, or its removal. An orphan can arise only
+    there: a running kvindex drops an engine's pod with its lane (``/unregister``). ``among`` costs
+    nothing while there is no orphan (the usual case: no state dir, or every engine still configured)."""
+
+    def __init__(self, fleet: FleetView) -> None:
+        self._fleet = fleet
+        self._pods: set[str] = set()
+
+    async def settle(self, store: PreciseStore) -> None:
+        pods = [p for p in await store.pods() if any((await store.blocks_held(p)).values())]
+        self._pods = set(pods) - published_pods(self._fleet)
+
+    def among(self, pods: Iterable[str]) -> set[str]:
+        """The orphans among ``pods``."""
+        if not self._pods:
+            return set()
+        found = self._pods.intersection(pods)
+        if found:  # an engine may publish for it by now (a /register naming it)
+            self._pods -= published_pods(self._fleet)
+            found &= self._pods
+        return found
+
+    def forget(self, pod: str) -> None:
+        self._pods.discard(pod)
+
+
 class PodDirectory:
-    def __init__(self, fleet: FleetView, store: PreciseStore, approx: ApproxStore, drift: DriftAudit) -> None:
+    def __init__(self, fleet: FleetView, store: PreciseStore, approx: ApproxStore, drift: DriftAudit,
+                 orphans: Orphans | None = None) -> None:
+        self._orphans = orphans if orphans is not None else Orphans(fleet)
         self._drift = drift
         self._fleet = fleet
         self._store = store
@@ -67,17 +110,16 @@ class PodDirectory:
             if not lane.state.streams:  # configured, never published: listed, its age null (never)
                 view = self._engine_view(key, lane)
                 views.setdefault(view["pod"], view)
-        orphans = (set(await self._store.pods()) | set(await self._approx.pods())) - set(views)
-        for pod in orphans:
+        for pod in (set(await self._store.pods()) | set(await self._approx.pods())) - set(views):
             views[pod] = {"pod": pod, "model": None, "endpoint": None, "connected": False, "synced": True}
+        for pod in self._orphans.among(views):  # blocks no engine stream keeps up to date
+            views[pod].update(synced=False, unsynced_reason=ORPHANED)
         pods = sorted(views)
         blocks = await asyncio.gather(*(self._store.blocks_held(p) for p in pods))
         entries = await asyncio.gather(*(self._approx.entries(p) for p in pods))
         for pod, held, n in zip(pods, blocks, entries):
             views[pod]["blocks"] = held
             views[pod]["approx_entries"] = n
-            if pod in orphans and any(held.values()):  # blocks no engine stream keeps up to date
-                views[pod].update(synced=False, unsynced_reason=ORPHANED)
         return [views[p] for p in pods]
 
     def _engine_view(self, key: str, lane: LaneView) -> dict[str, Any]:
@@ -104,6 +146,7 @@ class PodDirectory:
         return problems
 
     async def remove(self, pod: str) -> bool:
+        self._orphans.forget(pod)
         return await remove_pod(pod, self._store, self._approx, self._drift, self.on_remove)
 
 

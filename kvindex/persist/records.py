@@ -24,8 +24,10 @@ Invariants:
   whose announced length fits, whose CRC holds and whose body decodes as a ``Record``. A false
   resync needs a CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one
   residual risk is a damaged length field in front of an engine payload that itself contains a
-  well-formed record, which needs both disk corruption and a crafted payload. Records after a skipped stretch are
-  safe to apply: a batch after a missing one is a seq gap and marks its stream unsynced.
+  well-formed record, which needs both disk corruption and a crafted payload.
+- ``read_marked`` yields a ``Damage`` marker where a stretch was skipped, so the replay knows which
+  records lie after damage: a stream whose logged seq jumps across a ``Damage`` lost its batches
+  to the disk, not to the engine, and they are asked of the engine again (``kvindex.persist.logreplay``).
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class Unknown(msgspec.Struct, frozen=True):
     why: str  # what the reader yields for an intact record that is not a ``Record`` (never written)
 
 
+class Damage(msgspec.Struct, frozen=True):
+    why: str  # where ``read_marked`` skipped damaged bytes (never written)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Record] = msgspec.msgpack.Decoder(Record)  # type: ignore[arg-type]
 
@@ -148,9 +154,13 @@ def read_segment(path: Path) -> tuple[list[Record | Unknown], str | None]:
     """Every intact record of one segment, and what was skipped (None: the segment is clean).
     A bad record does not end reading: the reader skips to the next valid record (see the module
     docstring) and the problem names each bad record and how many bytes were skipped."""
-    data = path.read_bytes()
-    out: list[Record | Unknown] = []
-    problems: list[str] = []
+    marked = _read_marked_segment(path.read_bytes())
+    problems = [r.why for r in marked if isinstance(r, Damage)]
+    return [r for r in marked if not isinstance(r, Damage)], "; ".join(problems) or None
+
+
+def _read_marked_segment(data: bytes) -> list[Record | Unknown | Damage]:
+    out: list[Record | Unknown | Damage] = []
     pos = 0
     while pos < len(data):
         rec, size, why = _record_at(data, pos)
@@ -160,21 +170,28 @@ def read_segment(path: Path) -> tuple[list[Record | Unknown], str | None]:
             continue
         nxt = _resync(data, pos)
         if nxt is None:
-            problems.append(f"{why}: skipped the last {len(data) - pos} bytes")
+            out.append(Damage(f"{why}: skipped the last {len(data) - pos} bytes"))
             break
-        problems.append(f"{why}: skipped {nxt - pos} bytes, resynchronised at byte {nxt}")
+        out.append(Damage(f"{why}: skipped {nxt - pos} bytes, resynchronised at byte {nxt}"))
         pos = nxt
-    return out, "; ".join(problems) or None
+    return out
+
+
+def read_marked(directory: Path, first: int) -> Iterator[Record | Unknown | Damage]:
+    """Every intact record of segments >= ``first``, in order, with a ``Damage`` where bytes were
+    skipped (each logged as a warning saying how many)."""
+    for n in segments(directory):
+        if n < first:
+            continue
+        marked = _read_marked_segment(segment_path(directory, n).read_bytes())
+        problems = [r.why for r in marked if isinstance(r, Damage)]
+        if problems:
+            log.warning("write-ahead log %s: %s (%d records kept)", segment_path(directory, n).name,
+                        "; ".join(problems), len(marked) - len(problems))
+        yield from marked
 
 
 def read_from(directory: Path, first: int) -> Iterator[Record | Unknown]:
     """Every intact record of segments >= ``first``, in order. Damage is skipped with a warning
     that says how many bytes were skipped; the records after it are still read."""
-    for n in segments(directory):
-        if n < first:
-            continue
-        records, problem = read_segment(segment_path(directory, n))
-        if problem:
-            log.warning("write-ahead log %s: %s (%d records kept)", segment_path(directory, n).name, problem,
-                        len(records))
-        yield from records
+    return (r for r in read_marked(directory, first) if not isinstance(r, Damage))

@@ -62,16 +62,10 @@ from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
 from kvindex.persist.dynamo_peer import load_dynamo_dump
 from kvindex.persist.journal import LaneJournal, finished, journal_on
+from kvindex.persist.logreplay import LogReplay
 from kvindex.persist.lock import StateDirLock
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
-    Batch,
-    Decision,
-    PodRemoved,
-    Record,
-    RegistrationChange,
-    Resync,
-    Unknown,
     WriteAheadLog,
     fsync_and_close,
     read_from,
@@ -273,65 +267,10 @@ class Recovery:
     async def _replay_log(self, first: int) -> int:
         """Re-apply the write-ahead log's records through lanes that are not running yet."""
         assert self.config.state_dir is not None
-        lanes: dict[str, RestorableLane] = {}
-        n = skipped = unknown = 0
-        for rec in read_from(self.config.state_dir, first):
-            applied = False
-            if isinstance(rec, Unknown):  # e.g. a newer release's record: the first is logged, all counted
-                unknown += 1
-                if unknown == 1:
-                    log.warning("write-ahead log: skipping records this kvindex does not know, first: %s", rec.why)
-            else:
-                try:
-                    applied = await self._replay_record(rec, lanes)
-                except (TypeError, ValueError, KeyError) as exc:
-                    log.warning("write-ahead log: skipping a malformed record: %s", exc)
-            n += applied
-            skipped += not applied
-        for key, lane in lanes.items():
-            self._restored_streams[key] = [snapshots.stream_state(st) for st in lane.state.streams.values()]
-        if n or skipped:
-            log.info("write-ahead log: re-applied %d records (%d skipped, %d of them unknown)", n, skipped, unknown)
-        return n
-
-    async def _replay_record(self, rec: Record, lanes: dict[str, RestorableLane]) -> bool:
-        """One record, re-applied as it was when logged; False: it could not be (its lane is gone)."""
-        match rec:
-            case Batch() | Resync():
-                lane = lanes.get(rec.lane_key) or await self._replay_lane(rec.lane_key, lanes)
-                if lane is None:
-                    return False
-                if isinstance(rec, Batch):
-                    await lane.apply_logged(rec.topic, rec.seq, rec.payload)
-                else:
-                    await lane.resync_logged(rec.pod)
-            case Decision():
-                self.approx.record(rec.pod, rec.model, list(rec.hashes))
-            case PodRemoved():
-                self.index.clear_pod(rec.pod)
-                self.approx.remove_pod(rec.pod)
-            case RegistrationChange():
-                self._replay_registration(rec.change, Registration.from_json(rec.registration), lanes)
-        return True
-
-    async def _replay_lane(self, key: str, lanes: dict[str, RestorableLane]) -> RestorableLane | None:
-        engine = self._engine_for(key)
-        if engine is None:
-            return None
-        lane = lanes[key] = self._make_lane(engine)
-        lane.key = key
-        lane.restore_streams(self._restored_streams.get(key, []))
-        await lane.install_restored()
-        return lane
-
-    def _replay_registration(self, kind: str, reg: Registration, lanes: dict[str, RestorableLane]) -> None:
-        if kind == "add":
-            self.registrations.add(reg)
-        elif (reg.instance_id, reg.dp_rank) in self.registrations.by_key:
-            self.registrations.remove(reg)
-            self.index.clear_pod(reg.instance_id, reg.dp_rank)
-            self._restored_streams.pop(reg.lane_key, None)
-            lanes.pop(reg.lane_key, None)
+        replay = LogReplay(index=self.index, approx=self.approx, registrations=self.registrations,
+                           restored_streams=self._restored_streams, engine_for=self._engine_for,
+                           make_lane=self._make_lane)
+        return await replay.run(self.config.state_dir, first)
 
     async def restore(self) -> None:
         """Local state first (snapshot + log); else the peer's; else empty. The garbage collector

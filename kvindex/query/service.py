@@ -12,6 +12,10 @@ Invariants:
   cache), so ``tokens`` is what the engine would report as ``cached_tokens``.
 - ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
   more than the engine holds (stale), negative when the engine holds what the router never saw.
+- An orphaned pod (``kvindex.pods.Orphans``: restored blocks no engine keeps up to date) is in no
+  answer: never a precise match, never a candidate unless the caller names it (then it holds
+  nothing). Every precise route (score, Dynamo and Mooncake queries, decisions, the request path)
+  comes through ``precise`` / ``precise_by_local_hashes``.
 - Pure with respect to both indexes: a query changes nothing.
 - Both indexes are read through their stores (``kvindex.index.factory``): one await per index read. A
   model whose engine streams wait for the store (buffered batches, a resync after the store was
@@ -118,11 +122,17 @@ def _never_behind(model: str) -> bool:
     return False
 
 
+def _no_orphans(pods: Iterable[str]) -> set[str]:
+    return set()
+
+
 class QueryService:
     def __init__(self, store: PreciseStore, approx: ApproxStore,
                  tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int,
-                 behind: Callable[[str], bool] = _never_behind, adapters: LoraAdapters | None = None) -> None:
+                 behind: Callable[[str], bool] = _never_behind, adapters: LoraAdapters | None = None,
+                 orphans: Callable[[Iterable[str]], set[str]] = _no_orphans) -> None:
         self.store = store
+        self._orphans = orphans  # of these pods, those left out of answers
         self.adapters = adapters if adapters is not None else LoraAdapters()
         self.approx = approx
         self.scores = ScoreMemory()
@@ -158,12 +168,17 @@ class QueryService:
                 return PreciseAnswer(0, len(token_ids), (), {}, root)
             keys = K.prompt_keys(root, token_ids if whole else token_ids[:cacheable_tokens(token_ids)], bs)
             try:
-                return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model),
-                                     root)
+                return PreciseAnswer(bs, len(token_ids), tuple(keys), await self._match(keys, pods, model), root)
             except BlockSizeChanged:
                 if attempt:
                     raise _changing(model) from None
         raise AssertionError("unreachable")
+
+    async def _match(self, keys: Sequence[int], pods: Iterable[str] | None, model: str) -> dict[str, PodMatch]:
+        """The store's matches, orphaned pods left out."""
+        matches = await self.store.match(keys, pods, model=model)
+        orphans = self._orphans(matches) if matches else ()
+        return {p: m for p, m in matches.items() if p not in orphans} if orphans else matches
 
     async def precise_by_local_hashes(self, model: str, local_hashes: Sequence[int],
                                       pods: Iterable[str] | None) -> PreciseAnswer:
@@ -175,7 +190,7 @@ class QueryService:
                 return PreciseAnswer(0, 0, (), {})
             keys = K.chain_keys(K.root_key(model, lora_name), local_hashes)
             try:
-                return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self.store.match(keys, pods, model=model))
+                return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self._match(keys, pods, model))
             except BlockSizeChanged:
                 if attempt:
                     raise _changing(model) from None
@@ -288,7 +303,8 @@ class QueryService:
         return answer, self._with_matched(await known, answer)
 
     async def _known_pods(self) -> set[str]:
-        return set(await self.store.pods()) | set(await self.approx.pods())
+        known = set(await self.store.pods()) | set(await self.approx.pods())
+        return known - self._orphans(known)
 
     @staticmethod
     def _with_matched(pods: set[str], precise: PreciseAnswer | None) -> list[str]:
