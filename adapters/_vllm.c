@@ -17,8 +17,9 @@
  * - Wire format (vllm/distributed/kv_events.py): payload = [ts, events, dp_rank?]; an event is a
  *   tagged array ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
  *   medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window,
- *   ...] (missing trailing fields are nil, extra ones ignored) or a map with "type" (unknown keys
- *   ignored, the last of duplicate keys wins).
+ *   locality, ownership, session_id, lookahead_token_ids, ...] (vLLM 0.34's order, docs/vllm-versions.md;
+ *   missing trailing fields are nil, extra ones ignored) or a map with "type" (unknown keys ignored,
+ *   the last of duplicate keys wins).
  * - Adjacent BlockRemoved events of one (medium, group) are merged into one, as in Python.
  * - Hybrid models (adapters/vllm_groups.py; only maps carry kv_cache_spec_kind, an array's trailing
  *   fields are ignored): the prefix group is learned from the batch's first store when ``groups``
@@ -379,6 +380,7 @@ static int cache_salt(Buf *b, PyObject *lora_name, PyObject **salt) {
 
 typedef struct {
     PyObject *hashes, *parent, *tokens, *block_size, *medium, *lora_name, *salt, *group;
+    PyObject *lookahead, *locality, *ownership, *session; /* vLLM 0.34 (docs/vllm-versions.md) */
     int other_kind; /* kv_cache_spec_kind is a string other than a full-attention kind */
 } Stored;
 
@@ -392,9 +394,43 @@ static int spec_kind(Buf *b, int *other) {
     return 0;
 }
 
+/* lookahead_token_ids: nil -> None, else a tuple of (nil -> None | array("I")) per entry; NULL declines.
+   Its length and entry sizes are checked by make_stored (vllm_fields.lookahead_of is the reference). */
+static PyObject *lookaheads(Buf *b, const Kinds *k) {
+    const uint8_t *at;
+    Item it, e;
+    if (next(b, &it) < 0) return NULL;
+    if (it.kind == K_NIL) return Py_NewRef(Py_None);
+    if (it.kind != K_ARRAY || it.n > (uint32_t)(b->end - b->p)) return NULL; /* each entry takes a byte */
+    PyObject *out = PyTuple_New(it.n);
+    for (uint32_t i = 0; out != NULL && i < it.n; i++) {
+        at = b->p;
+        if (next(b, &e) < 0) { Py_CLEAR(out); break; }
+        PyObject *entry = NULL;
+        if (e.kind == K_NIL) entry = Py_NewRef(Py_None);
+        else { b->p = at; entry = tokens(b, k); }
+        if (entry == NULL) Py_CLEAR(out);
+        else PyTuple_SET_ITEM(out, i, entry);
+    }
+    return out;
+}
+
 static void stored_clear(Stored *s) {
     Py_CLEAR(s->hashes); Py_CLEAR(s->parent); Py_CLEAR(s->tokens); Py_CLEAR(s->block_size);
     Py_CLEAR(s->medium); Py_CLEAR(s->lora_name); Py_CLEAR(s->salt); Py_CLEAR(s->group);
+    Py_CLEAR(s->lookahead); Py_CLEAR(s->locality); Py_CLEAR(s->ownership); Py_CLEAR(s->session);
+}
+
+/* Each of ``lookahead`` (a tuple) nil or at most ``block_size`` tokens, one per hash: 0 yes, -1 no. */
+static int lookahead_fits(PyObject *lookahead, PyObject *hashes, PyObject *block_size) {
+    if (lookahead == Py_None) return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(lookahead), bs = PyLong_AsSsize_t(block_size);
+    if (n != PyObject_Length(hashes) || bs < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyTuple_GET_ITEM(lookahead, i);
+        if (e != Py_None && PyObject_Length(e) > bs) return -1;
+    }
+    return 0;
 }
 
 /* Defaults of a field the event does not carry (msgspec's struct defaults). */
@@ -405,12 +441,16 @@ static int stored_defaults(Stored *s, const Kinds *k) {
     if (s->lora_name == NULL) s->lora_name = Py_NewRef(Py_None);
     if (s->salt == NULL) s->salt = Py_NewRef(Py_None);
     if (s->group == NULL) s->group = Py_NewRef(Py_None);
+    if (s->lookahead == NULL) s->lookahead = Py_NewRef(Py_None);
+    if (s->locality == NULL) s->locality = Py_NewRef(Py_None);
+    if (s->ownership == NULL) s->ownership = Py_NewRef(Py_None);
+    if (s->session == NULL) s->session = Py_NewRef(Py_None);
     return s->hashes != NULL && s->block_size != NULL ? 0 : -1; /* required */
 }
 
 /* The typed path's BlockStored: medium upper-cased, group_idx ``or 0``. */
 static PyObject *make_stored(Stored *s, const Kinds *k) {
-    if (stored_defaults(s, k) < 0) return NULL;
+    if (stored_defaults(s, k) < 0 || lookahead_fits(s->lookahead, s->hashes, s->block_size) < 0) return NULL;
     PyObject *medium = medium_of(s->medium, k->gpu);
     if (medium == NULL) return NULL;
     /* block size 0: a tier placeholder (is_tier_placeholder: not on GPU, no token ids), else declined */
@@ -421,7 +461,8 @@ static PyObject *make_stored(Stored *s, const Kinds *k) {
     }
     PyObject *group = s->group == Py_None ? PyLong_FromLong(0) : Py_NewRef(s->group);
     PyObject *ev = group ? PyObject_CallFunctionObjArgs(k->stored, s->hashes, s->parent, s->tokens, s->block_size,
-                                                        medium, s->lora_name, s->salt, group, NULL) : NULL;
+                                                        medium, s->lora_name, s->salt, group, s->lookahead,
+                                                        s->locality, s->ownership, s->session, NULL) : NULL;
     Py_DECREF(medium);
     Py_XDECREF(group);
     return ev;
@@ -499,6 +540,10 @@ static int map_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, Re
             else if (str_is(&key, "lora_name")) rc = set_field(&s->lora_name, opt_str(&fb));
             else if (str_is(&key, "group_idx")) rc = set_field(&s->group, opt_int(&fb));
             else if (str_is(&key, "kv_cache_spec_kind")) rc = spec_kind(&fb, &s->other_kind);
+            else if (str_is(&key, "lookahead_token_ids")) rc = set_field(&s->lookahead, lookaheads(&fb, k));
+            else if (str_is(&key, "locality")) rc = set_field(&s->locality, opt_str(&fb));
+            else if (str_is(&key, "ownership")) rc = set_field(&s->ownership, opt_str(&fb));
+            else if (str_is(&key, "session_id")) rc = set_field(&s->session, opt_str(&fb));
             else if (str_is(&key, "extra_keys")) { extra = fb.p; known = 0; }
             else known = 0;
         }
@@ -523,7 +568,7 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
         if (*tag == E_REMOVED && i <= 3) {
             rc = i == 1 ? set_field(&r->hashes, hashes(b, k))
                : i == 2 ? set_field(&r->medium, opt_medium(b, k->gpu)) : set_field(&r->group, opt_int(b));
-        } else if (*tag == E_STORED && i <= 9 && i != 5) {
+        } else if (*tag == E_STORED && i <= 15 && i != 5 && i != 10 && i != 11) { /* 10, 11: no kind (vllm_groups) */
             switch (i) {
             case 1: rc = set_field(&s->hashes, hashes(b, k)); break;
             case 2: rc = set_field(&s->parent, parent(b)); break;
@@ -536,6 +581,10 @@ static int array_event(Buf *b, uint32_t n, const Kinds *k, Tag *tag, Stored *s, 
                 rc = cache_salt(b, s->lora_name, &s->salt);
                 break;
             case 9: rc = set_field(&s->group, opt_int(b)); break;
+            case 12: rc = set_field(&s->locality, opt_str(b)); break;
+            case 13: rc = set_field(&s->ownership, opt_str(b)); break;
+            case 14: rc = set_field(&s->session, opt_str(b)); break;
+            case 15: rc = set_field(&s->lookahead, lookaheads(b, k)); break;
             }
         } else {
             known = 0;

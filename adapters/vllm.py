@@ -6,7 +6,9 @@ Wire format (reference: vllm/distributed/kv_events.py):
 - an event is a tagged array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
   block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]`` (vLLM <= 0.23, SGLang
   before 2026-09; missing trailing fields are nil, extra ones ignored) or a map with ``"type"``
-  (vLLM >= 0.26): ``{"type": "BlockStored", "block_hashes": [...], ...}``;
+  (vLLM >= 0.26): ``{"type": "BlockStored", "block_hashes": [...], ...}``; vLLM 0.34's fields
+  (locality, ownership, session_id, lookahead_token_ids) are read from both, an array's by
+  position (vllm_fields.STORED_FIELDS; docs/vllm-versions.md has the version matrix);
 - a hash is a u64, a negative i64 (two's complement) or bytes (vLLM: the last 8 bytes, big-endian;
   SGLang: the first 8); a parent of nil or 0 (llm-d-inference-sim arrays) means "no parent".
 
@@ -38,10 +40,15 @@ from adapters.vllm_fields import (
     MASK64,
     Skip,
     cache_salt_of,
+    LABELS,
+    STORED_FIELDS as STORED_FIELDS,
     is_tier_placeholder,
+    label_of,
     last8_be,
+    lookahead_of,
     medium_of,
     small_int,
+    tag_and_fields,
     token_array,
 )
 from kvindex import native
@@ -57,9 +64,6 @@ from kvindex.events import (
     KVEvent,
 )
 
-STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                 "medium", "lora_name", "extra_keys", "group_idx")  # arrays carry no kind (vllm_groups)
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 Hash = int | bytes
@@ -75,6 +79,10 @@ class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int] | None] | None = None
 
 
 class _MapRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
@@ -96,7 +104,13 @@ class _ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
-    group_idx: int | None = None  # later fields (kv_cache_spec_kind, ...) ignored, as msgspec ignores them
+    group_idx: int | None = None
+    unread_kind: Any = None  # kv_cache_spec_kind and its window: not read from arrays (vllm_groups)
+    unread_sliding_window: Any = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int] | None] | None = None  # later fields ignored, as msgspec ignores them
 
 
 class _ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
@@ -244,7 +258,7 @@ class VllmDecoder:
         return G.first_prefix_group(_accepted_stores(raw_events, self._stored))
 
     def _event(self, raw: Any, skipped: list[str], prefix: int | None) -> KVEvent:
-        tag, fields = _tag_and_fields(raw)
+        tag, fields = tag_and_fields(raw)
         if tag == "BlockStored":
             if not G.stored_indexed(prefix, small_int(fields.get("group_idx"), 0), fields.get("kv_cache_spec_kind")):
                 raise Skip(G.NON_PREFIX_GROUP)
@@ -273,6 +287,7 @@ class VllmDecoder:
         if lora_name is not None and not isinstance(lora_name, str):
             raise Skip("bad_lora_name")
         tokens = token_array(f.get("token_ids"), skipped)
+        lookahead = lookahead_of(f.get("lookahead_token_ids"), len(hashes), block_size)
         return BlockStored(
             block_hashes=hashes,
             parent_hash=parent_hash,
@@ -282,6 +297,8 @@ class VllmDecoder:
             lora_name=lora_name,
             cache_salt=cache_salt_of(extra, lora_name),
             group_idx=small_int(f.get("group_idx"), 0),
+            lookahead_token_ids=lookahead,
+            **{name: label_of(f.get(name), skipped) for name in LABELS},
         )
 
     def _hashes(self, value: Any) -> array:
@@ -304,7 +321,7 @@ def _accepted_stores(raw_events: list[Any], decode_stored: Callable[[dict[str, A
     ``Skip``, is left out), for the prefix group's look-ahead."""
     for raw in raw_events:
         try:
-            tag, f = _tag_and_fields(raw)
+            tag, f = tag_and_fields(raw)
             if tag == "BlockStored":
                 group, kind = small_int(f.get("group_idx"), 0), f.get("kv_cache_spec_kind")
                 if G.is_full_attention(kind):  # only a candidate is decoded, and only while no group is known
@@ -335,6 +352,10 @@ def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
     except OverflowError:
         return None
     extra = w.extra_keys
+    try:
+        lookahead = lookahead_of(w.lookahead_token_ids, len(hashes), w.block_size)
+    except Skip:
+        return None  # the generic path names it
     return BlockStored(
         block_hashes=hashes,
         parent_hash=parent or None,
@@ -344,6 +365,10 @@ def _typed_stored(w: _MapStored | _ArrayStored) -> BlockStored | None:
         lora_name=w.lora_name,
         cache_salt=cache_salt_of(extra, w.lora_name) if extra else None,
         group_idx=w.group_idx or 0,
+        lookahead_token_ids=lookahead,
+        locality=w.locality,
+        ownership=w.ownership,
+        session_id=w.session_id,
     )
 
 
@@ -365,16 +390,3 @@ def _batch_parts(obj: Any) -> tuple[float, list[Any], int]:
     if type(rank) is not int or not 0 <= rank <= MAX_DP_RANK:
         raise DecodeError("bad_batch", "data_parallel_rank is not a small int")
     return float(ts), events, rank
-
-
-def _tag_and_fields(raw: Any) -> tuple[str, dict[str, Any]]:
-    if isinstance(raw, dict):
-        tag = raw.get("type")
-        if not isinstance(tag, str):
-            raise Skip("bad_event")
-        return tag, raw
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        tag = raw[0]
-        names = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS
-        return tag, dict(zip(names, raw[1:]))
-    raise Skip("bad_event")

@@ -13,6 +13,13 @@ Invariants:
   sequence of u64 ints (events built by hand: tests, tools).
 - The types are frozen ``msgspec.Struct``s, as in vLLM's ``kv_events.py``: constructed millions of
   times a second on the ingest path, where a frozen dataclass costs several times more.
+- ``lookahead_token_ids`` (vLLM 0.34, EAGLE/MTP lookahead-aware hashing): None when the event does
+  not carry the field, else one entry per block hash: the tokens after the block that the engine's
+  hash also covers (``array("I")``, at most ``block_size`` of them), or None for a block whose
+  engine hash covers none (kvindex then treats its lookahead as unknown). A block's *key* never
+  depends on them (kvindex.keys: the block's own tokens); matching judges them
+  (kvindex.index.lookahead). ``locality``/``ownership``/``session_id`` are carried as sent
+  (None when absent): labels, no part of any key (docs/vllm-versions.md).
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     lora_name: str | None = None
     cache_salt: str | None = None
     group_idx: int = 0
+    lookahead_token_ids: tuple[array | None, ...] | None = None  # one per hash (vLLM 0.34), see above
+    locality: str | None = None  # "LOCAL" / "REMOTE" relative to the publisher (vLLM #48281)
+    ownership: str | None = None  # the secondary offloading tier that generated it (vLLM #52067)
+    session_id: str | None = None  # the request's session that stored or reused it (vLLM #51381)
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):
