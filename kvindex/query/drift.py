@@ -1,6 +1,6 @@
 """The drift audit: what the router believes next to what the engines hold, per decision and per pod.
 
-Definitions (the README repeats them):
+Definitions (docs/how-it-works.md repeats them):
 - For a request R and a pod P, the *belief* ``b(R, P)`` is the approximate index's matched blocks
   on P divided by R's number of approximate blocks (Kthena's match ratio), and the *truth*
   ``h(R, P)`` is the precise index's matched tokens on P divided by R's prompt tokens (what the
