@@ -134,6 +134,10 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    "missed (default: memory only)")
     s.add_argument("--snapshot-seconds", type=float, metavar="S", help="with --state-dir: write a snapshot every S "
                    "seconds (and on SIGTERM), then start a new write-ahead log segment (default 60)")
+    s.add_argument("--orphan-grace-seconds", type=float, metavar="S", help="after a restore (--state-dir, "
+                   "--peer), a pod whose blocks were restored but that no configured or registered engine "
+                   "publishes for is listed unsynced at once and left out of every answer after S seconds, "
+                   "unless an engine publishes for it by then (default 60; 0: at once)")
     s.add_argument("--fsync", choices=("always", "interval", "never"), help="with --state-dir: when the write-ahead "
                    "log is fsynced. Every record reaches the OS at once, so a killed kvindex loses nothing; fsync "
                    "decides what a power loss can take: always (per record, slowest), interval (every second, the "
@@ -219,7 +223,8 @@ def add_common(p: argparse.ArgumentParser, *, defaults: bool) -> None:
 def load_config(args: argparse.Namespace) -> Config:
     base = load_file(args.config) if args.config else Config()
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
-                          snapshot_seconds=args.snapshot_seconds, fsync=args.fsync, peer=args.peer,
+                          snapshot_seconds=args.snapshot_seconds,
+                          orphan_grace_seconds=args.orphan_grace_seconds, fsync=args.fsync, peer=args.peer,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
                           receive_buffer_bytes=args.receive_buffer_bytes, max_lag_seconds=args.max_lag_seconds,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,

@@ -190,6 +190,7 @@ class Config:
     max_lag_seconds: float = MAX_LAG_SECONDS  # an engine's lane this far behind is lagging: unsynced ([server])
     state_dir: Path | None = None  # snapshots + write-ahead log; None: state lives in memory only
     snapshot_seconds: float = 60.0
+    orphan_grace_seconds: float = 60.0  # restored pods no engine publishes for: answered this long ([state])
     fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
     peer: str | None = None  # base URL of a running kvindex (or Dynamo indexer) whose state is loaded before serving
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
@@ -243,6 +244,8 @@ class Config:
             raise ConfigError("max_lag_seconds must be a positive number of seconds")
         if type(self.engine_silent_seconds) not in (int, float) or not 0 < self.engine_silent_seconds < 1e6:
             raise ConfigError("engine_silent_seconds must be a positive number of seconds")
+        if type(self.orphan_grace_seconds) not in (int, float) or not 0 <= self.orphan_grace_seconds < 1e6:
+            raise ConfigError("orphan_grace_seconds must be a number of seconds, >= 0")
         if not self.snapshot_seconds > 0:
             raise ConfigError("snapshot_seconds must be > 0")
         self._check_http()

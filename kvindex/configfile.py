@@ -89,6 +89,7 @@ class RouteTable(_Table, frozen=True):
 class StateTable(_Table, frozen=True):
     dir: str | UnsetType = UNSET  # "" as omitted: state in memory only
     snapshot_seconds: float | UnsetType = UNSET
+    orphan_grace_seconds: float | UnsetType = UNSET
     fsync: str | UnsetType = UNSET
     peer: str | UnsetType = UNSET
 

@@ -126,7 +126,8 @@ class Daemon:
         self.fleet: FleetView = (
             ShardedFleet(self.shards) if self.shards is not None
             else Fleet(self._make_lane, on_add=lambda key, lane: self.recovery.lane_added(key, lane)))
-        self.drift, self.orphans = DriftAudit(self.store, self.approx_store, config.drift), Orphans(self.fleet)
+        self.drift = DriftAudit(self.store, self.approx_store, config.drift)
+        self.orphans = Orphans(self.fleet, config.orphan_grace_seconds)
         self.pods: PodsView = (
             ShardedPods(self.shards, self.store, self.approx_store, self.drift)  # type: ignore[arg-type]
             if self.shards is not None else PodDirectory(self.fleet, self.store, self.approx_store, self.drift,
@@ -140,7 +141,7 @@ class Daemon:
         if self.shards is not None:  # the workers' lanes report their events' lora_names every WATCH_SECONDS
             self.shards.on_lora = self.lora.learn_from_events
         self.query = QueryService(self.store, self.approx_store, self._tokenizer_for, config.max_token_ids,
-                                  behind=self.fleet.behind, adapters=self.lora, orphans=self.orphans.among)
+                                  behind=self.fleet.behind, adapters=self.lora, orphans=self.orphans.excluded)
         self.registrations = Registrations()
         self.shadows = Shadows.create(self.registry)  # what-if: every decision beside each policy's pick
         self.services = Services(config=config, metrics=self.metrics, query=self.query, fleet=self.fleet,

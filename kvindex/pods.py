@@ -13,9 +13,11 @@ not published yet is listed too, under its pod (else its endpoint), with ``conne
 ``last_event_age_seconds`` is the seconds since this process last received a batch of the stream.
 An orphaned pod (``Orphans``: blocks restored from a snapshot or a peer, and no configured or
 registered engine publishes for it, e.g. its engine was removed from the configuration) is listed
-unsynced (``ORPHANED``) and left out of every answer: nothing keeps its blocks up to date. Its
-blocks stay until removed (``DELETE /v1/pods/{pod}``); once an engine publishes for it (a lane
-names it) it is an engine's pod again. Only this process's own store has orphans: a replica of a
+unsynced (``ORPHANED``): nothing keeps its blocks up to date. Its blocks are answered for
+``orphan_grace_seconds`` after the start (an engine may register again, a replica recovered from a
+peer may be asked at once), then left out of every answer. Its blocks stay until removed
+(``DELETE /v1/pods/{pod}``); once an engine publishes for it (a lane names it) it is an engine's
+pod again. Only this process's own store has orphans: a replica of a
 shared store that subscribes to no engine answers for the pods other replicas keep.
 """
 
@@ -48,20 +50,31 @@ def published_pods(fleet: FleetView) -> set[str]:
 
 class Orphans:
     """Pods whose blocks came from saved state (a snapshot, the log, a peer) and that no engine
-    publishes for: listed unsynced and left out of answers (the module docstring).
+    publishes for: listed unsynced, and left out of answers once ``grace`` seconds have passed
+    since ``settle`` (the module docstring).
 
     Settled once, after the restore and the lanes' start (``settle``); from then on a pod only
     leaves the set: an engine that publishes for it, or its removal. An orphan can arise only
-    there: a running kvindex drops an engine's pod with its lane (``/unregister``). ``among`` costs
-    nothing while there is no orphan (the usual case: no state dir, or every engine still configured)."""
+    there: a running kvindex drops an engine's pod with its lane (``/unregister``). ``excluded``
+    costs nothing while there is no orphan (the usual case: no state dir, or every engine still
+    configured)."""
 
-    def __init__(self, fleet: FleetView) -> None:
-        self._fleet = fleet
+    def __init__(self, fleet: FleetView, grace: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._fleet, self._grace, self._clock = fleet, grace, clock
         self._pods: set[str] = set()
+        self._excluded_from = 0.0  # clock time from which orphans are left out of answers
 
     async def settle(self, store: PreciseStore) -> None:
         pods = [p for p in await store.pods() if any((await store.blocks_held(p)).values())]
         self._pods = set(pods) - published_pods(self._fleet)
+        self._excluded_from = self._clock() + self._grace
+
+    def excluded(self, pods: Iterable[str]) -> set[str]:
+        """The orphans among ``pods`` that answers leave out: none during the grace period."""
+        if not self._pods or self._clock() < self._excluded_from:
+            return set()
+        return self.among(pods)
 
     def among(self, pods: Iterable[str]) -> set[str]:
         """The orphans among ``pods``."""
@@ -177,14 +190,18 @@ async def remove_pod(pod: str, store: PreciseStore, approx: ApproxStore, drift: 
 
 
 def _sync_state(lane: LaneView, st: StreamView, pos: Position | None) -> tuple[bool, str | None]:
-    receiving = lane.state.receiving_problem()  # lagging, or batches dropped or lost with the connection
-    if receiving is not None:
+    """A loss this replica saw first (batches dropped or lost with the connection), then a resync
+    it owes, then the stream's own reason; lagging only where nothing else says unsynced (a lane
+    held by a failing replay lags too: the replay's outcome is the cause worth naming)."""
+    receiving = lane.state.receiving_problem()
+    if receiving is not None and not receiving.startswith("lagging"):
         return False, receiving
     if st.needs_resync is not None:
         return False, st.needs_resync
-    if pos is None:
-        return st.synced, st.unsynced_reason  # nothing stored yet: what this replica saw
-    return pos.synced, pos.reason
+    synced, reason = (st.synced, st.unsynced_reason) if pos is None else (pos.synced, pos.reason)
+    if synced and receiving is not None:
+        return False, receiving
+    return synced, reason
 
 
 Gauge = tuple[str, str, list[str], list[tuple[list[str], float]]]  # name, help, labels, samples

@@ -214,7 +214,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
                    "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
-        "state": {"dir", "snapshot_seconds", "fsync", "peer"},
+        "state": {"dir", "snapshot_seconds", "orphan_grace_seconds", "fsync", "peer"},
         "engines": {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank", "url"},
         "models": {"tokenizer", "tokenize_url", "tokenizer_path", "trust_request_chat_template", "block_size",
                    "base_model", "models_url"},

@@ -3,6 +3,8 @@ from the configuration, and kvindex restarted on its state dir with the pod's bl
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +55,12 @@ async def precise_answers(h: Any, tokens: list[int]) -> dict[str, Any]:
     return out
 
 
+NOWHERE = {"score": None, "score_named": 0, "dynamo": (None, 0), "mooncake": 0, "decision": 0}
+
+
 async def test_an_orphaned_pod_is_in_no_answer(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
-    """Its blocks are kept (listed, unsynced) but no route offers them as held: a router asking
-    about the prompt the pod held is told nobody holds it, on every API."""
+    """Its blocks are kept (listed, unsynced) but, once the grace period is over, no route offers
+    them as held: a router asking about the prompt the pod held is told nobody holds it, on every API."""
     state = tmp_path / "state"
     engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
     h = await make_harness(Config(engines=(engine_config(engine),), state_dir=state))
@@ -65,12 +70,35 @@ async def test_an_orphaned_pod_is_in_no_answer(make_harness: Any, make_engine: A
     held = await precise_answers(h, tokens)
     assert held["score_named"] > 0 and held["mooncake"] > 0 and held["decision"] > 0, held  # held, on every route
     await h.daemon.stop()
-    again = await make_harness(Config(state_dir=state))  # the engine is no longer configured
+    again = await make_harness(Config(state_dir=state, orphan_grace_seconds=0))  # the engine is no longer configured
     status, pod = await again.get(f"/v1/pods/{POD}")
     assert status == 200 and pod["synced"] is False and pod["blocks"]["gpu"] > 0, pod
     orphaned = await precise_answers(again, tokens)
-    assert orphaned == {"score": None, "score_named": 0, "dynamo": (None, 0), "mooncake": 0, "decision": 0}, orphaned
+    assert orphaned == NOWHERE, orphaned
     status, _, _ = await raw(again, "DELETE", f"/v1/pods/{POD}")
     assert status == 200
     status, pods = await again.get("/v1/pods")
     assert POD not in {p["pod"] for p in pods["pods"]}, pods
+
+
+async def test_an_orphaned_pod_is_answered_unsynced_for_its_grace_period(make_harness: Any, make_engine: Any,
+                                                                        tmp_path: Path) -> None:
+    """During ``orphan_grace_seconds`` after the start (an engine may register again) the restored
+    blocks are answered as they were, the pod listed unsynced; after it, in no answer."""
+    state = tmp_path / "state"
+    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
+    h = await make_harness(Config(engines=(engine_config(engine),), state_dir=state))
+    await h.wait_connected()
+    await publish_capture(h, engine, POD)
+    tokens = max((r["prompt_token_ids"] for r in meta_requests()), key=len)
+    held = await precise_answers(h, tokens)
+    await h.daemon.stop()
+    grace = 1.5
+    again = await make_harness(Config(state_dir=state, orphan_grace_seconds=grace))
+    started = time.monotonic()
+    assert await precise_answers(again, tokens) == held
+    assert time.monotonic() - started < grace, "the check took longer than the grace period: raise it"
+    status, pod = await again.get(f"/v1/pods/{POD}")
+    assert status == 200 and pod["synced"] is False, pod
+    await asyncio.sleep(grace - (time.monotonic() - started) + 0.1)
+    assert await precise_answers(again, tokens) == NOWHERE

@@ -238,8 +238,9 @@ class Subscriber:
         peers = 0
         retrying = True  # until a DISCONNECTED: then libzmq must say it re-dials
         while True:
-            try:
-                raw = await asyncio.wait_for(monitor.recv_multipart(), None if retrying else ABANDONED_AFTER)
+            try:  # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that meets a message
+                async with asyncio.timeout(None if retrying else ABANDONED_AFTER):
+                    raw = await monitor.recv_multipart()
             except TimeoutError:
                 return  # DISCONNECTED, and no CONNECT_RETRIED: libzmq will not re-dial this socket
             kind = parse_monitor_message(raw)["event"]
@@ -330,8 +331,9 @@ class ReplayAnswer:
                     raise ReplayError(f"no reply within {self._timeout:g}s")
                 self.cut = "replay_timeout"
                 return
-            try:
-                parts = await asyncio.wait_for(self._sock.recv_multipart(), left)
+            try:  # asyncio.timeout: see watch_peers
+                async with asyncio.timeout(left):
+                    parts = await self._sock.recv_multipart()
             except TimeoutError:
                 continue  # the deadline, decided above
             if not parts or parts[0] != b"":
