@@ -9,7 +9,9 @@ Invariants:
   model string as the router was given it (Kthena seeds with it: the adapter's name). An adapter
   is tokenized with its base model's tokenizer (its own table's when the base has none).
 - A precise match never counts the block holding the last prompt token (vLLM never serves it from
-  cache), so ``tokens`` is what the engine would report as ``cached_tokens``.
+  cache), nor, on a worker whose block hashes cover lookahead tokens (vLLM 0.34, EAGLE/MTP), a last
+  matched block the prompt does not continue with those tokens (``LookaheadBook.served``), so
+  ``tokens`` is what the engine would report as ``cached_tokens``.
 - ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
   more than the engine holds (stale), negative when the engine holds what the router never saw.
 - Pure with respect to both indexes: a query changes nothing.
@@ -36,6 +38,7 @@ from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
 from kvindex.budget import ByteLRU, str_bytes
 from kvindex.index.approx import score_matches
+from kvindex.index.lookahead import LookaheadBook
 from kvindex.index.protocol import ApproxStore, BlockSizeChanged, PreciseStore
 from kvindex.lora import AdapterConflict, LoraAdapters
 from kvindex.tokenize import Tokenizer
@@ -123,6 +126,7 @@ class QueryService:
                  tokenizer_for: Callable[[str], Tokenizer | None], max_token_ids: int,
                  behind: Callable[[str], bool] = _never_behind, adapters: LoraAdapters | None = None) -> None:
         self.store = store
+        self.lookahead = LookaheadBook()  # fed by this process's lanes (kvindex.index.lookahead)
         self.adapters = adapters if adapters is not None else LoraAdapters()
         self.approx = approx
         self.scores = ScoreMemory()
@@ -158,8 +162,10 @@ class QueryService:
                 return PreciseAnswer(0, len(token_ids), (), {}, root)
             keys = K.prompt_keys(root, token_ids if whole else token_ids[:cacheable_tokens(token_ids)], bs)
             try:
-                return PreciseAnswer(bs, len(token_ids), tuple(keys), await self.store.match(keys, pods, model=model),
-                                     root)
+                matches = await self.store.match(keys, pods, model=model)
+                if not whole:  # what the engines serve: lookahead-aware hashing judged (vLLM 0.34)
+                    matches = self.lookahead.served(matches, keys, token_ids, bs)
+                return PreciseAnswer(bs, len(token_ids), tuple(keys), matches, root)
             except BlockSizeChanged:
                 if attempt:
                     raise _changing(model) from None
