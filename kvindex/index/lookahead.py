@@ -30,21 +30,19 @@ or already held (kvindex.ingest.writer), read by kvindex.query.service.
 
 from __future__ import annotations
 
-from collections import Counter
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import xxhash
 
 from kvindex import keys as K
 from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.types import PodMatch
 
-Variant = tuple[int, int]  # (how many lookahead tokens, their XXH3-64 over u32 LE)
+Variant = bytes  # a block's lookahead tokens as u32 little-endian bytes (kvindex.keys.packed)
 
 
 def lookahead_variant(tokens: Sequence[int]) -> Variant:
-    return len(tokens), xxhash.xxh3_64_intdigest(K.packed(tokens))
+    return tokens.tobytes() if isinstance(tokens, array) else bytes(K.packed(tokens))
 
 
 def served_blocks(depth: int, block_size: int, token_ids: Sequence[int], variants: Iterable[Variant]) -> int:
@@ -54,8 +52,9 @@ def served_blocks(depth: int, block_size: int, token_ids: Sequence[int], variant
     if depth <= 0:
         return 0
     start = depth * block_size
-    for n, digest in variants:
-        if start + n <= len(token_ids) and lookahead_variant(token_ids[start:start + n]) == (n, digest):
+    for variant in variants:
+        n = len(variant) // 4
+        if start + n <= len(token_ids) and lookahead_variant(token_ids[start:start + n]) == variant:
             return depth
     return depth - 1
 
@@ -65,7 +64,7 @@ class _Worker:
     """One (pod, dp_rank) in lookahead mode: GPU hash -> [key, variant, copies], key -> variants."""
 
     held: dict[int, list] = field(default_factory=dict)
-    variants: dict[int, Counter[Variant]] = field(default_factory=dict)
+    variants: dict[int, dict[Variant, int]] = field(default_factory=dict)  # key -> variant -> hashes
 
     def store(self, model: str, ev: BlockStored) -> None:
         parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ev.parent_hash is None else self.key_of(ev.parent_hash)
@@ -84,7 +83,8 @@ class _Worker:
             variant = None if tokens is None or key is None else lookahead_variant(tokens)
             self.held[h] = [key, variant, entry[2] if entry is not None else 1]
             if variant is not None:
-                self.variants.setdefault(key, Counter())[variant] += 1  # type: ignore[arg-type]
+                counts = self.variants.setdefault(key, {})  # type: ignore[arg-type]
+                counts[variant] = counts.get(variant, 0) + 1
 
     def remove(self, hashes: Sequence[int]) -> None:
         for h in hashes:
@@ -97,9 +97,10 @@ class _Worker:
                 key, variant = entry[0], entry[1]
                 if variant is not None:
                     counts = self.variants[key]
-                    counts[variant] -= 1
-                    if not counts[variant]:
+                    if counts[variant] == 1:
                         del counts[variant]
+                    else:
+                        counts[variant] -= 1
                     if not counts:
                         del self.variants[key]
 
@@ -117,6 +118,10 @@ class LookaheadBook:
     def apply(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> None:
         """One batch of (pod, dp_rank), as the store applied it."""
         w = self._workers.get((pod, dp_rank))
+        if w is None:  # the common case, no speculative decoding: one pass, nothing kept
+            events = tuple(events)
+            if all(type(ev) is not BlockStored or ev.lookahead_token_ids is None for ev in events):
+                return
         for ev in events:
             if isinstance(ev, BlockStored):
                 if ev.medium != GPU:
