@@ -27,7 +27,7 @@ from adapters.vllm import VllmDecoder
 from kvindex.config import Config
 from kvindex.events import BlockRemoved, BlockStored
 from kvindex.index.lookahead import LookaheadBook, lookahead_variant, served_blocks
-from tests.conftest import engine_config, ipc_endpoint
+from tests.conftest import engine_config, ipc_endpoint, wait_for
 from tests.test_native_decoder import _fast, check
 
 
@@ -269,3 +269,22 @@ def test_the_book_forgets_a_restarted_engine_and_ignores_lower_tiers() -> None:
     assert not book.in_mode(POD, 1)
     book.forget(POD)
     assert not book.in_mode(POD, 0)
+
+
+async def test_an_engine_restarted_without_lookahead_is_matched_as_before(make_harness: Any, make_engine: Any,
+                                                                          tmp_path: Path) -> None:
+    """The engine's first life hashes with lookahead; it restarts (seq back to 0, a new process)
+    without it: its new blocks are served as the index holds them, a diverging prompt included."""
+    new, _, h = await daemon(make_harness, make_engine, tmp_path)
+    e = Engine(new, h, POD)
+    await e.send(store([1, 2, 3], None, blocks_of(PROMPT, 0, 3), lookaheads(PROMPT, 0, 3)))
+    await e.send(store([9], None, [100 + t for t in range(BS)], [[5]]))
+    diverged = PROMPT[:48] + [9, 9, 9]
+    assert await served(h, diverged) == 32
+    new.clear_buffer()  # the engine restarts
+    e.seq = 0
+    await e.engine.publish([f"kv@{POD}@{MODEL}".encode(), (0).to_bytes(8, "big"),
+                            payload(store([21, 22, 23], None, blocks_of(PROMPT, 0, 3), None))])
+    await wait_for(lambda: h.stream(POD).restarts == 1 and h.stream(POD).last_seq == 0, 10, "second life")
+    assert not h.daemon.query.lookahead.in_mode(POD, 0)
+    assert await served(h, diverged) == 48
