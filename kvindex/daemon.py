@@ -237,7 +237,7 @@ class Daemon:
         lane = EngineLane(engine, intake=self.intake, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics, settings=settings, burst=self._burst,
                           ensure_open=self.guard.ensure_open)
-        lane.writer.on_lora = self.lora.learn_from_events  # a lora_name in its events: an adapter of its model
+        lane.writer.on_lora, lane.writer.lookahead = self.lora.learn_from_events, self.query.lookahead  # (lora: an adapter)
         return lane
 
     # -- the store's health --------------------------------------------------------------------

@@ -31,6 +31,7 @@ import msgspec
 
 from kvindex.config import MAX_BLOCKS_PER_POD, EngineConfig
 from kvindex.events import GPU, NON_PREFIX_GROUP, BlockStored, DecodeError, Decoder, EventBatch, Frame
+from kvindex.index.lookahead import LookaheadBook
 from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
 from kvindex.ingest.capacity import OVER_CAPACITY, PodCapacity
@@ -63,6 +64,7 @@ class StreamWriter:
         self.journal: Journal | None = None
         self.on_lora: Callable[[str, str, Iterable[str]], None] | None = None  # (pod, model, lora names)
         self.received = time.monotonic()  # when the burst being applied was read off the socket (the lane sets it)
+        self.lookahead = LookaheadBook()  # the daemon hands every lane its query service's book
         self._waiting: dict[str, str] = {}  # topic -> the reason its stream was marked unsynced while waiting
 
     def stream(self, topic: str) -> Stream:
@@ -106,6 +108,7 @@ class StreamWriter:
         st.observe(result.position)
         if outcome is APPLIED or outcome is DUPLICATE:
             self._heard(st, batch)
+            self.lookahead.apply(st.pod, st.model, rank, events)  # held by the store: what engines serve
         if outcome is APPLIED:
             st.ranks.add(rank)
             self._applied(st, seq, batch, payload, result.applied)
@@ -204,6 +207,7 @@ class StreamWriter:
         pos = await self._store.restart(st.ref, st.epoch, st.sorted_ranks())
         self._capacity.forget(st.pod)  # emptied: its count is read again
         self._decoder.new_life()  # a new engine process: its hybrid prefix group is learned again
+        self.lookahead.forget(st.pod, st.sorted_ranks())  # and may hash without lookahead
         st.restarts += 1
         self._metrics.restarts.labels(st.pod).inc()
         if seqr.first_to_clear(pos, st.epoch):
@@ -226,6 +230,7 @@ class StreamWriter:
         after = await self._store.restart(st.ref, pos.epoch, ranks)
         self._capacity.forget(st.pod)
         self._decoder.new_life()
+        self.lookahead.forget(st.pod, ranks)
         st.expect_from = self._first_seq
         return after
 

@@ -9,11 +9,13 @@ Invariants:
   model string as the router was given it (Kthena seeds with it: the adapter's name). An adapter
   is tokenized with its base model's tokenizer (its own table's when the base has none).
 - A precise match never counts the block holding the last prompt token (vLLM never serves it from
-  cache), so ``tokens`` is what the engine would report as ``cached_tokens``.
+  cache), nor, on a worker whose block hashes cover lookahead tokens (vLLM 0.34, EAGLE/MTP), a last
+  matched block the prompt does not continue with those tokens (``LookaheadBook.served``), so
+  ``tokens`` is what the engine would report as ``cached_tokens``.
 - ``drift = approx fraction - precise fraction`` for the same pod: positive when the router believes
   more than the engine holds (stale), negative when the engine holds what the router never saw.
-- An orphaned pod (``kvindex.pods.Orphans``: restored blocks no engine keeps up to date) is in no
-  answer: never a precise match, never a candidate unless the caller names it (then it holds
+- An orphaned pod (``kvindex.pods.Orphans``: restored blocks no engine keeps up to date), once
+  its grace period is over, is in no answer: never a precise match, never a candidate unless the caller names it (then it holds
   nothing). Every precise route (score, Dynamo and Mooncake queries, decisions, the request path)
   comes through ``precise`` / ``precise_by_local_hashes``.
 - Pure with respect to both indexes: a query changes nothing.
@@ -40,6 +42,7 @@ from kvindex.approx.gojson import RenderError
 from kvindex.approx.hashing import hash_request, render_request
 from kvindex.budget import ByteLRU, str_bytes
 from kvindex.index.approx import score_matches
+from kvindex.index.lookahead import LookaheadBook
 from kvindex.index.protocol import ApproxStore, BlockSizeChanged, PreciseStore
 from kvindex.lora import AdapterConflict, LoraAdapters
 from kvindex.tokenize import Tokenizer
@@ -133,6 +136,7 @@ class QueryService:
                  orphans: Callable[[Iterable[str]], set[str]] = _no_orphans) -> None:
         self.store = store
         self._orphans = orphans  # of these pods, those left out of answers
+        self.lookahead = LookaheadBook()  # fed by this process's lanes (kvindex.index.lookahead)
         self.adapters = adapters if adapters is not None else LoraAdapters()
         self.approx = approx
         self.scores = ScoreMemory()
@@ -168,7 +172,10 @@ class QueryService:
                 return PreciseAnswer(0, len(token_ids), (), {}, root)
             keys = K.prompt_keys(root, token_ids if whole else token_ids[:cacheable_tokens(token_ids)], bs)
             try:
-                return PreciseAnswer(bs, len(token_ids), tuple(keys), await self._match(keys, pods, model), root)
+                matches = await self._match(keys, pods, model)
+                if not whole:  # what the engines serve: lookahead-aware hashing judged (vLLM 0.34)
+                    matches = self.lookahead.served(matches, keys, token_ids, bs)
+                return PreciseAnswer(bs, len(token_ids), tuple(keys), matches, root)
             except BlockSizeChanged:
                 if attempt:
                     raise _changing(model) from None
