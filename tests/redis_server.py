@@ -143,6 +143,11 @@ class ClusterNode:
             self.proc.wait(timeout=10)
         self.proc = None
 
+    def pause(self, on: bool) -> None:
+        """SIGSTOP (``on``) or SIGCONT: a node that stops answering, its replication link included."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP if on else signal.SIGCONT)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -218,6 +223,10 @@ class RedisClusterServers:
             return False
         info = n.info("replication")
         return info["role"] == "master" or info.get("master_link_status") == "up"
+
+    def replica_of(self, master: ClusterNode) -> ClusterNode:
+        return next(n for n in self.nodes if n.alive() and n is not master
+                    and n.info("replication").get("master_port") == str(master.port))
 
     def live_masters(self) -> list[ClusterNode]:
         return [n for n in self.nodes if n.alive() and n.role() == "master"]
