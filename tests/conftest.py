@@ -245,3 +245,21 @@ def redis_url(redis_server: Any) -> str:
     """The session's Redis, emptied for this test."""
     redis_server.flush()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One real 3-master Redis Cluster for the session (tests/redis_server.py); tests use
+    ``redis_cluster_url``."""
+    from tests.redis_server import RedisClusterServers
+
+    cluster = RedisClusterServers(tmp_path_factory.mktemp("cluster"), masters=3).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: Any) -> str:
+    """The session's cluster, emptied for this test (``redis+cluster://...``)."""
+    redis_cluster.flush()
+    return redis_cluster.url

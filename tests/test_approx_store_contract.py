@@ -29,7 +29,9 @@ from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import MemoryApproxStore
 from kvindex.index.protocol import StoreLost, StoreUnavailable
 from kvindex.index.redis_approx import RedisApproxStore
+from kvindex.index.redis_cluster import cluster_client
 from kvindex.settings import GIE_V1_5, ApproxConfig, ApproxSettings
+from kvindex.storeurl import is_cluster
 from tests.redis_server import RedisServer
 
 VECTORS = json.loads((Path(__file__).parent.parent / "fixtures" / "vectors" / "approx-vectors.json")
@@ -47,17 +49,18 @@ def gie_config(**table: Any) -> ApproxConfig:
     return ApproxConfig(ApproxSettings.from_toml({"personality": GIE_V1_5, **table}))
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[MakeStore]:
     """``make(config, on_evict=None)`` -> an open store of this run's backend. Redis stores made in
-    one test share one (emptied) server, as replicas do."""
-    clients: list[aioredis.Redis] = []
-    url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+    one test share one (emptied) server or 3-master cluster, as replicas do."""
+    clients: list[Any] = []
+    fixture = {"redis": "redis_url", "cluster": "redis_cluster_url"}.get(request.param)
+    url = request.getfixturevalue(fixture) if fixture else None
 
     async def make(config: ApproxConfig, on_evict: Callable[[str], None] | None = None) -> Any:
         if url is None:
             return MemoryApproxStore(ApproxIndex(config, on_evict=on_evict))
-        client = aioredis.from_url(url)
+        client = cluster_client(url, socket_timeout=5, connect_timeout=5) if is_cluster(url) else aioredis.from_url(url)
         clients.append(client)
         store = RedisApproxStore(client, config, on_evict=on_evict)
         await store.open()
@@ -561,7 +564,7 @@ async def test_timeout_is_store_unavailable(tmp_path: Path) -> None:
 
 def test_every_lua_file_is_a_script_or_a_part_of_one() -> None:
     """The scripts are package data (kvindex/index/lua/*.lua): each file is used, each approximate
-    script starts with its shebang line (Redis reads the flags there) and then the prelude."""
+    script starts with its shebang line (Redis reads the flags there), the guard and then the prelude."""
     from importlib.resources import files
 
     from kvindex.index.redis_scripts import (
@@ -573,12 +576,12 @@ def test_every_lua_file_is_a_script_or_a_part_of_one() -> None:
         precise_script,
     )
     names = {p.name[:-4] for p in (files("kvindex.index") / "lua").iterdir() if p.name.endswith(".lua")}
-    assert names == {"redis_precise", "approx_prelude"} | {part for _, parts in APPROX.values() for part in parts}
+    assert names == {"store_guard", "redis_precise", "approx_prelude"} | {part for _, parts in APPROX.values() for part in parts}
     scripts = approx_scripts()
     assert set(scripts) == set(APPROX)
     for name, src in scripts.items():
         shebang = APPROX[name][0]
-        assert shebang in (READ, WRITE) and src.startswith(shebang + lua("approx_prelude")), name
+        assert shebang in (READ, WRITE) and src.startswith(shebang + lua("store_guard") + lua("approx_prelude")), name
     assert "local op, base = ARGV[1], ARGV[3]" in precise_script()
 
 

@@ -1,6 +1,6 @@
 """The PreciseStore contract, one suite run against every backend in ``BACKENDS``: memory (the fast
-index), reference (kvindex.index.reference behind the same async view), a real redis-server, and
-sharded (two real worker processes over the real channel).
+index), reference (kvindex.index.reference behind the same async view), a real redis-server, a
+real 3-master Redis Cluster, and sharded (two real worker processes over the real channel).
 
 Every case of test_precise_index.py, through the async store interface; the stream watermark rules
 (``judge`` / ``next_position`` / ``restart``); and differential tests replaying the real vLLM
@@ -33,12 +33,14 @@ from kvindex.index.protocol import (
     StoreMisconfigured,
     StoreUnavailable,
 )
+from kvindex.index.redis_cluster import cluster_client
 from kvindex.index.redis_precise import RedisPreciseStore
 from kvindex.index.reference import ReferenceIndex
 from kvindex.sequence import Outcome, Position, StreamRef
 from kvindex.shard.channel import WorkerSettings, owner_of
 from kvindex.shard.client import ShardChannel
 from kvindex.shard.store import ShardedPreciseStore
+from kvindex.storeurl import is_cluster
 from kvindex.shard.supervisor import Shards
 from kvindex.tools.capture import load_capture
 from kvindex.types import Entry, PodMatch
@@ -65,7 +67,7 @@ def placeholder(h: int, medium: str = "CPU") -> BlockStored:
 
 
 async def redis_store(url: str, clients: list[aioredis.Redis]) -> RedisPreciseStore:
-    client = aioredis.Redis.from_url(url)
+    client: Any = cluster_client(url, socket_timeout=5, connect_timeout=5) if is_cluster(url) else aioredis.Redis.from_url(url)
     clients.append(client)
     s = RedisPreciseStore(client)
     await s.open()
@@ -119,11 +121,22 @@ async def redis_peers(request: FixtureRequest, clients: list[aioredis.Redis],
     return make
 
 
+async def cluster_peers(request: FixtureRequest, clients: list[aioredis.Redis],
+                        cleanup: list[Callable[[], Awaitable[None]]]) -> Factory:
+    """Clients of one 3-master Redis Cluster store: a new client each call."""
+    url = request.getfixturevalue("redis_cluster_url")
+
+    async def make() -> PreciseStore:
+        return await redis_store(url, clients)
+    return make
+
+
 # Every backend of the PreciseStore contract: name -> (request, clients) -> a factory of its clients.
 BACKENDS: dict[str, Backend] = {
     "memory": memory_peers(new_precise_index),  # the native core (the reference where it is not built)
     "reference": memory_peers(ReferenceIndex),  # the readable oracle behind the same async view
     "redis": redis_peers,
+    "cluster": cluster_peers,  # a real 3-master Redis Cluster (redis+cluster://)
     "sharded": sharded_peers,  # two worker processes; each call a new client of them
 }
 
@@ -679,10 +692,12 @@ async def test_the_first_block_size_wins_a_race(peers: Factory) -> None:
 
 
 # -- differential: memory vs Redis -----------------------------------------------------------------
-@pytest.fixture
-async def pair(redis_url: str) -> AsyncIterator[tuple[MemoryPreciseStore, list[RedisPreciseStore]]]:
+@pytest.fixture(params=["redis", "cluster"])
+async def pair(request: FixtureRequest) -> AsyncIterator[tuple[MemoryPreciseStore, list[RedisPreciseStore]]]:
+    """Memory, and two clients of one Redis store: one redis-server, or a 3-master cluster."""
+    url = request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
     clients: list[aioredis.Redis] = []
-    replicas = [await redis_store(redis_url, clients) for _ in range(2)]
+    replicas = [await redis_store(url, clients) for _ in range(2)]
     yield MemoryPreciseStore(), replicas
     for c in clients:
         await c.aclose()

@@ -33,6 +33,8 @@ the index is bounded by one node's memory and one node's CPU: it does not spread
 benchmarks/redis_approx.py measures about 300 bytes per entry (190 when 4 pods share each
 block) on Redis 7.0, so 64 pods x 50000 entries is about 1 GB on one node; past that, give each
 router fleet its own prefix (a separate tag, so a separate slot).
+On a cluster each script first checks that its node is a master seen at open (else ``StoreLost``)
+and that its slot is not migrating (else ``StoreUnavailable``): ``kvindex.index.redis_cluster``.
 Scripts declare only ``T:gen`` in KEYS and build the other names inside the same tag. Their
 sources are ``kvindex/index/lua/approx_*.lua`` (assembled by ``redis_scripts.approx_scripts``).
 
@@ -70,10 +72,13 @@ from kvindex.index.approx import (
     score_matches,
 )
 from kvindex.index.protocol import StoreLost, StoreUnavailable
+from kvindex.index.redis_cluster import cluster_url, is_cluster, master_guard
 from kvindex.index.redis_scripts import approx_scripts
 from kvindex.settings import GIE_V1_5, ApproxConfig
 
 LOST_MARK = "KVI_LOST"
+# a node unreachable, a cluster down, a slot not covered: unavailable (a script refused: ResponseError)
+UNAVAILABLE = (rx.ConnectionError, rx.TimeoutError, OSError, rx.RedisClusterException, rx.ClusterError)
 
 def _text(value: Any) -> str:
     """A reply element as text (the client may or may not decode responses)."""
@@ -139,6 +144,7 @@ class RedisApproxStore:
         self._on_evict = on_evict
         self._gen_key = f"{{{prefix}:approx}}:gen"
         self._gen: str | None = None
+        self._guard = ""  # on a cluster: "@ <replid>= ..." of every master at open (redis_cluster)
         self._sources = approx_scripts()
         self._scripts = {name: client.register_script(src) for name, src in self._sources.items()}
 
@@ -158,7 +164,9 @@ class RedisApproxStore:
             for src in self._sources.values():
                 await self._client.script_load(src)
             old = await self._client.set(self._gen_key, fresh, nx=True, get=True)
-        except (rx.ConnectionError, rx.TimeoutError, OSError) as exc:
+            if is_cluster(self._client):  # every master's replication id (redis_cluster)
+                self._guard = await master_guard(self._client, cluster_url(self._client), self._plain)
+        except UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis approx store unreachable: {_one_line(exc)}") from None
         except rx.ResponseError as exc:
             raise StoreUnavailable(f"redis approx store refused open: {_one_line(exc)}") from None
@@ -169,13 +177,21 @@ class RedisApproxStore:
         if self._gen is None:
             raise StoreUnavailable("redis approx store: open() was not called")
         try:
-            return await self._scripts[script](keys=[self._gen_key], args=[self._gen, *args])
-        except (rx.ConnectionError, rx.TimeoutError, OSError) as exc:
+            return await self._scripts[script](keys=[self._gen_key], args=[self._gen + self._guard, *args])
+        except UNAVAILABLE as exc:
             raise StoreUnavailable(f"redis approx store unreachable: {_one_line(exc)}") from None
         except rx.ResponseError as exc:
             if LOST_MARK in str(exc):
                 raise StoreLost("redis approx store lost its state (generation vanished or changed)") from None
             raise StoreUnavailable(f"redis approx store refused {script}: {_one_line(exc)}") from None
+
+    @staticmethod
+    async def _plain(make: Callable[[], Any]) -> Any:
+        """A call of open() whose failures open() maps (a refused CONFIG: ``... refused: ``)."""
+        try:
+            return await make()
+        except rx.ResponseError as exc:
+            raise StoreUnavailable(f"redis approx store: refused: {_one_line(exc)}") from None
 
     def _is_gie(self, model: str) -> bool:
         return self._config.for_model(model).personality == GIE_V1_5

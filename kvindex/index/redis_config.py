@@ -7,7 +7,7 @@ Invariants:
   refuses CONFIG (renamed, ACLs) is used with a warning, and watched: every script then compares
   the server's ``evicted_keys`` with its count at open, in the same atomic step as its read or
   write, so a key evicted makes the next call ``StoreLost`` (503, lanes resynchronise), never a
-  partial answer.
+  partial answer. On a Redis Cluster every master is asked (``kvindex.index.redis_cluster``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
+from kvindex.index.redis_cluster import is_cluster, master_guard
 from kvindex.index.redis_keys import text
 
 log = logging.getLogger("kvindex.store")
@@ -48,7 +49,10 @@ async def check_eviction_policy(client: aioredis.Redis, url: str,
 async def watch_evictions(client: aioredis.Redis, url: str,
                           call: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> str:
     """``""`` when the policy is known not to evict kvindex's keys; else (CONFIG refused)
-    ``"|<evicted_keys now>"``, the suffix the scripts' generation argument carries to watch."""
+    ``"|<evicted_keys now>"``, the suffix the scripts' generation argument carries to watch. On a
+    cluster, every master's (``redis_cluster.master_guard``: ``"@ <replid>=<evicted or ''> ..."``)."""
+    if is_cluster(client):
+        return await master_guard(client, url, call)
     if await check_eviction_policy(client, url, call) is not None:
         return ""
     try:

@@ -35,7 +35,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-import redis.exceptions as rex
 
 from kvindex.events import AllBlocksCleared, BlockStored, KVEvent
 from kvindex.index.protocol import (
@@ -45,6 +44,7 @@ from kvindex.index.protocol import (
     StoreMisconfigured,
     StoreUnavailable,
 )
+from kvindex.index.redis_cluster import cluster_url, is_cluster, masters_unchanged, redis_call
 from kvindex.index.redis_config import watch_evictions
 from kvindex.index.redis_keys import (
     WorkerView,
@@ -77,7 +77,7 @@ class RedisPreciseStore:
             raise ValueError("RedisPreciseStore needs a client with decode_responses=False (it stores binary hashes)")
         self._client = client
         self._prefix = prefix
-        self._url = client_url(client)
+        self._url = cluster_url(client) if is_cluster(client) else client_url(client)
         self._source = precise_script()
         self._script = client.register_script(self._source)
         self._gen: str | None = None
@@ -90,24 +90,7 @@ class RedisPreciseStore:
 
     # -- plumbing ------------------------------------------------------------------------------
     async def _call(self, make: Callable[[], Awaitable[Any]], *, idempotent: bool = True) -> Any:
-        """Await ``make()``; a dropped connection is retried once when the call is idempotent (a
-        pooled connection that died with its server fails first), then reported as unavailable.
-        A connection that timed out is not retried: the server is there but not answering (a
-        network cut), and a retry would only double the wait for the caller's 503."""
-        for attempt in (0, 1):
-            try:
-                return await make()
-            except rex.ConnectionError as exc:
-                timed_out = isinstance(exc.__cause__, (rex.TimeoutError, TimeoutError))
-                if attempt or not idempotent or timed_out:
-                    raise self._unavailable(exc) from None
-            except (rex.TimeoutError, TimeoutError, OSError) as exc:
-                raise self._unavailable(exc) from None
-            except rex.ResponseError as exc:
-                raise StoreUnavailable(f"redis at {self._url}: refused: {exc}".splitlines()[0]) from None
-
-    def _unavailable(self, exc: Exception) -> StoreUnavailable:
-        return StoreUnavailable(f"redis at {self._url}: {type(exc).__name__}: {exc}".splitlines()[0])
+        return await redis_call(make, self._url, idempotent=idempotent)
 
     def _lost(self) -> StoreLost:
         return StoreLost(f"redis at {self._url}: the store's generation changed since open (its data was lost)")
@@ -172,29 +155,37 @@ class RedisPreciseStore:
             pipe.get(gen_key)
             return await pipe.execute()
         old, gen = await self._call(check)
-        if text(gen) != self._gen or text(old) not in (None, self._gen):
+        if text(gen) != self._gen or text(old) not in (None, self._gen) or \
+                not await masters_unchanged(self._client, self._watch, self._call):
             raise self._lost()
         return base
 
     async def _run(self, base: str, op: str, *args: Any, stream: str = "", idempotent: bool = True) -> list[Any]:
         keys, argv = [base + "gen", base + "s:" + stream], [op, f"{self._gen}{self._watch}", base, *args]
-        reply = await self._call(lambda: self._script(keys=keys, args=argv), idempotent=idempotent)
-        if reply and text(reply[0]) == "lost":
-            raise self._lost()
+        return self._judged(await self._call(lambda: self._script(keys=keys, args=argv), idempotent=idempotent))
+
+    def _judged(self, reply: list[Any]) -> list[Any]:
+        """A script's reply, or the store's guard's verdict as the contract's error."""
+        if reply and reply[0] in (b"lost", b"moving", "lost", "moving"):
+            if text(reply[0]) == "lost":
+                raise self._lost()
+            raise StoreUnavailable(f"redis at {self._url}: a slot is migrating (try again when it has moved)")
         return reply
 
     async def _models(self) -> list[str]:
         """Every model's name, read in one transaction with the generation (and, when watching
         evictions, the server's count of them: a model list that lost a key is a loss)."""
+        watching = self._watch.startswith("|")  # one Redis (a cluster's masters: masters_unchanged)
+
         async def read() -> list[Any]:
-            pipe = self._client.pipeline(transaction=bool(self._watch))
+            pipe = self._client.pipeline(transaction=watching)
             pipe.get(f"{self._prefix}:gen")
             pipe.hkeys(f"{self._prefix}:mid")
-            if self._watch:
+            if watching:
                 pipe.info("stats")
             return await pipe.execute()
         gen, models, *stats = await self._call(read)
-        if self._gen is None or text(gen) != self._gen:
+        if self._gen is None or text(gen) != self._gen or not await masters_unchanged(self._client, self._watch, self._call):
             raise self._lost()
         if stats and int(stats[0].get("evicted_keys", 0)) > int(self._watch[1:]):
             raise self._lost()
@@ -211,9 +202,7 @@ class RedisPreciseStore:
             for base in bases:
                 await self._script(keys=[base + "gen", base + "s:"], args=[op, gen + self._watch, base, *args], client=pipe)
             return await pipe.execute()
-        replies = await self._call(run)
-        if any(r and text(r[0]) == "lost" for r in replies):
-            raise self._lost()
+        replies = [self._judged(r) for r in await self._call(run)]
         return list(zip(models, replies))
 
     # -- streams -------------------------------------------------------------------------------

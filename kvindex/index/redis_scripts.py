@@ -8,10 +8,12 @@ Invariants:
   read with ``importlib.resources``: an installed (non-editable) kvindex finds them too.
 - A source is read once per process (cached): every store built afterwards gets the same string,
   so the same SHA1 for EVALSHA.
-- The precise store's script is one file, ``redis_precise.lua``. Each approximate-index script is
-  its shebang line (``#!lua``: a write script Redis refuses up front when out of memory; ``#!lua
-  flags=no-writes``: a read script), then the shared prelude ``approx_prelude.lua``, then the
-  fragments it uses, then its own body ``approx_<name>.lua``.
+- Every script defines the store's guard first (``store_guard.lua``: evictions watched, a
+  cluster's masters; ``kvindex.index.redis_cluster``). The precise store's script is then one
+  file, ``redis_precise.lua``. Each approximate-index script is its shebang line (``#!lua``: a
+  write script Redis refuses up front when out of memory; ``#!lua flags=no-writes``: a read
+  script), the guard, the shared prelude ``approx_prelude.lua``, then the fragments it uses, then
+  its own body ``approx_<name>.lua``.
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ def lua(name: str) -> str:
 
 def precise_script() -> str:
     """The precise store's one script (every op; see redis_precise.lua)."""
-    return lua("redis_precise")
+    return lua("store_guard") + lua("redis_precise")
 
 
 @cache
 def approx_scripts() -> dict[str, str]:
     """The approximate store's scripts by name, each a complete source."""
-    return {name: shebang + lua("approx_prelude") + "".join(lua(part) for part in parts)
+    return {name: shebang + lua("store_guard") + lua("approx_prelude") + "".join(lua(part) for part in parts)
             for name, (shebang, parts) in APPROX.items()}

@@ -1,10 +1,18 @@
 -- The approximate index's shared prelude (kvindex/index/redis_approx.py), placed after the
--- script's shebang line. Every script: KEYS[1] = T:gen, ARGV[1] = the generation read at open();
+-- script's shebang line and the store's guard (store_guard.lua). Every script: KEYS[1] = T:gen,
+-- ARGV[1] = the generation read at open(), then the guard's argument (a cluster's masters);
 -- P = "T:". Hashes travel as one argument of space-separated decimals, pod lists as one msgpack
 -- array (few arguments: each one costs the client more than the server's work per block).
 local P = string.sub(KEYS[1], 1, -4)
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local GEN, GUARD = string.match(ARGV[1], '^([^|@]*)(.*)$')
+if redis.call('GET', KEYS[1]) ~= GEN then
   return redis.error_reply('KVI_LOST the approximate index generation vanished or changed')
+end
+local VERDICT = store_guard(GUARD)
+if VERDICT == 'lost' then
+  return redis.error_reply('KVI_LOST the approximate index is on a node not seen at open (a failover)')
+elseif VERDICT == 'moving' then
+  return redis.error_reply('KVI_MOVING the approximate index slot is migrating')
 end
 local function words(text)
   local out = {}

@@ -1,16 +1,15 @@
 -- The precise index's one script (kvindex/index/redis_precise.py; layout in its docstring).
 -- KEYS[1] the model slot's generation copy, KEYS[2] the stream's position HASH; ARGV[1] the op,
--- ARGV[2] the generation read at open() (then "|<evicted keys at open>" when the client could not
--- read the server's eviction policy), ARGV[3] the model's key prefix, then the op's arguments.
+-- ARGV[2] the generation read at open(), then the store's guard (store_guard.lua, placed before this
+-- file: evictions watched, a cluster's masters), ARGV[3] the model's key prefix, then the op's arguments.
 -- Every op, reads included, checks the generation first, in the same atomic step as its work
--- ({'lost'} on a mismatch: the store restarted empty); when watching, any key evicted since open
--- is a loss too (it may have been one of kvindex's).
+-- ({'lost'} on a mismatch: the store restarted empty), then the guard ({'lost'}: keys evicted since
+-- open, or a cluster node not seen at open; {'moving'}: the model's slot is migrating).
 local op, base = ARGV[1], ARGV[3]
-local gen, evicted = string.match(ARGV[2], '^([^|]*)|?(%d*)$')
+local gen, guard = string.match(ARGV[2], '^([^|@]*)(.*)$')
 if redis.call('GET', KEYS[1]) ~= gen then return {'lost'} end
-if evicted ~= '' and tonumber(string.match(redis.call('INFO', 'stats'), 'evicted_keys:(%d+)')) > tonumber(evicted) then
-  return {'lost'}
-end
+local verdict = store_guard(guard)
+if verdict then return {verdict} end
 local band, bor, bxor = bit.band, bit.bor, bit.bxor
 local BIT = {[0] = 128, 64, 32, 16, 8, 4, 2, 1}  -- bit b of a byte, most significant first (SETBIT's order)
 
