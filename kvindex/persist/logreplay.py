@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from adapters.dialects import DIALECTS
@@ -34,6 +33,7 @@ from kvindex.config import EngineConfig
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.memory import AnyPrecise
 from kvindex.persist.snapshot import stream_state
+from kvindex.persist.statedir import StateDir
 from kvindex.persist.records import (
     Batch,
     Damage,
@@ -103,7 +103,7 @@ class LogReplay:
         self.lanes: dict[str, RestorableLane] = {}
         self.guard = DamageGuard()
 
-    async def run(self, directory: Path, first: int) -> int:
+    async def run(self, directory: StateDir, first: int) -> int:
         """Re-apply segments >= ``first``; the number of records re-applied."""
         n = skipped = unknown = 0
         for rec in read_marked(directory, first):

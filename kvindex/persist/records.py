@@ -25,6 +25,9 @@ Invariants:
   resync needs a CRC-32 collision on top of that prefix (about 2^-32 per candidate); the one
   residual risk is a damaged length field in front of an engine payload that itself contains a
   well-formed record, which needs both disk corruption and a crafted payload.
+- Segments are listed and read through the state dir's descriptor, never through a symlink; a
+  segment that cannot be read (a link at its name, EACCES, EIO) is one ``Damage``, like a stretch
+  of bad bytes.
 - ``read_marked`` yields a ``Damage`` marker where a stretch was skipped, so the replay knows which
   records lie after damage: a stream whose logged seq jumps across a ``Damage`` lost its batches
   to the disk, not to the engine, and they are asked of the engine again (``kvindex.persist.logreplay``).
@@ -41,6 +44,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kvindex.persist.statedir import StateDir, as_state_dir
+
 log = logging.getLogger("kvindex.persist.wal")
 
 MAX_RECORD = 256 << 20
@@ -51,17 +56,20 @@ _BODY_START = re.compile(rb"[\x92-\x95]\xa1[bdgrx]")
 
 
 def segment_path(directory: Path, n: int) -> Path:
-    return directory / f"wal-{n:08d}.log"
+    return directory / segment_name(n)
 
 
-def segments(directory: Path) -> list[int]:
-    """Segment numbers present, ascending."""
-    out = []
-    for p in directory.iterdir() if directory.is_dir() else ():
-        m = _SEGMENT.match(p.name)
-        if m:
-            out.append(int(m.group(1)))
-    return sorted(out)
+def segments(directory: Path | StateDir) -> list[int]:
+    """Segment numbers present, ascending (none in a directory that does not exist)."""
+    if isinstance(directory, StateDir):
+        names = directory.names()
+    else:
+        names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    return sorted(int(m.group(1)) for m in map(_SEGMENT.match, names) if m)
+
+
+def segment_name(n: int) -> str:
+    return f"wal-{n:08d}.log"
 
 
 class Batch(msgspec.Struct, frozen=True, tag="b", array_like=True):
@@ -177,21 +185,39 @@ def _read_marked_segment(data: bytes) -> list[Record | Unknown | Damage]:
     return out
 
 
-def read_marked(directory: Path, first: int) -> Iterator[Record | Unknown | Damage]:
+def read_marked(directory: Path | StateDir, first: int) -> Iterator[Record | Unknown | Damage]:
     """Every intact record of segments >= ``first``, in order, with a ``Damage`` where bytes were
-    skipped (each logged as a warning saying how many)."""
-    for n in segments(directory):
-        if n < first:
-            continue
-        marked = _read_marked_segment(segment_path(directory, n).read_bytes())
-        problems = [r.why for r in marked if isinstance(r, Damage)]
-        if problems:
-            log.warning("write-ahead log %s: %s (%d records kept)", segment_path(directory, n).name,
-                        "; ".join(problems), len(marked) - len(problems))
-        yield from marked
+    skipped (each logged as a warning saying how many). Read through the state dir's descriptor,
+    never through a symlink (a path: opened and checked as a state dir; none there: no record)."""
+    if not isinstance(directory, StateDir) and not directory.is_dir():
+        return
+    state, opened = as_state_dir(directory)
+    try:
+        for n in segments(state):
+            if n < first:
+                continue
+            marked = _read_segment_in(state, n)
+            problems = [r.why for r in marked if isinstance(r, Damage)]
+            if problems:
+                log.warning("write-ahead log %s: %s (%d records kept)", segment_name(n), "; ".join(problems),
+                            len(marked) - len(problems))
+            yield from marked
+    finally:
+        if opened:
+            state.close()
 
 
-def read_from(directory: Path, first: int) -> Iterator[Record | Unknown]:
+def _read_segment_in(state: StateDir, n: int) -> list[Record | Unknown | Damage]:
+    """Segment ``n``'s records; one ``Damage`` when it cannot be read (a symlink at its name is
+    never followed: ELOOP, like EACCES or EIO, loses the segment, not the restore)."""
+    try:
+        data = state.read(segment_name(n))
+    except OSError as exc:
+        return [Damage(f"cannot read the segment ({exc.strerror}): skipped it whole")]
+    return _read_marked_segment(data or b"")
+
+
+def read_from(directory: Path | StateDir, first: int) -> Iterator[Record | Unknown]:
     """Every intact record of segments >= ``first``, in order. Damage is skipped with a warning
     that says how many bytes were skipped; the records after it are still read."""
     return (r for r in read_marked(directory, first) if not isinstance(r, Damage))

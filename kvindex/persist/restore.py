@@ -23,6 +23,9 @@ Invariants:
 - One daemon per state dir: ``lock()`` (``kvindex.persist.lock``) before anything in it is read;
   then the temp files of interrupted snapshot writes are removed (``write_atomic`` removes its own
   on a failure).
+- ``lock()`` opens the state dir once (``kvindex.persist.statedir``: refused, exit 2, when it is a
+  symlink, another user's or writable by others); the lock, the snapshot and its temp file, the
+  refused snapshot's rename and every log segment are reached through that descriptor only.
 - A failed snapshot (disk full, EIO), at start as later, is counted (``on_snapshot_error``) and
   logged, never raised (``try_snapshot``): the previous snapshot and the segments it does not
   cover stay, answers stay exact, the next snapshot retries. A snapshot write cancelled (SIGTERM)
@@ -63,7 +66,8 @@ from kvindex.persist import snapshot as snapshots
 from kvindex.persist.dynamo_peer import load_dynamo_dump
 from kvindex.persist.journal import LaneJournal, finished, journal_on
 from kvindex.persist.logreplay import LogReplay
-from kvindex.persist.lock import StateDirLock
+from kvindex.persist.lock import StateDirLock, open_state_dir
+from kvindex.persist.statedir import StateDir
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
     WriteAheadLog,
@@ -94,7 +98,8 @@ class Recovery:
         self._token = token
         self._on_wal_error = on_wal_error  # called per write-ahead log failure (the daemon counts them)
         self._on_snapshot_error = on_snapshot_error  # called per failed snapshot write (counted too)
-        self._lock = StateDirLock(config.state_dir) if config.state_dir is not None else None
+        self._dir: StateDir | None = None  # the state dir, opened once by lock(): every file is reached through it
+        self._lock: StateDirLock | None = None
         self._wal_burst = BurstLog(logging.getLogger("kvindex.persist.wal"))
         self._snapshot_lock = asyncio.Lock()
         self.wal: WriteAheadLog | None = None
@@ -102,7 +107,12 @@ class Recovery:
         self.restored_from: str | None = None  # "state-dir", "peer" or None (started empty)
 
     def lock(self) -> None:
-        """Take the state dir's lock (``StateDirBusy``: another daemon holds it); idempotent."""
+        """Open the state dir (``StateDirUnusable``: refused) and take its lock (``StateDirBusy``: another
+        daemon holds it); idempotent."""
+        if self.config.state_dir is not None and self._lock is None:
+            # StateDirUnusable (exit 2): a symlink, another user's, writable by others
+            self._dir = open_state_dir(self.config.state_dir)
+            self._lock = StateDirLock(self._dir)
         if self._lock is not None:
             self._lock.acquire()
 
@@ -142,15 +152,14 @@ class Recovery:
 
     async def snapshot(self) -> None:
         """Write a snapshot, start a new log segment, drop the segments it covers."""
-        if self.config.state_dir is None or self.wal is None:
+        if self._dir is None or self.wal is None:
             return
         async with self._snapshot_lock:
             wal = self.wal
             state = self._capture()
             state.wal_from = wal.rotate()
             data = await asyncio.to_thread(snapshots.encode, state)
-            await finished(asyncio.to_thread(snapshots.write_atomic, self.config.state_dir / snapshots.SNAPSHOT_NAME,
-                                              data))
+            await finished(asyncio.to_thread(snapshots.write_atomic_in, self._dir, snapshots.SNAPSHOT_NAME, data))
             wal.drop_before(state.wal_from)
             wal.covered(state.wal_from)
             log.info("snapshot: %d precise entries, %d approximate entries, %d bytes", sum(len(t[3]) for t in state.tables) // ROW.size + len(state.entries),
@@ -186,15 +195,14 @@ class Recovery:
                         self.wal.sync_failed(exc)
 
     def _load_local(self) -> State | None:
-        d = self.config.state_dir
+        d = self._dir
         assert d is not None
-        d.mkdir(parents=True, exist_ok=True)
-        path = d / snapshots.SNAPSHOT_NAME
+        path = d.path / snapshots.SNAPSHOT_NAME
         try:
-            st = snapshots.read_file(path)
+            st = snapshots.read_in(d, snapshots.SNAPSHOT_NAME)
         except StateError as exc:
             aside = path.with_name(f"{path.name}.refused-{int(time.time())}")
-            path.rename(aside)
+            d.replace(path.name, aside.name)
             log.error("state: refusing snapshot %s: %s; starting EMPTY (the file is kept as %s, its write-ahead "
                       "log is not replayed)%s", path, exc, aside.name, "; trying the peer" if self.config.peer else "")
             return _REFUSED
@@ -266,11 +274,11 @@ class Recovery:
 
     async def _replay_log(self, first: int) -> int:
         """Re-apply the write-ahead log's records through lanes that are not running yet."""
-        assert self.config.state_dir is not None
+        assert self._dir is not None
         replay = LogReplay(index=self.index, approx=self.approx, registrations=self.registrations,
                            restored_streams=self._restored_streams, engine_for=self._engine_for,
                            make_lane=self._make_lane)
-        return await replay.run(self.config.state_dir, first)
+        return await replay.run(self._dir, first)
 
     async def restore(self) -> None:
         """Local state first (snapshot + log); else the peer's; else empty. The garbage collector
@@ -289,7 +297,8 @@ class Recovery:
         refused = False
         if self.config.state_dir is not None:
             self.lock()  # StateDirBusy: another daemon has it (nothing was touched)
-            for name in snapshots.remove_stale_temps(self.config.state_dir / snapshots.SNAPSHOT_NAME):
+            assert self._dir is not None
+            for name in snapshots.remove_stale_temps(self._dir, snapshots.SNAPSHOT_NAME):
                 log.warning("state: removed %s, left by an interrupted snapshot write", name)
             st = await asyncio.to_thread(self._load_local)  # off the loop: HTTP answers "loading"
             refused = st is _REFUSED
@@ -297,8 +306,8 @@ class Recovery:
                 st = None
             elif st is not None:
                 self.restored_from = "state-dir"
-        local_log = (self.config.state_dir is not None and st is None and not refused
-                     and any(True for _ in read_from(self.config.state_dir, 0)))
+        local_log = (self._dir is not None and st is None and not refused
+                     and any(True for _ in read_from(self._dir, 0)))
         if st is None and not local_log and self.config.peer:
             st = await self._load_peer(self.config.peer)
             if st is not None:
@@ -310,7 +319,8 @@ class Recovery:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
             if await self._replay_log(first) and self.restored_from is None:
                 self.restored_from = "state-dir"
-            self.wal = WriteAheadLog(self.config.state_dir, fsync=self.config.fsync, on_error=self._on_wal_error,
+            assert self._dir is not None
+            self.wal = WriteAheadLog(self._dir, fsync=self.config.fsync, on_error=self._on_wal_error,
                                      burst=self._wal_burst)
             self._journal_on()
             await self.try_snapshot("startup")
@@ -336,3 +346,7 @@ class Recovery:
             self.wal = None
         if self._lock is not None:
             self._lock.release()
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+            self._lock = None

@@ -20,8 +20,8 @@ Invariants:
 - ``decode`` refuses (``StateError``, one clear line) anything that is not a complete snapshot of a
   version it knows: foreign bytes, a future version, a truncated or corrupted body. Nothing is
   loaded from a refused snapshot; the caller starts empty.
-- ``write_atomic`` writes a temp file in the same directory (created exclusively, ``O_NOFOLLOW``:
-  a symlink planted at its name is never followed), fsyncs it, renames it over the old
+- ``write_atomic_in`` writes a temp file in the state dir (through its descriptor, created
+  exclusively, ``O_NOFOLLOW``: a symlink planted at its name is never followed), fsyncs it, renames it over the old
   snapshot and fsyncs the directory: a reader sees the old snapshot or the new one, never half.
   A failed write removes its temp file; one left by a killed process is removed at the next start
   (``remove_stale_temps``, under the state dir's lock).
@@ -41,6 +41,7 @@ from typing import Annotated, Any
 import msgpack
 import msgspec
 
+from kvindex.persist.statedir import StateDir
 from kvindex.index.rows import Table, check_rows, check_where, tables_of, unpack_rows
 from kvindex.types import Entry, EntryRow
 
@@ -183,28 +184,38 @@ def _stream(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def temp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return path.with_name(temp_name(path.name))
 
 
-NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+def temp_name(name: str) -> str:
+    return f".{name}.{os.getpid()}.tmp"
 
 
-def _create(tmp: Path) -> int:
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL  # (StateDir.file adds O_NOFOLLOW)
+
+
+def _create(state: StateDir, tmp: str) -> int:
     """A new temp file, created exclusively and never through a symlink: whatever is at its name
     (a file or link left there, or planted) is unlinked, never followed, and creation retried once."""
     try:
-        return os.open(tmp, NEW_FILE, 0o600)
+        return state.file(tmp, NEW_FILE)
     except FileExistsError:
-        tmp.unlink()  # removes a symlink itself, not what it points to
-        return os.open(tmp, NEW_FILE, 0o600)
+        state.unlink(tmp)  # removes a symlink itself, not what it points to
+        return state.file(tmp, NEW_FILE)
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` as ``path`` atomically; on any failure (disk full, EIO, interrupted) the temp
-    file is removed before the error propagates and the old file is untouched."""
-    tmp = temp_path(path)
+    """``write_atomic_in`` the directory of ``path`` (opened and checked as a state dir)."""
+    with StateDir.open(path.parent, create=False) as state:
+        write_atomic_in(state, path.name, data)
+
+
+def write_atomic_in(state: StateDir, name: str, data: bytes) -> None:
+    """Write ``data`` as ``name`` in ``state`` atomically; on any failure (disk full, EIO,
+    interrupted) the temp file is removed before the error propagates and the old file is untouched."""
+    tmp = temp_name(name)
     try:
-        fd = _create(tmp)
+        fd = _create(state, tmp)
         try:
             view = memoryview(data)
             while view:
@@ -212,31 +223,37 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        state.replace(tmp, name)
     except BaseException:
         try:
-            tmp.unlink()
+            state.unlink(tmp)
         except OSError:
             pass
         raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    state.sync()
 
 
-def remove_stale_temps(path: Path) -> list[str]:
-    """Delete the temp files of earlier processes' interrupted ``write_atomic``s of ``path`` (a
+def remove_stale_temps(state: StateDir, name: str) -> list[str]:
+    """Delete the temp files of earlier processes' interrupted ``write_atomic``s of ``name`` (a
     SIGKILL mid-write leaves one); call with the state dir locked. Returns the names removed."""
     removed = []
-    for p in path.parent.glob(f".{path.name}.*.tmp"):
-        try:
-            p.unlink()
-            removed.append(p.name)
-        except OSError:
-            pass
+    for entry in state.names():
+        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+            try:
+                state.unlink(entry)
+                removed.append(entry)
+            except OSError:
+                pass
     return removed
+
+
+def read_in(state: StateDir, name: str) -> State | None:
+    """The snapshot ``name`` in ``state``; None when there is none; ``StateError`` when it cannot be used."""
+    try:
+        data = state.read(name)
+    except OSError as exc:
+        raise StateError(f"cannot read {state.path / name}: {exc.strerror}") from None
+    return None if data is None else decode(data)
 
 
 def read_file(path: Path) -> State | None:

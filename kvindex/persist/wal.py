@@ -15,6 +15,9 @@ Invariants:
 - A log whose first segment cannot be opened at start (disk full, EIO) does not raise: the failure
   is counted like any other, the daemon starts and serves, and each append retries the open (a
   record that cannot be logged makes the log ``degraded``, as a failed append does).
+- Every segment is opened, listed and unlinked through the state dir's descriptor
+  (``kvindex.persist.statedir``), never through a symlink: a link at a segment's name is an open
+  error, counted and logged like any other.
 - Segments only grow; ``rotate()`` starts the next one; a snapshot that covers segments < n lets
   ``drop_before(n)`` delete them.
 """
@@ -42,9 +45,11 @@ from kvindex.persist.records import (
     encode_record,
     read_from,
     read_segment,
+    segment_name,
     segment_path,
     segments,
 )
+from kvindex.persist.statedir import StateDir, as_state_dir
 from kvindex.settings import FSYNC_POLICIES
 
 __all__ = ["MAX_RECORD", "Batch", "Decision", "PodRemoved", "Record", "RegistrationChange", "Resync", "Unknown",
@@ -57,14 +62,14 @@ class WriteAheadLog:
     """Appends records to the current segment of ``directory``. ``on_error(op)`` is called for
     every failure (``append``, ``open``, ``close``) after it was handled, e.g. to count it."""
 
-    def __init__(self, directory: Path, *, fsync: str = "interval", segment: int | None = None,
+    def __init__(self, directory: Path | StateDir, *, fsync: str = "interval", segment: int | None = None,
                  on_error: Callable[[str], None] | None = None, burst: BurstLog | None = None) -> None:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}")
-        self.directory = directory
+        self._dir, self._own_dir = as_state_dir(directory)  # a path: opened (and closed) here
+        self.directory = self._dir.path
         self.fsync = fsync
-        directory.mkdir(parents=True, exist_ok=True)
-        existing = segments(directory)
+        existing = segments(self._dir)
         self.segment = segment if segment is not None else (existing[-1] + 1 if existing else 1)
         self._fd: int | None = None
         self._size = 0  # bytes in the current segment: where the next record starts
@@ -95,8 +100,7 @@ class WriteAheadLog:
 
     def _open(self) -> None:
         # O_NOFOLLOW: a symlink at a segment's name is an open error (counted, logged), never followed
-        fd = os.open(segment_path(self.directory, self.segment),
-                     os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        fd = self._dir.file(segment_name(self.segment), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
             self._size = os.lseek(fd, 0, os.SEEK_END)
         except OSError:
@@ -104,13 +108,16 @@ class WriteAheadLog:
             raise
         self._fd = fd
         self.records = 0
-        _fsync_dir(self.directory)
+        try:
+            self._dir.sync()
+        except OSError:
+            pass
 
     def _failed(self, op: str, exc: BaseException | str) -> None:
         self.errors += 1
         self._burst.warning(("wal", op, str(self.directory)),
                             "write-ahead log %s: %s failed: %s (kvindex keeps serving; until the next snapshot a "
-                            "restart loses what was not logged)", segment_path(self.directory, self.segment).name,
+                            "restart loses what was not logged)", segment_name(self.segment),
                             op, exc)
         if self._on_error is not None:
             try:
@@ -218,10 +225,10 @@ class WriteAheadLog:
         return self.segment + (self._fd is None)
 
     def drop_before(self, n: int) -> None:
-        for old in segments(self.directory):
+        for old in segments(self._dir):
             if old < n:
                 try:
-                    segment_path(self.directory, old).unlink()
+                    self._dir.unlink(segment_name(old))
                 except FileNotFoundError:
                     pass
 
@@ -241,23 +248,12 @@ class WriteAheadLog:
     def close(self) -> None:
         self._close_fd()
         self._closed = True
+        if self._own_dir:
+            self._dir.close()
 
 
 def fsync_and_close(fd: int) -> None:
     try:
         os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
     finally:
         os.close(fd)
