@@ -33,7 +33,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import BLOCK_SIZE, MODEL, RESULTS, latency_summary, machine  # noqa: E402
-from redis_precise import apply_memory, apply_redis, build_match_scene, generate, interleaved, same_state  # noqa: E402
+from redis_precise import (  # noqa: E402
+    apply_memory,
+    apply_redis,
+    build_match_scene,
+    generate,
+    interleaved,
+    same_state,
+    workload_args,
+)
 
 from kvindex.index.factory import CONNECT_TIMEOUT, SOCKET_TIMEOUT  # noqa: E402
 from kvindex.index.memory import MemoryPreciseStore  # noqa: E402
@@ -130,19 +138,7 @@ def report(doc: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="everything small (seconds)")
-    p.add_argument("--streams", type=int, default=8)
-    p.add_argument("--clients", type=int, default=2)
-    p.add_argument("--blocks", type=int, default=120_000, help="block ops in the apply workload")
-    p.add_argument("--capacity", type=int, default=4000, help="blocks per simulated engine (evictions)")
-    p.add_argument("--pods", type=int, default=64)
-    p.add_argument("--background", type=int, default=2000, help="other blocks per pod in the match scene")
-    p.add_argument("--match-iters", type=int, default=1000)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
-    if args.smoke:
-        args.blocks, args.capacity, args.background, args.match_iters = 6000, 600, 50, 30
+    args = workload_args(__doc__.splitlines()[0])
     out = args.out or RESULTS / ("redis_cluster_smoke.json" if args.smoke else "redis_cluster.json")
     base = Path(tempfile.mkdtemp(prefix="kvi-bench-cluster-"))
     one = RedisServer(base / "one").start()

@@ -314,8 +314,9 @@ def report(doc: dict[str, Any]) -> None:
     print(f"  redis p99 / memory p99 = {m['p99_ratio_vs_memory']:.1f} (target p99 <= {m['target_p99_us']} us)")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_args(description: str) -> argparse.Namespace:
+    """The command line of the Redis benchmarks (this one and redis_cluster.py): the workload's sizes."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--smoke", action="store_true", help="everything small (seconds)")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--clients", type=int, default=2)
@@ -328,6 +329,11 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.blocks, args.capacity, args.background, args.match_iters = 6000, 600, 50, 30
+    return args
+
+
+def main() -> None:
+    args = workload_args(__doc__.splitlines()[0])
     out = args.out or RESULTS / ("redis_precise_smoke.json" if args.smoke else "redis_precise.json")
     server = RedisServer(Path(tempfile.mkdtemp(prefix="kvi-bench-redis-"))).start()
     try:

@@ -55,12 +55,9 @@ async def precise_answers(h: Any, tokens: list[int]) -> dict[str, Any]:
     return out
 
 
-NOWHERE = {"score": None, "score_named": 0, "dynamo": (None, 0), "mooncake": 0, "decision": 0}
-
-
-async def test_an_orphaned_pod_is_in_no_answer(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
-    """Its blocks are kept (listed, unsynced) but, once the grace period is over, no route offers
-    them as held: a router asking about the prompt the pod held is told nobody holds it, on every API."""
+async def held_then_stopped(make_harness: Any, make_engine: Any, tmp_path: Path) -> tuple[Path, list[int], dict]:
+    """A daemon on a state dir fed the capture by its engine, then stopped (its snapshot written):
+    the state dir, the longest request's tokens and every route's answer for them."""
     state = tmp_path / "state"
     engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
     h = await make_harness(Config(engines=(engine_config(engine),), state_dir=state))
@@ -68,8 +65,18 @@ async def test_an_orphaned_pod_is_in_no_answer(make_harness: Any, make_engine: A
     await publish_capture(h, engine, POD)
     tokens = max((r["prompt_token_ids"] for r in meta_requests()), key=len)
     held = await precise_answers(h, tokens)
-    assert held["score_named"] > 0 and held["mooncake"] > 0 and held["decision"] > 0, held  # held, on every route
     await h.daemon.stop()
+    return state, tokens, held
+
+
+NOWHERE = {"score": None, "score_named": 0, "dynamo": (None, 0), "mooncake": 0, "decision": 0}
+
+
+async def test_an_orphaned_pod_is_in_no_answer(make_harness: Any, make_engine: Any, tmp_path: Path) -> None:
+    """Its blocks are kept (listed, unsynced) but, once the grace period is over, no route offers
+    them as held: a router asking about the prompt the pod held is told nobody holds it, on every API."""
+    state, tokens, held = await held_then_stopped(make_harness, make_engine, tmp_path)
+    assert held["score_named"] > 0 and held["mooncake"] > 0 and held["decision"] > 0, held  # held, on every route
     again = await make_harness(Config(state_dir=state, orphan_grace_seconds=0))  # the engine is no longer configured
     status, pod = await again.get(f"/v1/pods/{POD}")
     assert status == 200 and pod["synced"] is False and pod["blocks"]["gpu"] > 0, pod
@@ -85,14 +92,7 @@ async def test_an_orphaned_pod_is_answered_unsynced_for_its_grace_period(make_ha
                                                                         tmp_path: Path) -> None:
     """During ``orphan_grace_seconds`` after the start (an engine may register again) the restored
     blocks are answered as they were, the pod listed unsynced; after it, in no answer."""
-    state = tmp_path / "state"
-    engine = await make_engine(ipc_endpoint(tmp_path, "pub"), replay_endpoint=ipc_endpoint(tmp_path, "replay"))
-    h = await make_harness(Config(engines=(engine_config(engine),), state_dir=state))
-    await h.wait_connected()
-    await publish_capture(h, engine, POD)
-    tokens = max((r["prompt_token_ids"] for r in meta_requests()), key=len)
-    held = await precise_answers(h, tokens)
-    await h.daemon.stop()
+    state, tokens, held = await held_then_stopped(make_harness, make_engine, tmp_path)
     grace = 1.5
     again = await make_harness(Config(state_dir=state, orphan_grace_seconds=grace))
     started = time.monotonic()
