@@ -181,6 +181,10 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    "HTTP (also [server] ext_proc_port; 0 picks a free one): kvindex in the request path, as the "
                    "endpoint picker (GIE protocol) or an observer of a gateway ([route] mode). Needs kvindex[gateway]")
     s.add_argument("--ext-proc-host", metavar="HOST", help="ext_proc bind address (default: --host)")
+    s.add_argument("--grpc-port", type=int, metavar="PORT", help="serve SGLang's KV indexer API (gRPC "
+                   "kv_indexer.v1.KVIndexer: its router's --kv-indexer-endpoint) on PORT (also [server] grpc_port; "
+                   "0 picks a free one). Needs the memory store and one process; docs/api.md")
+    s.add_argument("--grpc-host", metavar="HOST", help="--grpc-port's bind address (default: --host)")
     s.add_argument("--route-mode", choices=("pick", "observe"), help="[route] mode for models without their own: pick "
                    "(kvindex chooses the engine; the default) or observe (it only records what the gateway did)")
 
@@ -230,7 +234,7 @@ def load_config(args: argparse.Namespace) -> Config:
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
                           max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod,
                           dynamo_dump=args.dynamo_dump, ext_proc_port=args.ext_proc_port,
-                          ext_proc_host=args.ext_proc_host,
+                          ext_proc_host=args.ext_proc_host, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
                           route=replace(base.route, mode=args.route_mode) if args.route_mode else None)
 
 

@@ -206,6 +206,8 @@ class Config:
     route: RouteSettings = field(default_factory=RouteSettings)  # [route]: the request path (kvindex.route)
     ext_proc_port: int | None = None  # Envoy ext_proc (gRPC) port; None: no request path served
     ext_proc_host: str | None = None  # None: ``host``
+    grpc_port: int | None = None  # SGLang's kv_indexer.v1.KVIndexer (gRPC) port; None: not served
+    grpc_host: str | None = None  # None: ``host``
 
     def __post_init__(self) -> None:
         try:
@@ -257,6 +259,12 @@ class Config:
         check_route(self.route)
         if self.ext_proc_port is not None and (type(self.ext_proc_port) is not int or not 0 <= self.ext_proc_port < 65536):
             raise ConfigError("ext_proc_port must be a port number from 0 to 65535")
+        if self.grpc_port is not None and (type(self.grpc_port) is not int or not 0 <= self.grpc_port < 65536):
+            raise ConfigError("grpc_port must be a port number from 0 to 65535")
+        if self.grpc_port is not None and (not is_memory(self.store) or self.workers > 1):
+            why = f"--workers {self.workers}" if is_memory(self.store) else f"--store {describe(self.store)}"
+            raise ConfigError(f"--grpc-port (SGLang's KV indexer API) needs the memory store in one process (it "
+                              f"reads each engine's own block hashes there), not {why}")
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex or Dynamo indexer")
 

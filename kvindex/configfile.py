@@ -53,6 +53,8 @@ class ServerTable(_Table, frozen=True):
     dynamo_dump: bool | UnsetType = UNSET
     ext_proc_port: int | UnsetType = UNSET
     ext_proc_host: str | UnsetType = UNSET
+    grpc_port: int | UnsetType = UNSET
+    grpc_host: str | UnsetType = UNSET
 
 
 class RouteModelTable(_Table, frozen=True):

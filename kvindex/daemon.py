@@ -79,13 +79,8 @@ from kvindex.registrations import EngineRegistry, Registrations
 from kvindex.shard.channel import Metrics as WorkerMetrics
 from kvindex.shard.channel import WorkerSettings
 from kvindex.shard.store import ShardedPreciseStore
-from kvindex.shard.supervisor import (
-    MergedRegistry,
-    ShardedFleet,
-    ShardedPods,
-    ShardFailed,
-    Shards,
-)
+from kvindex.shard.supervisor import MergedRegistry, ShardedFleet, ShardedPods, ShardFailed, Shards
+from kvindex.sglang.service import build_indexer
 from kvindex.storeurl import describe, is_memory
 from kvindex.tokenize import CachingTokenizer, Tokenizer
 from kvindex.views import FleetView, PodsView
@@ -93,7 +88,7 @@ from kvindex.views import FleetView, PodsView
 log = logging.getLogger("kvindex.daemon")
 SHARED_GAUGES_SECONDS = 10.0  # the pod gauges of a shared store are read at most this often
 WORKER_EXIT_GRACE = 5.0  # seconds between a worker's death and the daemon's exit (readyz says why)
-ROUTE_GRACE = 5.0  # seconds ext_proc streams in flight get to finish at stop
+ROUTE_GRACE = 5.0  # seconds the gRPC calls in flight (ext_proc, --grpc-port) get to finish at stop
 
 
 class Daemon:
@@ -155,6 +150,7 @@ class Daemon:
                                  before_metrics=self._refresh_gauges, store_problem=self._store_problem,
                                  loading=lambda: self.loading)
         self.route = None if config.ext_proc_port is None else self._wire_route(config)
+        self.indexer = build_indexer(config, self.store, self.fleet, self.orphans, self.registry, token)
         self.registry.register(StateCollector(self._state_gauges))
         self.app = make_app(self.services, [*native_api.routes(), *dynamo.routes()])
         self.recovery = Recovery(config, index=self.index or new_precise_index(),
@@ -322,6 +318,8 @@ class Daemon:
                                                         self.config.ext_proc_port)
             log.info("request path: Envoy ext_proc (gRPC) on %s:%d", self.config.ext_proc_host or self.config.host,
                      self.ext_proc_port)
+        if self.indexer is not None:  # SGLang's indexer API (kvindex.sglang)
+            await self.indexer.start(self.config.grpc_host or self.config.host, self.config.grpc_port or 0)
         if self.index is not None and (why := core_missing()):
             log.warning("%s", why)
         log.info("kvindex listening on http://%s:%d with %d engine(s), at most %d connections; event loop %s; %s",
@@ -349,9 +347,8 @@ class Daemon:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.lora_pollers.stop()
-        route, self.route = self.route, None
-        if route is not None:  # streams in flight finish first (GOAWAY), then its tasks stop
-            await route.stop(ROUTE_GRACE)
+        doors, self.route, self.indexer = [d for d in (self.route, self.indexer) if d is not None], None, None
+        await asyncio.gather(*(d.stop(ROUTE_GRACE) for d in doors))  # calls in flight finish (GOAWAY), then tasks stop
         if self.recovery.wal is not None:  # while the lanes still hold their streams' watermarks
             await self.recovery.try_snapshot("final")  # (no log before the state was whole: no snapshot)
         try:

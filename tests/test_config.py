@@ -52,11 +52,11 @@ def refusal(text: str) -> str:
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, receive_buffer_bytes, "
                              "max_lag_seconds, store, "
                              "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
-                             "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host)"),
+                             "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host, grpc_port, grpc_host)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, receive_buffer_bytes, "
                              "max_lag_seconds, store, "
                                  "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
-                                 "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host)"),
+                                 "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host, grpc_port, grpc_host)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
      "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\nreplay_endpoint = "tcp://h:2"',
@@ -183,10 +183,11 @@ def documented_toml() -> str:
 
 def test_every_key_the_configuration_page_documents_loads(tmp_path: Path) -> None:
     path = tmp_path / "kvindex.toml"
-    path.write_text(documented_toml() + '\n[approx.models."gie-model"]\npersonality = "gie-v1.5"\n'
+    path.write_text(documented_toml().replace("# grpc_", "grpc_") + '\n[approx.models."gie-model"]\npersonality = "gie-v1.5"\n'
                     '\n[state]\ndir = "/var/lib/kvindex"\nsnapshot_seconds = 30\nfsync = "always"\n')
     cfg = load_file(path)
     assert (cfg.host, cfg.port, cfg.store, cfg.store_buffer, cfg.workers) == ("127.0.0.1", 8080, "memory://", 10000, 1)
+    assert (cfg.grpc_port, cfg.grpc_host) == (50051, "0.0.0.0")  # commented out on the page: the port is opt-in
     (e,) = cfg.engines
     assert (e.endpoint, e.replay, e.pod, e.model, e.dialect, e.block_size, e.bind) == (
         "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558", "default/vllm-0", "Qwen/Qwen3-8B", "vllm", 16, False)
@@ -211,7 +212,8 @@ def test_every_key_accepted_before_is_still_known() -> None:
                                     ("route", RouteTable))} == {
         "server": {"host", "port", "max_message_bytes", "receive_buffer_bytes", "max_lag_seconds", "store", "store_buffer", "workers", "auth",
                    "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod",
-                   "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host"},
+                   "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host", "grpc_port",
+                   "grpc_host"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
         "state": {"dir", "snapshot_seconds", "orphan_grace_seconds", "fsync", "peer"},

@@ -45,7 +45,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "kvindex.registrations", "kvindex.dynamo_dump"),
     6: ("kvindex.persist",),
     7: ("kvindex.http", "kvindex.http.fields", "kvindex.http.mooncake",  # (mooncake: the RFC's other dialect)
-        "kvindex.route"),  # the two front doors: HTTP, and the request path (Envoy ext_proc over gRPC)
+        "kvindex.route",  # the front doors: HTTP, the request path (Envoy ext_proc over gRPC),
+        "kvindex.sglang"),  # and SGLang's KV indexer API (gRPC, over kvindex.route's server)
     8: ("kvindex.shard",),
     9: ("kvindex.daemon", "kvindex.cli", "kvindex.tool_args", "kvindex.__main__"),  # the composition root, the CLI
     10: ("kvindex.tools",),  # demo, simulator, workload, recorder: may use anything, used by no core module

@@ -56,6 +56,8 @@ class LocalPreciseIndex(Protocol):
     def blocks_held(self, pod: str) -> dict[str, int]: ...
     def engine_hashes(self, pod: str) -> dict[int, dict[int, int | None]]: ...
     def match(self, keys: Sequence[int], pods: Iterable[str] | None = None) -> dict[str, PodMatch]: ...
+    def hash_match(self, hashes: Sequence[int]) -> dict[str, PodMatch]: ...
+    def hash_tiers(self, hashes: Sequence[int]) -> dict[str, dict[str, list[int]]]: ...
     def export_entries(self) -> Iterable[Entry]: ...
     def load_entries(self, entries: Iterable[Entry]) -> int: ...
 
@@ -127,6 +129,14 @@ class MemoryPreciseStore:
     async def match(self, keys: Sequence[int], pods: Iterable[str] | None = None, *,
                     model: str | None = None) -> dict[str, PodMatch]:
         return self.index.match(keys, pods)  # keys are global here: ``model`` is only a slot hint
+
+    async def hash_match(self, hashes: Sequence[int]) -> dict[str, PodMatch]:
+        """``match`` by engine block hashes, through each worker's own entries (not in the store
+        contract: only this store reads its workers' hash tables in one step)."""
+        return self.index.hash_match(hashes)
+
+    async def hash_tiers(self, hashes: Sequence[int]) -> dict[str, dict[str, list[int]]]:
+        return self.index.hash_tiers(hashes)
 
     async def export_entries(self) -> list[Entry]:
         return list(self.index.export_entries())

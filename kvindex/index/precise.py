@@ -260,6 +260,35 @@ class PreciseIndex:
             out[pod] = merged(out.get(pod), PodMatch(g, c, d, {rank: g}))
         return out
 
+    def hash_match(self, hashes: Sequence[int]) -> dict[str, PodMatch]:
+        """``match`` for a prompt given as engine block hashes (ReferenceIndex.hash_match): each
+        worker's leading run of held hashes, keyed by its own entries, matched on that worker alone."""
+        out: dict[str, PodMatch] = {}
+        key_of, tiered = self._core.key_of, self._core.tiered()
+        for (pod, rank), slot in self._slot.items():
+            keys = []
+            for h in hashes:
+                key = key_of(slot, h)
+                if key is None:
+                    break
+                keys.append(key)
+            for g, c, d, _ in self._core.match(keys, 1 << slot) if keys else ():
+                out[pod] = merged(out.get(pod), PodMatch(g, c, d, {rank: g}) if tiered else PodMatch(g, g, g, {rank: g}))
+        return out
+
+    def hash_tiers(self, hashes: Sequence[int]) -> dict[str, dict[str, list[int]]]:
+        """Per pod, per tier, which of ``hashes`` it holds keyed there (request order, each once)."""
+        out: dict[str, dict[str, list[int]]] = {}
+        key_of, holders = self._core.key_of, self._core.holders
+        for (pod, _), slot in self._slot.items():
+            tiers = out.setdefault(pod, {})
+            for h in dict.fromkeys(hashes):
+                key = key_of(slot, h)
+                for t, name in enumerate(TIERS):
+                    if key is not None and slot in holders(t, key) and h not in tiers.get(name, ()):
+                        tiers.setdefault(name, []).append(h)
+        return {pod: tiers for pod, tiers in out.items() if tiers}
+
     def _mask_of(self, pods: Iterable[str]) -> int:
         wanted = set(pods)  # each worker has its own bit: their sum is their union
         return sum(1 << slot for (pod, _), slot in self._slot.items() if pod in wanted)

@@ -66,7 +66,7 @@ from kvindex.events import GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVE
 from kvindex.index.lineage import Lineage
 from kvindex.index.protocol import tier_of
 from kvindex.index.rows import Table, pack_rows, unpack_rows
-from kvindex.types import TIERS, Applied, Entry, PodMatch
+from kvindex.types import TIERS, Applied, Entry, PodMatch, merged
 
 
 @dataclass
@@ -298,6 +298,41 @@ class ReferenceIndex:
             prev = out.get(pod, PodMatch(0, 0, 0, {}))
             out[pod] = PodMatch(max(prev.gpu, g), max(prev.cpu, c), max(prev.disk, d), {**prev.dp, rank: g})
         return out
+
+    def hash_match(self, hashes: Sequence[int]) -> dict[str, PodMatch]:
+        """``match`` for a prompt given as engine block hashes: each worker's leading run of the hashes
+        it holds keyed is turned into keys by its own entries, and matched on that worker alone."""
+        out: dict[str, PodMatch] = {}
+        for (pod, rank), w in self.workers.items():
+            keys = _leading_keys(w, hashes)
+            g, c, d = (_prefix(keys, w.keys_in(TIERS[:n])) for n in (1, 2, 3))
+            if d:
+                out[pod] = merged(out.get(pod), PodMatch(g, c, d, {rank: g}))
+        return out
+
+    def hash_tiers(self, hashes: Sequence[int]) -> dict[str, dict[str, list[int]]]:
+        """Per pod, per tier, which of ``hashes`` it holds keyed there (request order, each once)."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for (pod, _), w in self.workers.items():
+            held = {t: w.keys_in((t,)) for t in TIERS}
+            tiers = out.setdefault(pod, {})
+            for h in dict.fromkeys(hashes):
+                key = w.key_of(h)
+                for t in TIERS:
+                    if key is not None and key in held[t] and h not in tiers.get(t, ()):
+                        tiers.setdefault(t, []).append(h)
+        return {pod: tiers for pod, tiers in out.items() if tiers}
+
+
+def _leading_keys(w: Worker, hashes: Sequence[int]) -> list[int]:
+    """The keys ``w`` holds for ``hashes``, from the first, up to the first it holds no key for."""
+    keys = []
+    for h in hashes:
+        key = w.key_of(h)
+        if key is None:
+            break
+        keys.append(key)
+    return keys
 
 
 def _prefix(keys: Sequence[int], held: set[int]) -> int:

@@ -44,12 +44,13 @@ class Handler(Protocol):
 
 
 class Call:
-    """One call's outbound side: ``send`` messages, then ``finish`` with a status."""
+    """One call's outbound side: ``send`` messages, then ``finish`` with a status; ``metadata``:
+    the request's headers (pseudo-headers included), as they came."""
 
-    __slots__ = ("_conn", "sid", "_started", "finished")
+    __slots__ = ("_conn", "sid", "_started", "finished", "metadata")
 
-    def __init__(self, conn: Connection, sid: int) -> None:
-        self._conn, self.sid = conn, sid
+    def __init__(self, conn: Connection, sid: int, metadata: dict[bytes, bytes] | None = None) -> None:
+        self._conn, self.sid, self.metadata = conn, sid, metadata or {}
         self._started = False
         self.finished = False
 
@@ -97,7 +98,7 @@ class Session:
 
     def opened(self, conn: Connection, sid: int, headers: list[tuple[bytes, bytes]], end_stream: bool) -> None:
         h = dict(headers)
-        call = Call(conn, sid)
+        call = Call(conn, sid, h)
         method = self._methods.get(h.get(b":path", b""))
         if h.get(b":method") != b"POST" or not h.get(b"content-type", b"").startswith(b"application/grpc"):
             self._on_error("not_grpc")
@@ -185,6 +186,10 @@ class GrpcServer:
         self._server = await loop.create_server(self._connection, host, port)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
+
+    def open_streams(self) -> int:
+        """Streams open on this port's connections: its calls in flight."""
+        return sum(len(conn.streams) for conn in self._connections)
 
     async def stop(self, grace: float = 5.0) -> None:
         server, self._server = self._server, None
