@@ -146,6 +146,13 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    "(its GET /v1/state), or the blocks of the Dynamo KV indexer at URL (its GET /dump), so this "
                    "replica starts warm; if it cannot be reached kvindex logs why and "
                    "starts empty (or from --state-dir)")
+    s.add_argument("--peer-max-bytes", type=int, metavar="N", help="with --peer: bytes the peer's answer may hold "
+                   "(also [state] peer_max_bytes; default 4294967296, 4 GiB: 179M entries of 24 bytes); an answer "
+                   "declaring or sending more is refused as the count passes N, logged, and kvindex starts empty "
+                   "(kvindex_peer_refusals_total{reason=\"too_large\"})")
+    s.add_argument("--peer-timeout", type=float, metavar="S", help="with --peer: seconds the peer has for its whole "
+                   "answer (also [state] peer_timeout; default 300); a peer silent for 30 s (or S/2, if less) "
+                   "mid-answer is given up on too (reason \"timeout\")")
 
     s.add_argument("--store", metavar="URL", help=STORE_HELP)
     s.add_argument("--store-buffer", type=int, metavar="N", help="batches each engine lane keeps, in order, while "
@@ -229,6 +236,7 @@ def load_config(args: argparse.Namespace) -> Config:
     return with_overrides(base, host=args.host, port=args.port, engines=args.engine, state_dir=args.state_dir,
                           snapshot_seconds=args.snapshot_seconds,
                           orphan_grace_seconds=args.orphan_grace_seconds, fsync=args.fsync, peer=args.peer,
+                          peer_max_bytes=args.peer_max_bytes, peer_timeout=args.peer_timeout,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
                           receive_buffer_bytes=args.receive_buffer_bytes, max_lag_seconds=args.max_lag_seconds,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,

@@ -166,6 +166,9 @@ def check_tokenizer_path(path: str | None) -> None:
                           f'tokenizer_config.json (a model repository or Hugging Face snapshot){"" if not path else f"; no {missing[0]} there"}')
 
 
+# a peer's /v1/state (or Dynamo /dump) at most: 179M precise entries of 24 bytes (e.g. 1,000 engines
+# of 64k GPU and 115k CPU-tier blocks), which a replica holds in 16 GB or more of index
+PEER_MAX_BYTES = 4 << 30
 MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer
 RECEIVE_BUFFER_BYTES = 128 << 20  # per engine: what kvindex received and has not applied yet, at most
 MAX_LAG_SECONDS = 5.0  # an engine's oldest batch not applied this long after kvindex received it: lagging
@@ -193,6 +196,8 @@ class Config:
     orphan_grace_seconds: float = 60.0  # restored pods no engine publishes for: answered this long ([state])
     fsync: str = "interval"  # always | interval | never (the write-ahead log's fsync policy)
     peer: str | None = None  # base URL of a running kvindex (or Dynamo indexer) whose state is loaded before serving
+    peer_max_bytes: int = PEER_MAX_BYTES  # the peer's answer at most (--peer-max-bytes; kvindex.persist.peer)
+    peer_timeout: float = 300.0  # seconds the peer has for its whole answer (--peer-timeout)
     store: str = MEMORY  # where the indexes live: memory:// or a Redis URL shared by replicas
     store_buffer: int = 10_000  # batches per lane kept while the store is unreachable
     workers: int = 1  # ingest worker processes (1: everything in this process; kvindex.shard.supervisor)
@@ -267,6 +272,10 @@ class Config:
                               f"reads each engine's own block hashes there), not {why}")
         if self.peer is not None and not self.peer.startswith(("http://", "https://")):
             raise ConfigError(f"peer {self.peer!r} is not an http(s):// URL of a running kvindex or Dynamo indexer")
+        if type(self.peer_max_bytes) is not int or self.peer_max_bytes <= 0:
+            raise ConfigError("peer_max_bytes must be a positive integer (bytes)")
+        if type(self.peer_timeout) not in (int, float) or not 0 < self.peer_timeout <= 86400:
+            raise ConfigError("peer_timeout must be a number of seconds, > 0 and at most 86400")
 
     def _check_http(self) -> None:
         if type(self.max_connections) is not int or self.max_connections < 0:

@@ -94,6 +94,8 @@ class StateTable(_Table, frozen=True):
     orphan_grace_seconds: float | UnsetType = UNSET
     fsync: str | UnsetType = UNSET
     peer: str | UnsetType = UNSET
+    peer_max_bytes: int | UnsetType = UNSET
+    peer_timeout: float | UnsetType = UNSET
 
 
 class ApproxModelTable(_Table, frozen=True):

@@ -157,7 +157,7 @@ class Daemon:
                                  approx=self.approx or ApproxIndex(config.approx), fleet=self.fleet, pods=self.pods,
                                  registrations=self.registrations, make_lane=self._make_lane, token=token,
                                  on_wal_error=lambda op: self.wal_errors.labels(op).inc(),
-                                 on_snapshot_error=self.snapshot_errors.inc)
+                                 on_snapshot_error=self.snapshot_errors.inc, on_peer_refused=self.metrics.peer_refused)
         self._runner: web.AppRunner | None = None
         self._http: HttpServer | None = None
         self._stopped = False

@@ -115,6 +115,9 @@ class Metrics:
         self.lora_poll_failures = Counter("kvindex_lora_models_poll_failures", "Failed polls of an engine's /v1/models "
                                           "(its LoRA adapters), by the model table whose URL it is", ["model"], registry=r)
         self.decisions = Counter("kvindex_decisions", "Routing decisions recorded", ["pod"], registry=r)
+        self.peer_refusals = Counter("kvindex_peer_refusals", "Peer states (--peer) not loaded, by reason: too_large "
+                                     "(past --peer-max-bytes), timeout (--peer-timeout, or silent mid-answer), "
+                                     "http_status, unreachable, malformed", ["reason"], registry=r)
         self.decision_fraction = Histogram("kvindex_decision_hit_fraction", "Per decision: the prompt fraction predicted "
                                            "cached (approx, precise) and reported cached by the engine (actual)",
                                            ["pod", "source"], buckets=RATIO_BUCKETS, registry=r)
@@ -125,6 +128,9 @@ class Metrics:
                                        registry=r)
         self.decision_error = Histogram("kvindex_decision_abs_error", "Per decision: |prediction - actual| of each index",
                                         ["pod", "predictor"], buckets=RATIO_BUCKETS, registry=r)
+
+    def peer_refused(self, reason: str) -> None:
+        self.peer_refusals.labels(reason).inc()
 
     def known(self, pod: str | None, model: str | None) -> None:
         """A pod and model a trusted source names (configuration, a registration, an engine's events)."""

@@ -100,6 +100,8 @@ def test_unknown_keys_and_tables_name_where_and_the_closest_name(text: str, mess
      "[[engines]] #1: engine block_size must be an integer from 1 to 65536"),
     ('[[engines]]\nendpoint = "tcp://h:1"\ndp_rank = 65536',
      "[[engines]] #1: engine dp_rank must be an integer from 0 to 65535"),
+    ("[state]\npeer_max_bytes = 0", "peer_max_bytes must be a positive integer (bytes)"),
+    ("[state]\npeer_timeout = 0", "peer_timeout must be a number of seconds, > 0 and at most 86400"),
 ])
 def test_bad_values_say_where(text: str, message: str) -> None:
     assert refusal(text) == f"kvindex.toml: {message}"
@@ -198,6 +200,8 @@ def test_every_key_the_configuration_page_documents_loads(tmp_path: Path) -> Non
     assert cfg.drift == DriftSettings(2048, 5.0, 300.0, 0.5)
     assert (cfg.state_dir, cfg.snapshot_seconds, cfg.fsync) == (Path("/var/lib/kvindex"), 30.0, "always")
     assert config_from_toml({"state": {"peer": "http://kvindex-0:8080"}}).peer == "http://kvindex-0:8080"
+    bounds = config_from_toml({"state": {"peer_max_bytes": 1 << 20, "peer_timeout": 5}})
+    assert (bounds.peer_max_bytes, bounds.peer_timeout) == (1 << 20, 5)
 
 
 def test_every_key_accepted_before_is_still_known() -> None:
@@ -216,7 +220,8 @@ def test_every_key_accepted_before_is_still_known() -> None:
                    "grpc_host"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},
         "drift": {"sample_size", "recheck_seconds", "window_seconds", "threshold", "history"},
-        "state": {"dir", "snapshot_seconds", "orphan_grace_seconds", "fsync", "peer"},
+        "state": {"dir", "snapshot_seconds", "orphan_grace_seconds", "fsync", "peer", "peer_max_bytes",
+                  "peer_timeout"},
         "engines": {"endpoint", "pod", "model", "replay", "bind", "dialect", "block_size", "dp_rank", "url"},
         "models": {"tokenizer", "tokenize_url", "tokenizer_path", "trust_request_chat_template", "block_size",
                    "base_model", "models_url"},

@@ -34,7 +34,9 @@ Invariants:
   table sized once, its rows loaded ``LOAD_CHUNK`` at a time in one C pass each. A state with a
   row not in the format is refused whole (kvindex starts empty, says why in one line). HTTP
   meanwhile answers 503 "loading"; a SIGTERM cancels the restore (nothing is written: the log and
-  the final snapshot start only once the state is whole). A peer's state loads the same way.
+  the final snapshot start only once the state is whole). A peer's state loads the same way, read
+  within its bounds (``kvindex.persist.peer``: bytes, idle and total time); its rows are freed in
+  a thread once loaded (``State.release``).
 - A block size configured before the restore wins over the snapshot's (a contradiction is logged);
   restored workers hold the sizes their keys were made with (the snapshot's: ``load_tables(sizes=)``)
   while those are in force, and no other model's.
@@ -55,18 +57,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from kvindex.config import Config, EngineConfig
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.rows import ROW, tables_of
 from kvindex.index.memory import AnyPrecise
 from kvindex.logs import BurstLog
 from kvindex.persist import snapshot as snapshots
-from kvindex.persist.dynamo_peer import load_dynamo_dump
 from kvindex.persist.journal import LaneJournal, finished, journal_on
 from kvindex.persist.logreplay import LogReplay
 from kvindex.persist.lock import StateDirLock, open_state_dir
+from kvindex.persist.peer import PeerBounds, load_peer
 from kvindex.persist.statedir import StateDir
 from kvindex.persist.snapshot import State, StateError
 from kvindex.persist.wal import (
@@ -90,7 +90,8 @@ class Recovery:
                  pods: PodsView, registrations: Registrations,
                  make_lane: Callable[[EngineConfig], RestorableLane], token: str | None,
                  on_wal_error: Callable[[str], None] | None = None,
-                 on_snapshot_error: Callable[[], None] | None = None) -> None:
+                 on_snapshot_error: Callable[[], None] | None = None,
+                 on_peer_refused: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.index, self.approx, self.fleet, self.pods = index, approx, fleet, pods
         self.registrations = registrations
@@ -98,6 +99,7 @@ class Recovery:
         self._token = token
         self._on_wal_error = on_wal_error  # called per write-ahead log failure (the daemon counts them)
         self._on_snapshot_error = on_snapshot_error  # called per failed snapshot write (counted too)
+        self._on_peer_refused = on_peer_refused  # called with the reason when a peer's state is refused
         self._dir: StateDir | None = None  # the state dir, opened once by lock(): every file is reached through it
         self._lock: StateDirLock | None = None
         self._wal_burst = BurstLog(logging.getLogger("kvindex.persist.wal"))
@@ -208,24 +210,6 @@ class Recovery:
             return _REFUSED
         return st
 
-    async def _load_peer(self, url: str) -> State | None:
-        """A kvindex peer's ``/v1/state``; when it has none (404, or 405: a Dynamo indexer), its
-        ``/dump`` in Dynamo's shape (``kvindex.dynamo_dump``): the blocks only."""
-        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-        base = url.rstrip("/")
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-                async with session.get(base + "/v1/state", headers=headers) as r:
-                    if r.status in (404, 405):
-                        return await load_dynamo_dump(session, base, headers)
-                    if r.status != 200:
-                        raise StateError(f"answered HTTP {r.status}: {(await r.text())[:200]}")
-                    data = await r.read()
-            return await asyncio.to_thread(snapshots.decode, data)  # off the loop, as a local one
-        except (aiohttp.ClientError, TimeoutError, OSError, StateError) as exc:
-            log.error("peer %s: cannot load its state (%s: %s); starting empty", url, type(exc).__name__, exc)
-            return None
-
     async def _install(self, st: State) -> bool:
         """Load a decoded state; a Dynamo peer's rows are packed first (off the loop): one that is not
         in the row format refuses the state before anything is loaded (False, logged)."""
@@ -249,8 +233,10 @@ class Recovery:
                 await asyncio.sleep(0)
         lineage = getattr(self.index, "lineage", None)  # kept with --dynamo-dump only
         if lineage is not None:
-            for parent, locals_, keys in st.lineage:  # a Dynamo peer's local hashes: our /dump places its blocks
+            for i, (parent, locals_, keys) in enumerate(st.lineage):  # a Dynamo peer's: our /dump places its blocks
                 lineage.add(parent, locals_, keys)
+                if i % LOAD_CHUNK == LOAD_CHUNK - 1:
+                    await asyncio.sleep(0)  # the loop gets turns
         try:
             self.approx.load_state(st.approx)
         except ValueError as exc:
@@ -309,12 +295,14 @@ class Recovery:
         local_log = (self._dir is not None and st is None and not refused
                      and any(True for _ in read_from(self._dir, 0)))
         if st is None and not local_log and self.config.peer:
-            st = await self._load_peer(self.config.peer)
+            st = await load_peer(self.config.peer, self._token, PeerBounds.of(self.config), self._on_peer_refused)
             if st is not None:
                 self.restored_from = "peer"
                 st.wal_from = _NO_LOG  # the peer's log is not ours
-        if st is not None and not await self._install(st):
-            st = None
+        if st is not None:
+            installed = await self._install(st)
+            await asyncio.to_thread(st.release)  # a Dynamo peer's rows, freed off the loop
+            st = st if installed else None
         if self.config.state_dir is not None:
             first = st.wal_from if st is not None else _NO_LOG if refused else 0
             if await self._replay_log(first) and self.restored_from is None:

@@ -19,7 +19,10 @@ without its watermark's digest, as one whose snapshot saved none).
 Invariants:
 - ``decode`` refuses (``StateError``, one clear line) anything that is not a complete snapshot of a
   version it knows: foreign bytes, a future version, a truncated or corrupted body. Nothing is
-  loaded from a refused snapshot; the caller starts empty.
+  loaded from a refused snapshot; the caller starts empty. ``declared_length`` judges one by its
+  first bytes (a peer's answer is refused there, or past the length they declare).
+- ``State.release`` frees a decoded state's Python rows in parts: a thread doing it lets go of the
+  GIL between them.
 - ``write_atomic_in`` writes a temp file in the state dir (through its descriptor, created
   exclusively, ``O_NOFOLLOW``: a symlink planted at its name is never followed), fsyncs it, renames it over the old
   snapshot and fsyncs the directory: a reader sees the old snapshot or the new one, never half.
@@ -49,6 +52,7 @@ FORMAT = "kvindex-state"
 VERSION = 2
 READS = (1, 2)  # the versions decode accepts
 SNAPSHOT_NAME = "state.snap"
+RELEASE_PART = 16_384  # rows freed per call by State.release
 STREAM_FIELDS = ("topic", "pod", "last_seq", "expect_from", "synced", "unsynced_reason", "gaps", "replays",
                  "restarts", "batches", "epoch", "last_digest")
 
@@ -69,10 +73,24 @@ class State:
     created: float = 0.0
     lineage: list[Any] = field(default_factory=list)  # a Dynamo peer's (never saved): kvindex.dynamo_dump
 
+    def release(self) -> None:
+        """Drop the entries and lineage (a Dynamo peer's millions of Python rows) ``RELEASE_PART`` at
+        a time, so that a thread doing it lets go of the GIL between parts (one ``del`` of 819k rows
+        held it 0.3 s)."""
+        for rows in (self.entries, self.lineage):
+            if isinstance(rows, list):
+                drop_in_parts(rows)
+
     def all_entries(self) -> list[Entry]:
         """Every precise entry held: ``entries`` and the tables' rows, as ``Entry`` objects."""
         return [Entry(*e) for e in self.entries] + [Entry(pod, rank, medium, h, key, copies) for pod, rank, medium, rows
                                                     in self.tables for h, key, copies in unpack_rows(rows)]
+
+
+def drop_in_parts(items: list[Any], part: int = RELEASE_PART) -> None:
+    """Empty ``items`` from its end, ``part`` at a time (each ``del`` one call holding the GIL)."""
+    while items:
+        del items[-part:]
 
 
 def stream_state(st: Any) -> dict[str, Any]:
@@ -125,6 +143,16 @@ def read_header(data: bytes) -> tuple[dict[str, Any], int]:
         if type(header.get(k)) is not int:
             raise StateError(f"snapshot header lacks {k}")
     return header, 4 + n
+
+
+def declared_length(prefix: bytes | bytearray) -> int | None:
+    """The whole snapshot's length as its first bytes declare it (header and ``body_len``); None
+    while ``prefix`` is shorter than the header; ``StateError`` unless a kvindex snapshot starts so."""
+    n = int.from_bytes(prefix[:4], "big") if len(prefix) >= 4 else 0
+    if len(prefix) < 4 or (n <= 4096 and len(prefix) < 4 + n):
+        return None
+    header, at = read_header(bytes(prefix[:4 + n]))
+    return at + header["body_len"]
 
 
 class _Precise(msgspec.Struct):
