@@ -7,7 +7,10 @@ Invariants (the messages are ``kvindex.shard.channel``'s, framed by ``kvindex.sh
   a connection that ended (after ``on_lost`` had its say), a reply that does not decode, or the
   worker's ``Failed`` raises ``StoreUnavailable`` with a one-line reason naming the worker.
 - Requests made before the worker listens (it is starting) wait within their deadline and are
-  written, in order, once the connection is up. Its one task (``start``: connect, then read
+  written, in order, once the connection is up. ``send`` writes a request at once and returns the
+  future of its answer (``request`` awaits it): a request's bookkeeping (its deadline's timer, its
+  entry among those waiting) goes when that future is done, whether answered, failed, expired or
+  cancelled by its caller. Its one task (``start``: connect, then read
   replies) is cancelled and awaited by ``close``.
 - What the worker has not read yet is bounded: with more than ``max_unsent_bytes`` of requests
   waiting in the connection's buffer (or made before it was up), a request is refused at once
@@ -18,6 +21,7 @@ Invariants (the messages are ``kvindex.shard.channel``'s, framed by ``kvindex.sh
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -99,6 +103,13 @@ class ShardChannel:
         self._fail_waiting(f"worker {self.index}: {reason}")
 
     async def request(self, req: Request[T], *, extra: bytes | None = None, timeout: float | None = None) -> T:
+        return await self.send(req, extra=extra, timeout=timeout)
+
+    def send(self, req: Request[T], *, extra: bytes | None = None, timeout: float | None = None) -> asyncio.Future[T]:
+        """Writes the request now (or queues it while the connection is not up) and returns the
+        future of its answer: a caller asking several workers writes every request before it
+        awaits any answer, with no task per request (``ShardedPreciseStore``). Cancelling the
+        future forgets the request; its deadline, the reply and ``fail`` settle it, as ``request``'s."""
         if self.dead is not None:
             raise StoreUnavailable(f"worker {self.index} {self.dead}")
         if self._closed is not None:
@@ -114,16 +125,18 @@ class ShardChannel:
         limit = timeout if timeout is not None else self.timeout
         op = type(req).__struct_config__.tag  # the operation ("match", ...)
         timer = loop.call_later(limit, _expire, fut, f"worker {self.index}: no answer to {op} within {limit:g} s")
+        fut.add_done_callback(functools.partial(self._forget, rid, timer))
         message = framed([rid, encode(req)] + ([extra] if extra is not None else []))
-        try:
-            if self._writer is None or self._writer.is_closing():  # not up yet, or ending: the reader decides
-                self._unsent.append(message)
-            else:
-                self._writer.write(message)
-            return await fut
-        finally:
-            timer.cancel()
-            self._waiting.pop(rid, None)
+        if self._writer is None or self._writer.is_closing():  # not up yet, or ending: the reader decides
+            self._unsent.append(message)
+        else:
+            self._writer.write(message)
+        return fut
+
+    def _forget(self, rid: bytes, timer: asyncio.TimerHandle, fut: asyncio.Future[Any]) -> None:
+        timer.cancel()
+        if (waiting := self._waiting.get(rid)) is not None and waiting[1] is fut:
+            del self._waiting[rid]
 
     def in_flight(self) -> list[str]:
         """The operations ("match", "pods", ...) of requests sent, or waiting to be, and not answered yet."""

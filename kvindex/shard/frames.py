@@ -24,6 +24,7 @@ from collections.abc import Sequence
 MAX_FRAMES = 4
 _COUNT = struct.Struct("<B")
 _LENGTH = struct.Struct("<I")
+_JOIN_BELOW = 1 << 16  # a frame up to this size is read with the next length (then copied out)
 
 
 class BrokenFraming(ValueError):
@@ -41,12 +42,22 @@ def framed(frames: Sequence[bytes]) -> bytes:
 
 
 async def read_message(reader: asyncio.StreamReader) -> list[bytes]:
-    """The next message's frames."""
-    (count,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
+    """The next message's frames. Each read takes a frame with the length of the next one (the
+    count with the first length): a message of n frames is n + 1 reads, not 2n + 1 (each read is a
+    coroutine step on the channel's hot path, ~1.5 us)."""
+    head = await reader.readexactly(_COUNT.size + _LENGTH.size)
+    (count,) = _COUNT.unpack_from(head)
     if not 1 <= count <= MAX_FRAMES:
         raise BrokenFraming(f"a message of {count} frames (1..{MAX_FRAMES})")
+    (size,) = _LENGTH.unpack_from(head, _COUNT.size)
     frames = []
-    for _ in range(count):
-        (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        frames.append(await reader.readexactly(size))
+    for _ in range(count - 1):
+        if size > _JOIN_BELOW:  # a big frame (an Apply, a restore) is not copied out of a joined read
+            frames.append(await reader.readexactly(size))
+            (size,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+            continue
+        chunk = await reader.readexactly(size + _LENGTH.size)
+        frames.append(chunk[:size])
+        (size,) = _LENGTH.unpack_from(chunk, size)
+    frames.append(await reader.readexactly(size))
     return frames

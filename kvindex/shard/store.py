@@ -12,7 +12,9 @@ Invariants:
   lane is dealt to a worker on its own) and a pod's match is the longest over its ranks, so ``match`` merges
   tiers by max and ``dp`` by union; ``blocks_held`` sums; ``pods``, ``block_sizes`` and
   ``export_entries`` union; ``engine_hashes`` unions ranks; ``position`` is the one worker's
-  that holds the stream. ``match`` sends the keys once per worker as one packed frame.
+  that holds the stream. ``match`` sends the keys once per worker as one packed frame. A read of every worker
+  writes all its requests before it awaits any answer, with no task per request; when one fails,
+  the others' are forgotten (cancelled) at once, not left waiting for their deadline.
 - A model's block size follows the engines' lives (an engine restarted with another block size
   changes it). Once the workers agreed on one, ``block_size`` answers it from memory and a query is
   one round trip per worker: ``match`` sends the size its keys were chunked by, a worker whose own
@@ -79,7 +81,19 @@ class ShardedPreciseStore:
         self._answered: dict[str, int] = {}  # model -> the block size block_size last answered (keys chunked by it)
 
     async def _all(self, req: ch.Request[R], *, extra: bytes | None = None) -> list[R]:
-        return list(await asyncio.gather(*(c.request(req, extra=extra) for c in self.channels)))
+        """Every worker's answer, in worker order: each request written before any answer is
+        awaited, no task per request (a query's round trip is the slowest worker's, not a sum)."""
+        answers: list[asyncio.Future[R]] = []
+        try:
+            for c in self.channels:
+                answers.append(c.send(req, extra=extra))
+            return [await a for a in answers]
+        finally:
+            for a in answers:  # after a failure: the others forgotten, their outcome taken
+                if not a.done():
+                    a.cancel()
+                elif not a.cancelled():
+                    a.exception()
 
     def _owner(self, pod: str) -> ShardChannel:
         return self.channels[owner_of(pod, len(self.channels))]
