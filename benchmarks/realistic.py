@@ -14,7 +14,7 @@ polls ``/query`` with each replica's marker block (the last batch of its stream)
 ``http.client`` connection until every marker is visible (``POLL_SECONDS`` between rounds):
   ingest       block operations / seconds from the go to the poll that saw the last marker
   memory       the target's process tree RSS (VmRSS, summed over its children) when the last
-               marker was seen ("end of burst") and ``SETTLE_SECONDS`` later ("settled"), minus the
+               marker was seen ("end of burst") and ``--settle`` (1 s) later ("settled"), minus the
                RSS before the go, per (block, replica) entry held at the end
   queries      300 sequential 8k-token ``/query`` (token_ids) then ``/query_by_hash`` on one
                keep-alive ``http.client`` connection: p50 / p99, and the matched tokens per instance
@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import dynamo_peer  # noqa: E402
 import e2e  # noqa: E402
+import realistic_workload  # noqa: E402
 
 POLL_SECONDS = 0.01
 SETTLE_SECONDS = 1.0
@@ -107,7 +108,7 @@ def wait_http(port: int, path: str, timeout: float = CONNECT_TIMEOUT) -> None:
             time.sleep(0.05)
 
 
-def start_kvindex(workers: int, port: int, endpoints: list[str], log: Path) -> subprocess.Popen:
+def start_kvindex(workers: int, port: int, endpoints: list[str], log: Path, join_wait: float) -> subprocess.Popen:
     """``kvindex serve --workers N`` with no engine; each endpoint registered (instance i + 1), until
     every pod says connected."""
     cmd = [sys.executable, "-m", "kvindex", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -131,7 +132,7 @@ def start_kvindex(workers: int, port: int, endpoints: list[str], log: Path) -> s
             raise TimeoutError(f"kvindex: {up} of {len(endpoints)} engines connected")
         time.sleep(0.05)
     c.close()
-    time.sleep(1.0)  # subscriptions propagate
+    time.sleep(join_wait)  # subscriptions propagate
     return proc
 
 
@@ -197,13 +198,13 @@ def one_run(target: str, wl: common.Workload, queries: list[dict], args: argpars
             proc = dynamo_peer.start_indexer(args.dynamo_python, port, pub.endpoints, args.dynamo_threads, log)
             dynamo_peer.wait_active(port, len(pub.endpoints))
         else:
-            proc = start_kvindex(2 if target == "kvindex-w2" else 1, port, pub.endpoints, log)
+            proc = start_kvindex(2 if target == "kvindex-w2" else 1, port, pub.endpoints, log, args.join_wait)
         rss0 = tree_rss(proc.pid)
         t_go = time.perf_counter()
         pub.go()
         seconds, polls = wait_markers(port, wl.sidecar["marker_tokens"], t_go)
         rss_end = tree_rss(proc.pid)
-        time.sleep(SETTLE_SECONDS)
+        time.sleep(args.settle)
         rss_settled = tree_rss(proc.pid)
         sent = pub.sent()
         res = {"target": target, "seconds": seconds, "blocks_per_s": wl.block_ops / seconds, "marker_polls": polls,
@@ -275,13 +276,54 @@ def measure(args: argparse.Namespace) -> dict:
     return res
 
 
+LABELS = {"kvindex": "kvindex 1 process", "kvindex-w2": "kvindex --workers 2", "dynamo": "Dynamo"}
+
+
+def render(res: dict) -> str:
+    """The realistic workload's table: each target's medians, and kvindex/Dynamo per kvindex target."""
+    if "error" in res or "skipped" in res:
+        return f"\n== realistic workload: {res.get('error') or res.get('skipped')}"
+    w, ts = res["workload"], res["targets"]
+    names = [t for t in TARGETS if t in ts]
+    kv = [t for t in names if t != "dynamo" and "vs_dynamo" in ts[t]]
+    head = ["figure (median of %d)" % res["rounds"], *(LABELS[t] for t in names), *(f"{LABELS[t]} / Dynamo" for t in kv)]
+    rows = [("ingest block-ops/s", lambda t: f"{t['blocks_per_s'] / 1e3:,.0f}k", "ingest"),
+            ("RSS at the end of the burst, B/entry", lambda t: f"{t['rss_end_bytes_per_entry']:,.0f}", "rss_end"),
+            ("RSS settled 1 s after, B/entry", lambda t: f"{t['rss_settled_bytes_per_entry']:,.0f}", "rss_settled")]
+    for ep in ("/query", "/query_by_hash"):
+        for q in ("p50", "p99"):
+            rows.append((f"{ep} {q}", lambda t, ep=ep, q=q: f"{t['latency'][ep][q + '_us']:,.0f}µs", f"{ep} {q}"))
+    lines = [f"\n== realistic workload (issue 38): {w['replicas']} replicas, {w['batches']:,} batches, "
+             f"{w['block_ops']:,} block-ops ({w['ops_per_batch']:.1f} a batch, decode {w['ops_per_decode_batch']:.1f}), "
+             f"{w['entries_held']:,} entries held, {w['queries']} queries",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, cell, ratio in rows:
+        lines.append("| " + " | ".join([label, *(cell(ts[t]) for t in names),
+                                        *(f"{ts[t]['vs_dynamo'][ratio]:.2f}" for t in kv)]) + " |")
+    checks = []
+    for t in names:
+        mis = ts[t]["vs_expected_mismatches"]
+        vs_d = ts[t].get("vs_dynamo_mismatches")
+        gaps = [s.get("gaps", 0) for s in ts[t]["state"] if "gaps" in s]
+        unsynced = sum(len(s.get("unsynced", [])) for s in ts[t]["state"])
+        checks.append(f"{LABELS[t]}: mismatches vs expected {sum(mis.values())}"
+                      + (f", vs Dynamo {sum(vs_d.values())}" if vs_d is not None else "")
+                      + (f", gaps {sum(gaps)}, unsynced {unsynced}" if gaps else ""))
+    lines.append("; ".join(checks))
+    return "\n".join(lines)
+
+
 def workload(blocks: int, queries: int) -> common.Workload:
     """The realistic workload (generated once, cached under benchmarks/results/workloads/)."""
     cache = common.RESULTS / "workloads"
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"realistic_r8_b{blocks}_q{queries}.bin"
     side = path.with_name(path.name + ".json")
-    if not (path.exists() and side.exists()):
+    try:
+        fresh = path.exists() and json.loads(side.read_text())["params"].get("version") == realistic_workload.VERSION
+    except (OSError, ValueError, KeyError):
+        fresh = False
+    if not fresh:
         subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "realistic_workload.py"), str(path),
                         "--blocks", str(blocks), "--queries", str(queries), "--model", common.MODEL, "--quiet"],
                        check=True)
@@ -298,10 +340,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--dynamo-python", default=sys.executable, help="Python with ai-dynamo-runtime==1.6.1")
     p.add_argument("--dynamo-threads", type=int, default=2, help="Dynamo indexer --threads (default 2)")
+    p.add_argument("--settle", type=float, default=SETTLE_SECONDS, help="seconds to the settled RSS (default 1)")
+    p.add_argument("--join-wait", type=float, default=1.0, help="seconds for the subscriptions once connected (1)")
     p.add_argument("--smoke", action="store_true", help="a tiny run (seconds)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.blocks, a.queries, a.rounds = 30_000, 20, 1
+        a.blocks, a.queries, a.rounds, a.settle, a.join_wait = 30_000, 20, 1, 0.2, 0.5
     a.targets = [t for t in a.targets.split(",") if t]
     return a
 

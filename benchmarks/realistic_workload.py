@@ -54,6 +54,7 @@ TS_START = 1_760_000_000.0
 STEP_SECONDS = 0.02
 OUTPUT_TOKENS = (64, 512)  # tokens a request generates (inclusive bounds; mean 288)
 VOCAB = 32_000  # kvindex.tools.workload.Workload's default vocabulary
+VERSION = 1  # of the generator's rules: a cached file of another version is generated again
 MARKER_BASE = 50_000  # marker tokens: ids >= the workload's vocabulary (32,000), per replica
 
 
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
                               "decode_batches": dec_b, "ops_per_decode_batch": dec_o / max(1, dec_b),
                               "prefill_batches": pre_b, "ops_per_prefill_batch": pre_o / max(1, pre_b)}
     params = {k: v for k, v in vars(args).items() if k not in ("out", "quiet")} | {
-        "block_size": BLOCK_SIZE, "chunk_blocks": CHUNK_BLOCKS, "routing": "rr", "generator": "realistic"}
+        "block_size": BLOCK_SIZE, "chunk_blocks": CHUNK_BLOCKS, "routing": "rr", "generator": "realistic",
+        "version": VERSION}
     doc = {"format": "kvindex-workload/1", "messages_file": args.out.name,
            "framing": "kvindex.tools.workload.write_messages", "params": params, "topics": topics,
            "stats": stats, "replica_state": replica_state(caches, topics), "queries": queries,
