@@ -7,8 +7,9 @@ Invariants:
   backlog stays in ZeroMQ's own queues, bounded by their high-water marks (the SUB socket's
   ``rcvhwm``, then the engine's PUB, which drops past its own: a seq gap the lane sees, replays or
   reports unsynced). It reads on only while the burst being applied holds at most half of
-  ``max_bytes``: a burst of big messages is applied before the next is read. The lane takes bursts in order, one at a time, and says when it has applied
-  one (``done``). Nothing is reordered, so nothing is applied out of order.
+  ``max_bytes``: a burst of big messages is applied before the next is read. The lane takes
+  bursts in order, one at a time, and says when it has applied one (``done``). Nothing is
+  reordered, so nothing is applied out of order.
 - The bytes held (``held_bytes``: as the transport counts them: ``Subscriber.burst_bytes``) never pass
   ``max_bytes`` (with the receiver waiting, only bursts of huge messages come near it): a burst that
   would pass it is dropped whole, and so is every burst after it until
@@ -56,7 +57,7 @@ class Inbox:
         self.dropped_bytes = 0
         self._bursts: deque[Burst] = deque()
         self._ready = asyncio.Event()
-        self._taken = asyncio.Event()  # set while no burst waits to be taken by the lane
+        self._taken = asyncio.Event()  # the receiver's wake-up: set as the lane takes or finishes a burst
         self._taken.set()
         self._behind_since: float | None = None  # the socket had more queued at every read since then
         self._put = 0  # bursts accepted so far
