@@ -302,7 +302,7 @@ async def floor_http(queries_file: Path, repeat: int) -> dict:
         port_file.unlink(missing_ok=True)
 
 
-def _bodies(flavor: str, token_ids: list[int]) -> dict[str, bytes]:
+def request_bodies(flavor: str, token_ids: list[int]) -> dict[str, bytes]:
     """Pre-encoded request bodies per endpoint for one query."""
     local = [h - (1 << 64) if h >= 1 << 63 else h for h in K.local_hashes(token_ids, BLOCK_SIZE)]
     out = {"/query": {"token_ids": token_ids, "model_name": MODEL},
@@ -312,7 +312,7 @@ def _bodies(flavor: str, token_ids: list[int]) -> dict[str, bytes]:
     return {k: json.dumps(v).encode() for k, v in out.items()}
 
 
-def _matched(endpoint: str, doc: dict) -> dict[str, int]:
+def matched_tokens(endpoint: str, doc: dict) -> dict[str, int]:
     """Matched tokens per instance (max over dp ranks), non-zero only."""
     if endpoint == "/v1/score":
         return {p: v["precise"]["tokens"] for p, v in doc["pods"].items() if v["precise"]["tokens"]}
@@ -328,7 +328,7 @@ async def _match_pass(s, url: str, bodies: list[dict[str, bytes]]) -> dict[str, 
     for b in bodies:
         for ep, data in b.items():
             async with s.post(url + ep, data=data, headers=hdr) as r:
-                out[ep].append(_matched(ep, json.loads(await r.read())))
+                out[ep].append(matched_tokens(ep, json.loads(await r.read())))
     return out
 
 
@@ -365,7 +365,7 @@ async def _run_client(url: str, flavor: str, queries: list[dict], repeat: int) -
     """Matched tokens right after ingest and again after the timed passes (they must agree)."""
     import aiohttp
 
-    bodies = [_bodies(flavor, q["token_ids"]) for q in queries]
+    bodies = [request_bodies(flavor, q["token_ids"]) for q in queries]
     times: dict[str, list[float]] = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
         first = await _match_pass(s, url, bodies)

@@ -412,14 +412,14 @@ class DynamoServer:
 
     def matched(self, reqs: dict[str, bytes]) -> dict[str, dict[str, int]]:
         """Matched tokens per kvindex pod name on ``/query`` and ``/query_by_hash``."""
-        from e2e import _matched
+        from e2e import matched_tokens
 
         out = {}
         for ep in DYNAMO_ENDPOINTS:
             status, data = fetch(self.server[1], ep, reqs[ep])
             if status != 200:
                 raise RuntimeError(f"Dynamo's {ep} answered {status}: {data[:200]!r}")
-            out[ep] = {self.pods[i]: n for i, n in _matched(ep, json.loads(data)).items()}
+            out[ep] = {self.pods[i]: n for i, n in matched_tokens(ep, json.loads(data)).items()}
         return out
 
     def close(self) -> None:
@@ -491,9 +491,9 @@ def check_answers(servers: dict[str, tuple[subprocess.Popen, int]], reqs: dict[s
         if stack not in ("aiohttp", "dynamo") and (got := answers(port, reqs)) != reference:
             raise SystemExit(f"{stack} answers differ from aiohttp's on {[e for e in ENDPOINTS if got[e] != reference[e]]}")
     if dynamo is not None:
-        from e2e import _matched
+        from e2e import matched_tokens
 
-        ours = {ep: _matched(ep, reference[ep][1]) for ep in DYNAMO_ENDPOINTS}
+        ours = {ep: matched_tokens(ep, reference[ep][1]) for ep in DYNAMO_ENDPOINTS}
         if (theirs := dynamo.matched(reqs)) != ours:
             raise SystemExit(f"Dynamo's matched tokens differ from kvindex's: {theirs} vs {ours}")
 

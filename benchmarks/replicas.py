@@ -122,7 +122,7 @@ async def load(urls: list[str], endpoint: str, queries: list[dict], total: int, 
     are taken over the timed loop only."""
     import aiohttp
 
-    bodies = [e2e._bodies("kvindex", q["token_ids"])[endpoint] for q in queries]
+    bodies = [e2e.request_bodies("kvindex", q["token_ids"])[endpoint] for q in queries]
     truth = expected_tokens(queries)
     numbers = counter()
     tally = {"ok": 0, "wrong": 0, "errors": 0}
@@ -139,7 +139,7 @@ async def load(urls: list[str], endpoint: str, queries: list[dict], total: int, 
             if r.status != 200:
                 tally["errors"] += 1
             else:
-                tally["ok" if e2e._matched(endpoint, json.loads(raw)) == truth[q] else "wrong"] += 1
+                tally["ok" if e2e.matched_tokens(endpoint, json.loads(raw)) == truth[q] else "wrong"] += 1
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
         for q in range(min(len(bodies), concurrency)):  # warm connections and caches, untimed

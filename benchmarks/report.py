@@ -256,6 +256,10 @@ def render(doc: dict) -> str:
     tree = f"git {g.get('commit')}" + (f" + uncommitted {', '.join(g['modified'])}" if g.get("modified") else "")
     out = [f"machine: {m['cpu']}, {m['cores']} cores; Python {m['python']}; {pk}; {tree}",
            _load(doc), f"Dynamo: {doc['dynamo']['status']}" + (f" ({doc['dynamo'].get('reason')})" if doc["dynamo"].get("reason") else "")]
+    if "realistic" in doc:  # issue 38's workload first
+        import realistic
+
+        out.append(realistic.render(doc["realistic"]))
     for n, r in doc["replicas"].items():
         w = r["workload"]
         out.append(f"\n== {n} replicas: {w['batches']:,} batches, {w['block_ops']:,} block-ops "

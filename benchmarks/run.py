@@ -1,5 +1,12 @@
 """kvindex benchmark: one command, every figure next to a baseline measured in the same run.
 
+First (``--workload realistic``, or ``all``) issue 38's realistic workload, benchmarks/realistic.py:
+8 vLLM replicas' chunked-prefill and decode batches (~24 block operations a batch, 4M in all, the
+generator is benchmarks/realistic_workload.py), published as fast as ZeroMQ takes them to
+``kvindex serve`` in one process and with ``--workers 2`` (engines by POST /register) and to Dynamo's
+indexer: ingest, RSS at the end of the burst and settled, 300 sequential 8k-token /query and
+/query_by_hash, zero mismatches checked (medians of ``--realistic-rounds``).
+
 For each replica count (``--replicas 8,64``) it generates (or reuses, cached under
 benchmarks/results/workloads/) a deterministic vLLM-wire-format workload with
 benchmarks/gen_workload.py (design-load shape: 26k blocks per replica, tenants with 2k-token
@@ -65,8 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dynamo-threads", type=int, default=2, help="Dynamo indexer --threads (default 2)")
     p.add_argument("--kvindex-workers", type=int, default=2, help="also measure e2e ingest with kvindex serve "
                    "--workers N, the same core budget as Dynamo's threads (default 2; 1 skips it)")
-    p.add_argument("--workload", choices=("synthetic", "mooncake", "all"), default="all",
-                   help="synthetic (generated, per --replicas), mooncake (the production trace) or all (default)")
+    p.add_argument("--workload", choices=("realistic", "synthetic", "mooncake", "all"), default="all",
+                   help="realistic (issue 38's), synthetic (generated, per --replicas), mooncake (the production "
+                   "trace) or all (default)")
+    p.add_argument("--realistic-blocks", type=int, default=4_000_000, help="realistic workload's block-ops (4M)")
+    p.add_argument("--realistic-queries", type=int, default=300, help="realistic workload's queries (300)")
+    p.add_argument("--realistic-rounds", type=int, default=3, help="realistic workload's rounds, medians (3)")
     p.add_argument("--trace-replicas", type=int, default=8, help="simulated vLLM replicas for the trace (default 8)")
     p.add_argument("--trace-capacity", type=int, default=26000, help="LRU blocks per replica for the trace (26000)")
     p.add_argument("--trace-requests", type=int, help="replay only the first N trace requests (default all)")
@@ -77,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.replicas, a.blocks, a.queries, a.repeat, a.http_repeat = "2,8", 20_000, 4, 100, 20
         a.max_entries = min(a.max_entries, 100_000)
         a.trace_replicas, a.trace_capacity, a.trace_requests, a.trace_queries = 2, 3000, 200, 8
+        a.realistic_blocks, a.realistic_queries, a.realistic_rounds = 20_000, 8, 1
     a.replica_counts = [int(x) for x in a.replicas.split(",") if x.strip()]
     return a
 
@@ -116,6 +128,23 @@ def run_dynamo(args: argparse.Namespace, wl: common.Workload, queries_file: Path
     share = 1.0 if ing["complete"] else ing["events_ok"] / max(1, ing["expected_events"])
     ing["blocks_per_s"] = share * wl.block_ops / ing["seconds"] if ing["seconds"] > 0 else 0.0
     return out
+
+
+def run_realistic(args: argparse.Namespace, dyn_reason: str | None) -> dict:
+    """benchmarks/realistic.py in a child (inside ``unshare -n`` when Dynamo runs: it binds 0.0.0.0);
+    --smoke measures kvindex in one process only."""
+    targets = ["kvindex"] if args.smoke else ["kvindex", "kvindex-w2"]
+    cmd = [sys.executable, str(HERE / "realistic.py"), "--blocks", str(args.realistic_blocks),
+           "--queries", str(args.realistic_queries), "--rounds", str(args.realistic_rounds),
+           "--dynamo-python", args.dynamo_python, "--dynamo-threads", str(args.dynamo_threads)]
+    if args.smoke:
+        cmd += ["--settle", "0.2", "--join-wait", "0.5"]
+    if dyn_reason is None:
+        cmd, targets = ["unshare", "-n", *cmd], [*targets, "dynamo"]
+    proc = subprocess.run([*cmd, "--targets", ",".join(targets)], capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def entries_held(wl: common.Workload) -> int:
@@ -226,6 +255,9 @@ def main(argv: list[str] | None = None) -> dict:
                  "dynamo": {"status": "skipped", "reason": dyn_reason} if dyn_reason else {"status": "ran"},
                  "load_average_before": os.getloadavg(),  # the machine may be shared: say how busy it was
                  "replicas": {}}
+    if args.workload in ("realistic", "all"):
+        print("... realistic workload", file=sys.stderr, flush=True)
+        doc["realistic"] = run_realistic(args, dyn_reason)
     if args.workload in ("synthetic", "all"):
         for n in args.replica_counts:
             print(f"... {n} replicas", file=sys.stderr, flush=True)

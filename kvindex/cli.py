@@ -159,11 +159,13 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    "the store cannot be reached (retried with backoff); past N they are dropped, the engine's "
                    "streams are unsynced and replayed from the engine when the store answers (default 10000)")
     s.add_argument("--receive-buffer-bytes", type=int, metavar="N", help="bytes of each engine's batches kvindex "
-                   "keeps received but not yet applied (default 134217728); an engine that outruns kvindex past it "
-                   "has its batches dropped, its pods unsynced, and the gap replayed once kvindex caught up")
+                   "keeps received but not yet applied (default 134217728); kvindex reads an engine's socket no faster "
+                   "than it applies, so a backlog waits in ZeroMQ's queues (1,000 messages, then the engine's PUB, "
+                   "whose drops are a seq gap); a burst of messages larger than this is dropped, its pods unsynced, "
+                   "and the gap replayed once kvindex caught up")
     s.add_argument("--max-lag-seconds", type=float, metavar="S", help="an engine whose oldest batch not yet applied "
-                   "was received more than S seconds ago is lagging: its pods say unsynced and /readyz 503 until "
-                   "it catches up (default 5)")
+                   "was received more than S seconds ago, or whose socket has had batches queued at every read for "
+                   "S seconds, is lagging: its pods say unsynced and /readyz 503 until it catches up (default 5)")
 
     s.add_argument("--workers", type=int, metavar="N", help=WORKERS_HELP)
     s.add_argument("--replay-timeout", type=float, metavar="S", help="seconds an engine's replay endpoint has to "

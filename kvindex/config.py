@@ -171,6 +171,10 @@ def check_tokenizer_path(path: str | None) -> None:
 PEER_MAX_BYTES = 4 << 30
 MAX_BLOCKS_PER_POD = 4 << 20  # blocks (copies) per pod: ~0.7 GB of index; engines hold far fewer
 RECEIVE_BUFFER_BYTES = 128 << 20  # per engine: what kvindex received and has not applied yet, at most
+# messages an engine's SUB socket queues (ZeroMQ RCVHWM; ZeroMQ's own default): kvindex reads no faster
+# than it applies (ingest.receiver), so a backlog waits here, then in TCP, then in the engine's PUB (past
+# its SNDHWM the PUB drops: a seq gap). ~2.5 MB of vLLM batches of 24 block operations per engine
+RCVHWM = 1_000
 MAX_LAG_SECONDS = 5.0  # an engine's oldest batch not applied this long after kvindex received it: lagging
 
 
@@ -187,7 +191,7 @@ class Config:
     max_token_ids: int = 1 << 20
     replay_timeout: float = 2.0  # seconds an engine has to deliver one whole replay answer (--replay-timeout)
     replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold (--replay-max-bytes)
-    rcvhwm: int = 1_000_000
+    rcvhwm: int = RCVHWM  # per engine: messages ZeroMQ queues for kvindex (its backlog waits there)
     max_message_bytes: int = 64 << 20  # ZeroMQ MAXMSGSIZE of the SUB and replay sockets ([server] max_message_bytes)
     receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES  # per engine: received, not yet applied ([server])
     max_lag_seconds: float = MAX_LAG_SECONDS  # an engine's lane this far behind is lagging: unsynced ([server])

@@ -35,6 +35,10 @@ def test_smoke_run_writes_results(tmp_path: Path) -> None:
     assert {"8", "64"} == set(doc["approx"])
     assert all({"kvindex", "reference", "ratio_vs_reference"} <= set(r) for r in doc["rss"].values())
     assert "ingest e2e ZMQ blocks/s" in proc.stdout
+    real = doc["realistic"]["targets"]["kvindex"]  # issue 38's workload, reported first
+    assert real["vs_expected_mismatches"] == {"/query": 0, "/query_by_hash": 0}
+    assert all(s["gaps"] == 0 and not s["unsynced"] for s in real["state"])
+    assert proc.stdout.index("realistic workload") < proc.stdout.index("ingest e2e ZMQ blocks/s")
 
 
 @pytest.mark.timeout(120)

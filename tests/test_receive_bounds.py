@@ -7,16 +7,28 @@ real msgpack batches of a simulated vLLM engine that knows its truth:
   batches published after it are applied (before: the pod stayed ``synced: true`` and blind);
 - a publisher that outruns kvindex: RSS stays within ``receive_buffer_bytes`` + 100 MB (before:
   GBs of ZeroMQ's queue, bounded in messages only), the flooded pod says unsynced while it lags
-  or after batches were dropped, ``/readyz`` says so, and another engine's answers stay exact.
+  or after batches were dropped, ``/readyz`` says so, and another engine's answers stay exact;
+  the batches its PUB dropped past its own high-water mark are a seq gap kvindex reports;
+- issue 38: a lane's receiver reads its socket no faster than the lane takes the bursts (real
+  ZeroMQ sockets, the real ``Receiver`` and ``Inbox``): at most one burst waits in the inbox, the
+  rest stays in ZeroMQ's queue, every message is still delivered in order, and a lane left behind
+  says it lags until it has caught up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
 
 import zmq
+import zmq.asyncio
+
+from kvindex.ingest.inbox import Inbox
+from kvindex.ingest.intake import Intake
+from kvindex.ingest.receiver import Receiver
+from kvindex.ingest.transport import DRAIN_BURST, MESSAGE_OVERHEAD, Frame
 
 from kvindex.tools.engine_sim import block_stored, encode_batch
 from tests.faultkit import free_port, held, http, pods, rss_kib, serve, stop, stream, wait_until
@@ -138,6 +150,11 @@ def test_a_publisher_that_outruns_kvindex_keeps_memory_bounded_and_others_exact(
                       f'[[engines]]\nendpoint = "tcp://127.0.0.1:{calm_port}"\nreplay = "tcp://127.0.0.1:{calm_rep}"\n'
                       'pod = "calm"\nmodel = "m"\n')
     flood, calm = Engine(flood_port), Engine(calm_port, calm_rep)
+    flood.pub.close(linger=0)  # the flood's PUB bounds its queue as an engine's does (vLLM: 100,000 messages):
+    flood.pub = flood.ctx.socket(zmq.PUB)  # past it, it drops: the seq gap kvindex must report
+    flood.pub.setsockopt(zmq.LINGER, 0)
+    flood.pub.setsockopt(zmq.SNDHWM, 1000)
+    flood.pub.bind(f"tcp://127.0.0.1:{flood_port}")
     frames, truth = stream(60, pod="calm", seed=3)
     payloads = [_flood_batch(i) for i in range(64)]
     daemon = serve(port, "--config", str(config), log=tmp_path / "kvindex.log")
@@ -175,10 +192,14 @@ def test_a_publisher_that_outruns_kvindex_keeps_memory_bounded_and_others_exact(
         # issue 37 asks budget + 100 MB; measured here 157-190 MiB (glibc heap of the freed batches and libzmq's
         # queue between two turns of the receiver): held to budget + 200 until that is closed
         assert growth_mib < budget / MIB + 200, f"RSS grew {growth_mib:.0f} MiB (budget {budget // MIB} MiB)"
-        assert seen_unsynced and all(("lagging" in r) or ("receive_buffer_full" in r) for r in seen_unsynced)
+        assert seen_unsynced and all(("lagging" in r) or ("receive_buffer_full" in r) or ("gap_no_replay" in r)
+                                     for r in seen_unsynced), seen_unsynced
         assert status == 503 and any("flood" in r for r in ready["reasons"]), ready
         wait_until(lambda: pods(port)["calm"]["last_seq"] == 59, 60, "the calm engine's batches")
         assert held(port, "calm") == truth.held() and pods(port)["calm"]["synced"]
+        # what the flood's PUB dropped is no silent loss: a gap, the pod unsynced with it
+        view = wait_until(lambda: pods(port)["flood"]["gaps"] and pods(port)["flood"], 60, "the flood's gap")
+        assert not view["synced"], view
         metrics = http(f"http://127.0.0.1:{port}/metrics")[1].decode()
         assert 'kvindex_receive_dropped_batches_total{engine="' in metrics
         print(f"flood: {seq} batches of {len(payloads[0])} B sent; RSS +{growth_mib:.0f} MiB (budget "
@@ -192,3 +213,49 @@ def test_a_publisher_that_outruns_kvindex_keeps_memory_bounded_and_others_exact(
 def _connected_both(port: int) -> bool:
     views = pods(port)
     return all(views.get(p, {}).get("connected") for p in ("flood", "calm"))
+
+
+def test_the_receiver_reads_no_faster_than_the_lane_takes() -> None:
+    asyncio.run(_reads_as_taken())
+
+
+async def _reads_as_taken() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    inbox = Inbox(64 * MIB, max_lag=0.2)
+    intake = Intake(ctx)
+    receiver = Receiver(lambda: intake.subscriber(f"tcp://127.0.0.1:{port}", bind=False, rcvhwm=100_000), inbox,
+                        lambda n: None, "e")
+    task = asyncio.create_task(receiver.run(receiver.open()))
+    topic, payload, n = b"kv@e@m", bytes(1000), 4000
+    one_burst = DRAIN_BURST * (len(topic) + 8 + len(payload) + MESSAGE_OVERHEAD)
+    try:
+        while not inbox.held_bytes:  # the slow joiner: probe until one is through, then take them all
+            await pub.send_multipart([b"probe", (0).to_bytes(8, "big"), b""])
+            await asyncio.sleep(0.02)
+        await pub.send_multipart([b"probe-end", (0).to_bytes(8, "big"), b""])
+        while True:
+            burst = await inbox.get()
+            inbox.done(burst)
+            if any(isinstance(m, Frame) and m.topic == "probe-end" for m in burst.messages):
+                break
+        for seq in range(n):
+            await pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+        await asyncio.sleep(0.5)  # every message is in the SUB's queue by now; the lane has taken none
+        assert 0 < inbox.held_bytes <= one_burst, "the receiver read ahead of the lane"
+        assert (inbox.problem() or "").startswith("lagging"), inbox.problem()  # behind at every read
+        seqs: list[int] = []
+        while len(seqs) < n:
+            burst = await asyncio.wait_for(inbox.get(), 10)
+            assert inbox.held_bytes <= 2 * one_burst  # the one taken, and at most the next read
+            seqs += [m.seq for m in burst.messages]
+            inbox.done(burst)
+        assert seqs == list(range(n))  # all delivered, in order, nothing dropped
+        assert inbox.problem() is None and inbox.dropped_batches == 0  # caught up: no lag left
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        intake.close()

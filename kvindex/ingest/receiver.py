@@ -3,9 +3,13 @@ libzmq has given the connection up.
 
 Invariants:
 - A burst the inbox drops is counted (``DropLog``) and logged without flooding.
-- One receiver per lane, one task (the lane owns it, cancels and awaits it). It reads every
-  burst the socket gives into the ``Inbox`` at once, whatever the lane is doing, so what waits
-  is bounded by the inbox's bytes, not by ZeroMQ's high-water mark in messages.
+- One receiver per lane, one task (the lane owns it, cancels and awaits it). It reads a burst off
+  the socket into the ``Inbox``, then waits until the lane has taken it (``Inbox.taken``) before
+  it reads the next: kvindex reads no faster than it applies, so a backlog waits in ZeroMQ's own
+  queues (the SUB's receive high-water mark, ``rcvhwm``, then the engine's PUB), never in
+  kvindex's heap; a publisher that drops past its own mark shows as a seq gap the lane replays, or
+  reports unsynced. It tells the inbox whether each burst was a full read (``Inbox.reading``: the
+  socket had more queued), which is how long kvindex is behind its engine.
 - Its socket's monitor (``Subscriber.watch_peers``) feeds ``on_peers`` (the lane's connection
   watch: peer counts, logs). A plain disconnect is the engine's to mend (libzmq re-dials; the lane
   shows it as not connected, and the next batch's seq shows a gap, as ever).
@@ -96,12 +100,14 @@ class Receiver:
     async def _fill(self, sub: Subscriber) -> None:
         inbox = self._inbox
         async for burst in sub.bursts():
+            inbox.reading(sub.burst_full)
             if not inbox.put(burst, sub.burst_bytes) and self._dropped is not None:
                 self._dropped.counter.inc(len(burst))
                 self._dropped.burst.warning((self._name, "receive_buffer_full"), "engine %s: batches dropped: more "
                                             "than %d bytes received and not yet applied (receive_buffer_bytes); the "
                                             "gap is replayed from the engine once kvindex has caught up",
                                             self._name, inbox.max_bytes)
+            await inbox.taken()  # the next burst stays in ZeroMQ's queue until the lane has taken this one
 
     def _peer_count(self, n: int) -> None:
         if n != self._peers:

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvindex.config import MAX_BLOCKS_PER_POD, MAX_LAG_SECONDS, RECEIVE_BUFFER_BYTES
+from kvindex.config import MAX_BLOCKS_PER_POD, MAX_LAG_SECONDS, RCVHWM, RECEIVE_BUFFER_BYTES
 from kvindex.ingest.inbox import Inbox
 from kvindex.ingest.sequencer import RECENT_DIGESTS
 from kvindex.sequence import Position, StreamRef
@@ -169,12 +169,12 @@ class Stream:
 class LaneSettings:
     replay_timeout: float = 2.0  # seconds an engine has to deliver one replay answer
     replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold
-    rcvhwm: int = 1_000_000
+    rcvhwm: int = RCVHWM  # messages the SUB socket queues: where a backlog waits (ingest.receiver)
     store_buffer: int = 10_000  # batches a lane keeps while the store is unreachable
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD
     silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about (ingest.watch)
     receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES  # bytes received and not yet applied, at most (ingest.inbox)
-    max_lag_seconds: float = MAX_LAG_SECONDS  # behind by more (from kvindex's receive time): lagging, unsynced
+    max_lag_seconds: float = MAX_LAG_SECONDS  # behind by more (kvindex's own clock: ingest.inbox): lagging, unsynced
     max_message_bytes: int | None = None  # ZeroMQ MAXMSGSIZE in force (for the log of a dropped connection)
 
     @classmethod

@@ -28,7 +28,11 @@ Invariants:
 - ``Subscriber.watch_peers`` counts the connected peers from the socket's monitor (connected or
   accepted: one more; disconnected: one less, never below zero).
 - ``Subscriber.bursts`` sets ``burst_bytes`` to the size of the burst it yields (its parts, and
-  ``MESSAGE_OVERHEAD`` per message: what the lane's inbox counts against its budget).
+  ``MESSAGE_OVERHEAD`` per message: what the lane's inbox counts against its budget) and
+  ``burst_full`` to whether it was as large as a read takes (``DRAIN_BURST``: more may be queued).
+  It reads the next burst only when its consumer asks for it: a consumer that waits leaves the
+  messages in ZeroMQ's queue, bounded by ``rcvhwm`` messages (then TCP, then the publisher's own
+  high-water mark).
 - A replay answer is bounded three ways: ``timeout`` seconds of waiting for the engine for the
   whole answer (the time the caller spends on the batches it was handed does not count), at most
   ``max_frames`` batches and at most ``max_bytes`` bytes (``MAX_REPLAY_BYTES``); past a bound the
@@ -182,6 +186,7 @@ class Subscriber:
         self.monitor: zmq.asyncio.Socket | None = None
         self.bind = bind
         self.burst_bytes = 0  # the size of the burst ``bursts`` yielded last
+        self.burst_full = False  # whether it was a full read (DRAIN_BURST messages)
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
@@ -213,6 +218,7 @@ class Subscriber:
             if awaited:
                 burst = [await self._sock.recv_multipart(), *self._queued(DRAIN_BURST - 1)]
             self.burst_bytes = sum(len(p) for parts in burst for p in parts) + MESSAGE_OVERHEAD * len(burst)
+            self.burst_full = len(burst) >= DRAIN_BURST
             yield [parse_message(parts) for parts in burst]
             handled, burst = burst, []
             if len(handled) == DRAIN_BURST:  # more may be queued: a turn for the loop, then look
