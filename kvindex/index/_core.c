@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "../kx_u64s.h"
+#include "../kx_xxh3.h"
 
 #define MIX 0x9E3779B97F4A7C15ULL
 #define NTIERS 3
@@ -836,22 +837,15 @@ static Py_ssize_t u64s(PyObject *seq, const char *what, uint64_t **out) {
     return n;
 }
 
-/* store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)
- * keys: the keys of the first len(keys) hashes; the rest take the worker's key for them.
- * parentless: a GPU store with no parent hash, which is a re-announcement when the medium
- * already holds every hash (vLLM's report mode; reference.py). */
-static PyObject *core_store(Core *c, PyObject *args) {
-    Py_ssize_t slot, n, nk, orphans = 0;
-    int mid, tier, parentless, again = 0;
-    PyObject *hs, *ks, *out = NULL;
-    uint64_t *H = NULL, *K = NULL;
-    if (!PyArg_ParseTuple(args, "niiOOp", &slot, &mid, &tier, &hs, &ks, &parentless)) return NULL;
-    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
-    Wk *w = worker(c, slot);
-    if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
-    if ((nk = u64s(ks, "keys must be a sequence", &K)) < 0) goto done;
+/* One event's hashes H[0..n) into medium mid: the first nk keyed K[i], the rest the worker's key
+ * for them; parentless as ``store``. Every input converted by the caller: nothing can fail before
+ * the first change but memory. (orphans, reannounced), or NULL with an exception. */
+static PyObject *store_hashes(Core *c, Wk *w, Py_ssize_t slot, int mid, int tier, const uint64_t *H, Py_ssize_t n,
+                              const uint64_t *K, Py_ssize_t nk, int parentless) {
+    Py_ssize_t orphans = 0;
+    int again = 0;
     Med *m = medium(w, mid, tier, 1);
-    if (!m || tab_reserve(&m->t, (size_t)n) < 0) goto done;
+    if (!m || tab_reserve(&m->t, (size_t)n) < 0) return NULL;
     if (parentless)
         for (again = 1; again && orphans < n; orphans++) again = tab_get(&m->t, H[orphans]).present;
     orphans = 0;
@@ -861,10 +855,89 @@ static PyObject *core_store(Core *c, PyObject *args) {
         if (a < nk) hold_prefetch(&c->hold[tier], K[a]);
         uint64_t key = i < nk ? K[i] : 0;
         int keyed = i < nk ? 1 : key_of(w, H[i], &key), r;
-        if ((r = store_one(c, w, (uint32_t)slot, m, H[i], keyed, key, !again)) < 0) goto done;
+        if ((r = store_one(c, w, (uint32_t)slot, m, H[i], keyed, key, !again)) < 0) return NULL;
         orphans += r;
     }
-    out = Py_BuildValue("(nN)", orphans, PyBool_FromLong(again));
+    return Py_BuildValue("(nN)", orphans, PyBool_FromLong(again));
+}
+
+/* store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)
+ * keys: the keys of the first len(keys) hashes; the rest take the worker's key for them.
+ * parentless: a GPU store with no parent hash, which is a re-announcement when the medium
+ * already holds every hash (vLLM's report mode; reference.py). */
+static PyObject *core_store(Core *c, PyObject *args) {
+    Py_ssize_t slot, n, nk;
+    int mid, tier, parentless;
+    PyObject *hs, *ks, *out = NULL;
+    uint64_t *H = NULL, *K = NULL;
+    if (!PyArg_ParseTuple(args, "niiOOp", &slot, &mid, &tier, &hs, &ks, &parentless)) return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
+    Wk *w = worker(c, slot);
+    if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
+    if ((nk = u64s(ks, "keys must be a sequence", &K)) >= 0)
+        out = store_hashes(c, w, slot, mid, tier, H, n, K, nk, parentless);
+    PyMem_Free(H);
+    PyMem_Free(K);
+    return out;
+}
+
+#define LOCAL_SEED 1337ULL
+
+/* key_i = XXH3-64(LE64(key_{i-1}) || LE64(local_i)): kvindex/keys.py's chain (kvindex/_keys.c's). */
+static uint64_t chain_key(uint64_t parent, uint64_t local) {
+    unsigned char pair[16];
+    kx_put_le64(pair, parent);
+    kx_put_le64(pair + 8, local);
+    return kx_xxh3_64(pair, sizeof pair, 0);
+}
+
+/* store_tokens(slot, tier, hashes, parent, root, tokens, block_size) -> (orphans, reannounced)
+ * ``store`` of a device event (medium 0) at its model's block size, with its keys made here from
+ * its tokens (a buffer of u32: array("I")) exactly as ``kvindex.keys.prompt_keys`` makes them
+ * (at most one per hash, full blocks only): chained from ``root`` when ``parent`` is None (the
+ * store is then parentless), else from the worker's key for ``parent``; a parent it holds no
+ * key for gives no keys (every hash takes the worker's key for it, else is keyless), as
+ * PreciseIndex._event_keys decides in Python. One call instead of key_of + prompt_keys + store. */
+static PyObject *core_store_tokens(Core *c, PyObject *args) {
+    Py_ssize_t slot, bs, n, nk = 0;
+    int tier;
+    PyObject *hs, *parent, *root_o, *tokens, *out = NULL;
+    uint64_t *H = NULL, *K = NULL, key = 0, ph;
+    if (!PyArg_ParseTuple(args, "niOOOOn", &slot, &tier, &hs, &parent, &root_o, &tokens, &bs)) return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
+    if (bs <= 0) return PyErr_Format(PyExc_ValueError, "block_size must be positive");
+    Wk *w = worker(c, slot);
+    if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
+    int keyed = 0;
+    if (parent == Py_None) {
+        if (as_u64(root_o, &key) < 0) goto done;
+        keyed = 1;
+    } else {
+        if (as_u64(parent, &ph) < 0) goto done;
+        keyed = key_of(w, ph, &key);
+    }
+    if (keyed) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+        if (view.itemsize != 4) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "token ids must be a buffer of u32 (array('I'))");
+            goto done;
+        }
+        nk = (view.len / 4) / bs; /* divides first: any block size, as kvindex._keys */
+        if (nk > n) nk = n;
+        K = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof *K);
+        if (!K) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            goto done;
+        }
+        const unsigned char *data = view.buf;
+        size_t width = (size_t)(4 * bs);
+        for (Py_ssize_t i = 0; i < nk; i++) K[i] = key = chain_key(key, kx_xxh3_64(data + i * width, width, LOCAL_SEED));
+        PyBuffer_Release(&view);
+    }
+    out = store_hashes(c, w, slot, 0, tier, H, n, K, nk, parent == Py_None);
 done:
     PyMem_Free(H);
     PyMem_Free(K);
@@ -1286,6 +1359,8 @@ static PyMethodDef core_methods[] = {
     {"new_worker", (PyCFunction)core_new_worker, METH_NOARGS, "new_worker() -> slot"},
     {"free_worker", (PyCFunction)core_free_worker, METH_O, "free_worker(slot): forget all it holds"},
     {"store", (PyCFunction)core_store, METH_VARARGS, "store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)"},
+    {"store_tokens", (PyCFunction)core_store_tokens, METH_VARARGS,
+     "store_tokens(slot, tier, hashes, parent, root, tokens, block_size) -> (orphans, reannounced)"},
     {"remove", (PyCFunction)core_remove, METH_VARARGS, "remove(slot, mid, hashes) -> removed"},
     {"empty", (PyCFunction)core_empty, METH_O, "empty(slot) -> bool"},
     {"key_of", (PyCFunction)core_key_of, METH_VARARGS, "key_of(slot, hash) -> key or None"},

@@ -19,6 +19,7 @@ Invariants of the layout:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from kvindex import keys as K
 from kvindex import native
@@ -146,10 +147,14 @@ class PreciseIndex:
         self._model_of[wid] = model
         if wid in self._loaded_with:
             del self._loaded_with[wid]
-        hashes, ph, n = ev.block_hashes, ev.parent_hash, len(ev.block_hashes)
-        parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else self._core.key_of(slot, ph)
-        keys = [] if parent is None else K.recorded_keys(parent, ev.token_ids, ev.block_size, n, self._record)
-        orphans, again = self._core.store(slot, 0, self._tier_no[0], hashes, keys, ph is None)
+        hashes, ph, n, tokens = ev.block_hashes, ev.parent_hash, len(ev.block_hashes), ev.token_ids
+        if self._record is None and type(tokens) is array and tokens.typecode == "I":  # keys made in C, one call
+            root = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else 0
+            orphans, again = self._core.store_tokens(slot, self._tier_no[0], hashes, ph, root, tokens, ev.block_size)
+        else:
+            parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else self._core.key_of(slot, ph)
+            keys = [] if parent is None else K.recorded_keys(parent, tokens, ev.block_size, n, self._record)
+            orphans, again = self._core.store(slot, 0, self._tier_no[0], hashes, keys, ph is None)
         done.stored_events += 1
         if again:
             done.reannounced += n
