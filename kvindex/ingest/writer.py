@@ -112,7 +112,9 @@ class StreamWriter:
 
     async def apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, force: str | None) -> ApplyResult:
         """Offer one batch to the store (one await); count what it did."""
-        rank = self._engine.dp_rank if self._engine.dp_rank is not None else batch.dp_rank
+        rank = self._engine.dp_rank
+        if rank is None:
+            rank = batch.dp_rank
         events = self._capacity.admit(st.pod, batch.events)
         result = await self._store.apply(st.ref, seq, st.epoch, rank, events, force=force)
         outcome = result.outcome
