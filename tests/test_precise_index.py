@@ -432,8 +432,9 @@ def test_workers_switching_models_and_sizes_leave_the_reference_s_state(seed: in
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_multi_event_batches_of_chains_tiers_loras_and_sizes_leave_the_reference_s_state(seed: int) -> None:
-    """Batches of several events each (the device store at the model's size takes the fast index's
-    one-step path, ``PreciseIndex._device_store``; every other store its general one): chained and
+    """Batches of several events each (the device events take the fast index's native run,
+    ``Core.apply_device``; a batch of one its one-step path, ``PreciseIndex._device_store``; every
+    other event the general one): chained and
     parentless stores, unknown parents, other block sizes, a CPU tier, LoRA names and salts,
     removals known and unknown, clears. After every batch both indexes report the same counts, and
     at the end the same entries and the same matches."""
@@ -464,6 +465,8 @@ def test_multi_event_batches_of_chains_tiers_loras_and_sizes_leave_the_reference
                 size = 2 if rng.random() < 0.05 else BS
                 hs = list(range(nxt, nxt + n))
                 nxt += n
+                if rng.random() < 0.05:  # the side map's hashes, and copies of a hash held already
+                    hs[0] = rng.choice([0, 2**64 - 1, nxt - n - 1])
                 evs.append(BlockStored(block_hashes=array("Q", hs), parent_hash=parent, token_ids=array("I", toks),
                                        block_size=size, **kw))
                 if size == BS and "medium" not in kw:

@@ -967,6 +967,136 @@ static PyObject *core_remove(Core *c, PyObject *args) {
     return PyLong_FromSsize_t(removed);
 }
 
+/* The event fields apply_device reads (interned once, at import). */
+static PyObject *S_hashes, *S_parent, *S_tokens, *S_size, *S_medium, *S_lora, *S_salt;
+
+/* Whether ``o`` is the device medium's name ``gpu``. -1 with an exception. */
+static int is_gpu(PyObject *o, PyObject *gpu) {
+    if (o == gpu) return 1;
+    if (!PyUnicode_Check(o)) return 0;
+    return PyUnicode_Compare(o, gpu) == 0 ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+/* One device store (see store_tokens), its fields read from the event; 1 applied, 0 when the event
+ * is not for this loop (Python's: another medium, size, a LoRA or salt root, tokens not u32), -1. */
+static int device_store(Core *c, Wk *w, Py_ssize_t slot, int tier, PyObject *ev, Py_ssize_t bs, uint64_t root,
+                        PyObject *gpu, Py_ssize_t *acc) {
+    PyObject *med = NULL, *size = NULL, *lora = NULL, *salt = NULL, *hs = NULL, *parent = NULL, *tokens = NULL, *r = NULL;
+    uint64_t *H = NULL, *K = NULL, key = root, ph;
+    Py_ssize_t n, nk = 0;
+    int ok = -1, g, keyed = 1;
+    Py_buffer view;
+    view.obj = NULL;
+    if (!(med = PyObject_GetAttr(ev, S_medium)) || (g = is_gpu(med, gpu)) < 0) goto done;
+    if (!g) { ok = 0; goto done; }
+    if (!(size = PyObject_GetAttr(ev, S_size)) || !(lora = PyObject_GetAttr(ev, S_lora)) ||
+        !(salt = PyObject_GetAttr(ev, S_salt))) goto done;
+    if (!PyLong_Check(size) || PyLong_AsSsize_t(size) != bs || lora != Py_None || salt != Py_None) {
+        PyErr_Clear();
+        ok = 0;
+        goto done;
+    }
+    if (!(tokens = PyObject_GetAttr(ev, S_tokens))) goto done;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || view.itemsize != 4 ||
+        !view.format || strcmp(view.format, "I") != 0) {
+        PyErr_Clear();
+        ok = 0;
+        goto done;
+    }
+    if (!(hs = PyObject_GetAttr(ev, S_hashes)) || !(parent = PyObject_GetAttr(ev, S_parent))) goto done;
+    if ((n = u64s(hs, "hashes must be a sequence", &H)) < 0) goto done;
+    if (parent != Py_None) {
+        if (as_u64(parent, &ph) < 0) goto done;
+        keyed = key_of(w, ph, &key);
+    }
+    if (keyed) {
+        nk = (view.len / 4) / bs;
+        if (nk > n) nk = n;
+        if (!(K = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof *K))) { PyErr_NoMemory(); goto done; }
+        const unsigned char *data = view.buf;
+        size_t width = (size_t)(4 * bs);
+        for (Py_ssize_t i = 0; i < nk; i++) K[i] = key = chain_key(key, kx_xxh3_64(data + i * width, width, LOCAL_SEED));
+    }
+    if (!(r = store_hashes(c, w, slot, 0, tier, H, n, K, nk, parent == Py_None))) goto done;
+    Py_ssize_t orphans = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 0));
+    int again = PyTuple_GET_ITEM(r, 1) == Py_True;
+    acc[0] += 1;                        /* stored_events */
+    acc[again ? 2 : 1] += n;            /* reannounced or stored */
+    acc[3] += orphans;
+    ok = 1;
+done:
+    if (view.obj) PyBuffer_Release(&view);
+    Py_XDECREF(med); Py_XDECREF(size); Py_XDECREF(lora); Py_XDECREF(salt); Py_XDECREF(hs); Py_XDECREF(parent);
+    Py_XDECREF(tokens); Py_XDECREF(r);
+    PyMem_Free(H);
+    PyMem_Free(K);
+    return ok;
+}
+
+/* One device removal (core_remove's loop, medium 0); 1 applied, 0 another medium's, -1. */
+static int device_remove(Core *c, Wk *w, Py_ssize_t slot, PyObject *ev, PyObject *gpu, Py_ssize_t *acc) {
+    PyObject *med = PyObject_GetAttr(ev, S_medium), *hs = NULL;
+    uint64_t *H = NULL;
+    Py_ssize_t n, removed = 0;
+    int g = med ? is_gpu(med, gpu) : -1, ok = -1;
+    Py_XDECREF(med);
+    if (g <= 0) return g;
+    if (!(hs = PyObject_GetAttr(ev, S_hashes)) || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) goto done;
+    Med *m = medium(w, 0, 0, 0);
+    for (Py_ssize_t i = 0; m && i < n; i++) {
+        if (i + 2 * AHEAD < n) tab_prefetch(&m->t, H[i + 2 * AHEAD]);
+        Ent *e = i + AHEAD < n ? tab_find(&m->t, H[i + AHEAD]) : NULL;
+        if (e) hold_prefetch(&c->hold[m->tier], e->key);
+        int r = remove_one(c, w, (uint32_t)slot, m, H[i]);
+        if (r < 0) goto done;
+        removed += r;
+    }
+    if (removed) tab_shrink(&m->t);
+    acc[4] += 1;             /* removed_events */
+    acc[5] += removed;
+    acc[6] += n - removed;   /* unknown_removals */
+    ok = 1;
+done:
+    Py_XDECREF(hs);
+    PyMem_Free(H);
+    return ok;
+}
+
+/* apply_device(slot, tier, events, start, block_size, root, stored_type, removed_type, gpu)
+ *   -> (stop, stored_events, stored, reannounced, orphans, removed_events, removed, unknown_removals)
+ * Applies events[start:] in order while each is a device (``gpu``) BlockStored at ``block_size``
+ * with no LoRA name and no salt (its keys chained from ``root``, as store_tokens) or a device
+ * BlockRemoved (as remove on medium 0); ``stop`` is the index of the first other event (Python
+ * applies it by the general rules, then calls again after it), or len(events). One call for a
+ * batch's common events: no Python frame per event (PreciseIndex.apply_batch; tests hold the
+ * result equal to the reference's). */
+static PyObject *core_apply_device(Core *c, PyObject *args) {
+    Py_ssize_t slot, start, bs;
+    int tier;
+    PyObject *events, *root_o, *stored_t, *removed_t, *gpu;
+    uint64_t root;
+    Py_ssize_t acc[7] = {0};
+    if (!PyArg_ParseTuple(args, "niOnnOOOU", &slot, &tier, &events, &start, &bs, &root_o, &stored_t, &removed_t, &gpu))
+        return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
+    if (bs <= 0) return PyErr_Format(PyExc_ValueError, "block_size must be positive");
+    if (!PyTuple_Check(events) && !PyList_Check(events)) return PyErr_Format(PyExc_TypeError, "events must be a tuple or list");
+    if (as_u64(root_o, &root) < 0) return NULL;
+    Wk *w = worker(c, slot);
+    if (!w) return NULL;
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < PySequence_Fast_GET_SIZE(events); i++) {
+        PyObject *ev = PySequence_Fast_GET_ITEM(events, i);
+        int r;
+        if ((PyObject *)Py_TYPE(ev) == stored_t) r = device_store(c, w, slot, tier, ev, bs, root, gpu, acc);
+        else if ((PyObject *)Py_TYPE(ev) == removed_t) r = device_remove(c, w, slot, ev, gpu, acc);
+        else r = 0;
+        if (r < 0) return NULL;
+        if (r == 0) break;
+    }
+    return Py_BuildValue("(nnnnnnnn)", i, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6]);
+}
+
 /* empty(slot) -> whether the worker holds nothing. */
 static PyObject *core_empty(Core *c, PyObject *arg) {
     Py_ssize_t slot = PyLong_AsSsize_t(arg);
@@ -1361,6 +1491,8 @@ static PyMethodDef core_methods[] = {
     {"store", (PyCFunction)core_store, METH_VARARGS, "store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)"},
     {"store_tokens", (PyCFunction)core_store_tokens, METH_VARARGS,
      "store_tokens(slot, tier, hashes, parent, root, tokens, block_size) -> (orphans, reannounced)"},
+    {"apply_device", (PyCFunction)core_apply_device, METH_VARARGS,
+     "apply_device(slot, tier, events, start, block_size, root, stored_type, removed_type, gpu) -> (stop, counts...)"},
     {"remove", (PyCFunction)core_remove, METH_VARARGS, "remove(slot, mid, hashes) -> removed"},
     {"empty", (PyCFunction)core_empty, METH_O, "empty(slot) -> bool"},
     {"key_of", (PyCFunction)core_key_of, METH_VARARGS, "key_of(slot, hash) -> key or None"},
@@ -1397,6 +1529,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvindex.index._core"
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
+    if (!(S_hashes = PyUnicode_InternFromString("block_hashes")) || !(S_parent = PyUnicode_InternFromString("parent_hash")) ||
+        !(S_tokens = PyUnicode_InternFromString("token_ids")) || !(S_size = PyUnicode_InternFromString("block_size")) ||
+        !(S_medium = PyUnicode_InternFromString("medium")) || !(S_lora = PyUnicode_InternFromString("lora_name")) ||
+        !(S_salt = PyUnicode_InternFromString("cache_salt")))
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&CoreType);
