@@ -71,7 +71,7 @@ setup(
                   optional=True),
         Extension("adapters._llmd_sim", ["adapters/_llmd_sim.c"], depends=["kvindex/kx_u64s.h"], extra_compile_args=FLAGS,
                   optional=True),
-        Extension("kvindex.index._core", ["kvindex/index/_core.c"], depends=["kvindex/kx_u64s.h"],
+        Extension("kvindex.index._core", ["kvindex/index/_core.c"], depends=["kvindex/kx_u64s.h", "kvindex/kx_xxh3.h"],
                   extra_compile_args=FLAGS, optional=True),
         Extension("kvindex.ingest._drain", ["kvindex/ingest/_drain.c"], extra_compile_args=FLAGS, optional=True),
     ],

@@ -428,3 +428,64 @@ def test_workers_switching_models_and_sizes_leave_the_reference_s_state(seed: in
         assert all(ix.block_sizes() == ixs[0].block_sizes() and ix.pods() == ixs[0].pods() for ix in ixs), step
     for ix in ixs[1:]:
         assert sorted(ix.export_entries()) == sorted(ixs[0].export_entries())
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_multi_event_batches_of_chains_tiers_loras_and_sizes_leave_the_reference_s_state(seed: int) -> None:
+    """Batches of several events each (the device events take the fast index's native run,
+    ``Core.apply_device``; a batch of one its one-step path, ``PreciseIndex._device_store``; every
+    other event the general one): chained and
+    parentless stores, unknown parents, other block sizes, a CPU tier, LoRA names and salts,
+    removals known and unknown, clears. After every batch both indexes report the same counts, and
+    at the end the same entries and the same matches."""
+    import random
+    rng = random.Random(seed)
+    ixs: list[Index] = [make() for make in INDEXES.values()]
+    for ix in ixs:
+        ix.set_block_size("m", BS)
+    held: dict[str, list[tuple[int, list[int]]]] = {p: [] for p in ("a", "b", "c")}  # pod -> (hash, its tokens)
+    nxt, prompts = 1, []
+    for step in range(400):
+        pod = rng.choice(list(held))
+        evs: list = []
+        for _ in range(rng.randint(1, 6)):
+            roll = rng.random()
+            if roll < 0.6:
+                n = rng.randint(1, 4)
+                chain = held[pod]
+                parent = chain[-1][0] if chain and rng.random() < 0.7 else (rng.choice([None, 10**9]))
+                toks = [rng.randrange(50) for _ in range(n * BS)]
+                kw: dict = {}
+                if rng.random() < 0.1:
+                    kw["lora_name"] = "lora-x"
+                if rng.random() < 0.1:
+                    kw["cache_salt"] = "s1"
+                if rng.random() < 0.1:
+                    kw["medium"] = "CPU"
+                size = 2 if rng.random() < 0.05 else BS
+                hs = list(range(nxt, nxt + n))
+                nxt += n
+                if rng.random() < 0.05:  # the side map's hashes, and copies of a hash held already
+                    hs[0] = rng.choice([0, 2**64 - 1, nxt - n - 1])
+                evs.append(BlockStored(block_hashes=array("Q", hs), parent_hash=parent, token_ids=array("I", toks),
+                                       block_size=size, **kw))
+                if size == BS and "medium" not in kw:
+                    chain.extend(zip(hs, [toks[i * BS:(i + 1) * BS] for i in range(n)]))
+                    if parent is None and not kw:
+                        prompts.append([t for _, ts in chain[-n:] for t in ts])
+            elif roll < 0.9 and held[pod]:
+                k = rng.randint(1, min(3, len(held[pod])))
+                gone = [h for h, _ in held[pod][-k:]][::-1]
+                del held[pod][-k:]
+                evs.append(BlockRemoved(array("Q", gone + ([10**12] if rng.random() < 0.2 else []))))
+            elif roll > 0.98:
+                evs.append(AllBlocksCleared())
+                held[pod].clear()
+        done = [ix.apply_batch(pod, "m", 0, evs) for ix in ixs]
+        assert all(d == done[0] for d in done), (step, pod, evs)
+        assert all(ix.pods() == ixs[0].pods() and ix.block_sizes() == ixs[0].block_sizes() for ix in ixs), step
+    for ix in ixs[1:]:
+        assert sorted(ix.export_entries()) == sorted(ixs[0].export_entries())
+        for toks in prompts[-50:]:
+            keys = keys_of(toks)
+            assert ix.match(keys) == ixs[0].match(keys)

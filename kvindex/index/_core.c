@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "../kx_u64s.h"
+#include "../kx_xxh3.h"
 
 #define MIX 0x9E3779B97F4A7C15ULL
 #define NTIERS 3
@@ -836,22 +837,15 @@ static Py_ssize_t u64s(PyObject *seq, const char *what, uint64_t **out) {
     return n;
 }
 
-/* store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)
- * keys: the keys of the first len(keys) hashes; the rest take the worker's key for them.
- * parentless: a GPU store with no parent hash, which is a re-announcement when the medium
- * already holds every hash (vLLM's report mode; reference.py). */
-static PyObject *core_store(Core *c, PyObject *args) {
-    Py_ssize_t slot, n, nk, orphans = 0;
-    int mid, tier, parentless, again = 0;
-    PyObject *hs, *ks, *out = NULL;
-    uint64_t *H = NULL, *K = NULL;
-    if (!PyArg_ParseTuple(args, "niiOOp", &slot, &mid, &tier, &hs, &ks, &parentless)) return NULL;
-    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
-    Wk *w = worker(c, slot);
-    if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
-    if ((nk = u64s(ks, "keys must be a sequence", &K)) < 0) goto done;
+/* One event's hashes H[0..n) into medium mid: the first nk keyed K[i], the rest the worker's key
+ * for them; parentless as ``store``. Every input converted by the caller: nothing can fail before
+ * the first change but memory. (orphans, reannounced), or NULL with an exception. */
+static PyObject *store_hashes(Core *c, Wk *w, Py_ssize_t slot, int mid, int tier, const uint64_t *H, Py_ssize_t n,
+                              const uint64_t *K, Py_ssize_t nk, int parentless) {
+    Py_ssize_t orphans = 0;
+    int again = 0;
     Med *m = medium(w, mid, tier, 1);
-    if (!m || tab_reserve(&m->t, (size_t)n) < 0) goto done;
+    if (!m || tab_reserve(&m->t, (size_t)n) < 0) return NULL;
     if (parentless)
         for (again = 1; again && orphans < n; orphans++) again = tab_get(&m->t, H[orphans]).present;
     orphans = 0;
@@ -861,10 +855,89 @@ static PyObject *core_store(Core *c, PyObject *args) {
         if (a < nk) hold_prefetch(&c->hold[tier], K[a]);
         uint64_t key = i < nk ? K[i] : 0;
         int keyed = i < nk ? 1 : key_of(w, H[i], &key), r;
-        if ((r = store_one(c, w, (uint32_t)slot, m, H[i], keyed, key, !again)) < 0) goto done;
+        if ((r = store_one(c, w, (uint32_t)slot, m, H[i], keyed, key, !again)) < 0) return NULL;
         orphans += r;
     }
-    out = Py_BuildValue("(nN)", orphans, PyBool_FromLong(again));
+    return Py_BuildValue("(nN)", orphans, PyBool_FromLong(again));
+}
+
+/* store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)
+ * keys: the keys of the first len(keys) hashes; the rest take the worker's key for them.
+ * parentless: a GPU store with no parent hash, which is a re-announcement when the medium
+ * already holds every hash (vLLM's report mode; reference.py). */
+static PyObject *core_store(Core *c, PyObject *args) {
+    Py_ssize_t slot, n, nk;
+    int mid, tier, parentless;
+    PyObject *hs, *ks, *out = NULL;
+    uint64_t *H = NULL, *K = NULL;
+    if (!PyArg_ParseTuple(args, "niiOOp", &slot, &mid, &tier, &hs, &ks, &parentless)) return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
+    Wk *w = worker(c, slot);
+    if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
+    if ((nk = u64s(ks, "keys must be a sequence", &K)) >= 0)
+        out = store_hashes(c, w, slot, mid, tier, H, n, K, nk, parentless);
+    PyMem_Free(H);
+    PyMem_Free(K);
+    return out;
+}
+
+#define LOCAL_SEED 1337ULL
+
+/* key_i = XXH3-64(LE64(key_{i-1}) || LE64(local_i)): kvindex/keys.py's chain (kvindex/_keys.c's). */
+static uint64_t chain_key(uint64_t parent, uint64_t local) {
+    unsigned char pair[16];
+    kx_put_le64(pair, parent);
+    kx_put_le64(pair + 8, local);
+    return kx_xxh3_64(pair, sizeof pair, 0);
+}
+
+/* store_tokens(slot, tier, hashes, parent, root, tokens, block_size) -> (orphans, reannounced)
+ * ``store`` of a device event (medium 0) at its model's block size, with its keys made here from
+ * its tokens (a buffer of u32: array("I")) exactly as ``kvindex.keys.prompt_keys`` makes them
+ * (at most one per hash, full blocks only): chained from ``root`` when ``parent`` is None (the
+ * store is then parentless), else from the worker's key for ``parent``; a parent it holds no
+ * key for gives no keys (every hash takes the worker's key for it, else is keyless), as
+ * PreciseIndex._event_keys decides in Python. One call instead of key_of + prompt_keys + store. */
+static PyObject *core_store_tokens(Core *c, PyObject *args) {
+    Py_ssize_t slot, bs, n, nk = 0;
+    int tier;
+    PyObject *hs, *parent, *root_o, *tokens, *out = NULL;
+    uint64_t *H = NULL, *K = NULL, key = 0, ph;
+    if (!PyArg_ParseTuple(args, "niOOOOn", &slot, &tier, &hs, &parent, &root_o, &tokens, &bs)) return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
+    if (bs <= 0) return PyErr_Format(PyExc_ValueError, "block_size must be positive");
+    Wk *w = worker(c, slot);
+    if (!w || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) return NULL;
+    int keyed = 0;
+    if (parent == Py_None) {
+        if (as_u64(root_o, &key) < 0) goto done;
+        keyed = 1;
+    } else {
+        if (as_u64(parent, &ph) < 0) goto done;
+        keyed = key_of(w, ph, &key);
+    }
+    if (keyed) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+        if (view.itemsize != 4) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_TypeError, "token ids must be a buffer of u32 (array('I'))");
+            goto done;
+        }
+        nk = (view.len / 4) / bs; /* divides first: any block size, as kvindex._keys */
+        if (nk > n) nk = n;
+        K = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof *K);
+        if (!K) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            goto done;
+        }
+        const unsigned char *data = view.buf;
+        size_t width = (size_t)(4 * bs);
+        for (Py_ssize_t i = 0; i < nk; i++) K[i] = key = chain_key(key, kx_xxh3_64(data + i * width, width, LOCAL_SEED));
+        PyBuffer_Release(&view);
+    }
+    out = store_hashes(c, w, slot, 0, tier, H, n, K, nk, parent == Py_None);
 done:
     PyMem_Free(H);
     PyMem_Free(K);
@@ -892,6 +965,136 @@ static PyObject *core_remove(Core *c, PyObject *args) {
     PyMem_Free(H);
     if (removed) tab_shrink(&m->t);
     return PyLong_FromSsize_t(removed);
+}
+
+/* The event fields apply_device reads (interned once, at import). */
+static PyObject *S_hashes, *S_parent, *S_tokens, *S_size, *S_medium, *S_lora, *S_salt;
+
+/* Whether ``o`` is the device medium's name ``gpu``. -1 with an exception. */
+static int is_gpu(PyObject *o, PyObject *gpu) {
+    if (o == gpu) return 1;
+    if (!PyUnicode_Check(o)) return 0;
+    return PyUnicode_Compare(o, gpu) == 0 ? 1 : (PyErr_Occurred() ? -1 : 0);
+}
+
+/* One device store (see store_tokens), its fields read from the event; 1 applied, 0 when the event
+ * is not for this loop (Python's: another medium, size, a LoRA or salt root, tokens not u32), -1. */
+static int device_store(Core *c, Wk *w, Py_ssize_t slot, int tier, PyObject *ev, Py_ssize_t bs, uint64_t root,
+                        PyObject *gpu, Py_ssize_t *acc) {
+    PyObject *med = NULL, *size = NULL, *lora = NULL, *salt = NULL, *hs = NULL, *parent = NULL, *tokens = NULL, *r = NULL;
+    uint64_t *H = NULL, *K = NULL, key = root, ph;
+    Py_ssize_t n, nk = 0;
+    int ok = -1, g, keyed = 1;
+    Py_buffer view;
+    view.obj = NULL;
+    if (!(med = PyObject_GetAttr(ev, S_medium)) || (g = is_gpu(med, gpu)) < 0) goto done;
+    if (!g) { ok = 0; goto done; }
+    if (!(size = PyObject_GetAttr(ev, S_size)) || !(lora = PyObject_GetAttr(ev, S_lora)) ||
+        !(salt = PyObject_GetAttr(ev, S_salt))) goto done;
+    if (!PyLong_Check(size) || PyLong_AsSsize_t(size) != bs || lora != Py_None || salt != Py_None) {
+        PyErr_Clear();
+        ok = 0;
+        goto done;
+    }
+    if (!(tokens = PyObject_GetAttr(ev, S_tokens))) goto done;
+    if (PyObject_GetBuffer(tokens, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0 || view.itemsize != 4 ||
+        !view.format || strcmp(view.format, "I") != 0) {
+        PyErr_Clear();
+        ok = 0;
+        goto done;
+    }
+    if (!(hs = PyObject_GetAttr(ev, S_hashes)) || !(parent = PyObject_GetAttr(ev, S_parent))) goto done;
+    if ((n = u64s(hs, "hashes must be a sequence", &H)) < 0) goto done;
+    if (parent != Py_None) {
+        if (as_u64(parent, &ph) < 0) goto done;
+        keyed = key_of(w, ph, &key);
+    }
+    if (keyed) {
+        nk = (view.len / 4) / bs;
+        if (nk > n) nk = n;
+        if (!(K = PyMem_Malloc((size_t)(nk ? nk : 1) * sizeof *K))) { PyErr_NoMemory(); goto done; }
+        const unsigned char *data = view.buf;
+        size_t width = (size_t)(4 * bs);
+        for (Py_ssize_t i = 0; i < nk; i++) K[i] = key = chain_key(key, kx_xxh3_64(data + i * width, width, LOCAL_SEED));
+    }
+    if (!(r = store_hashes(c, w, slot, 0, tier, H, n, K, nk, parent == Py_None))) goto done;
+    Py_ssize_t orphans = PyLong_AsSsize_t(PyTuple_GET_ITEM(r, 0));
+    int again = PyTuple_GET_ITEM(r, 1) == Py_True;
+    acc[0] += 1;                        /* stored_events */
+    acc[again ? 2 : 1] += n;            /* reannounced or stored */
+    acc[3] += orphans;
+    ok = 1;
+done:
+    if (view.obj) PyBuffer_Release(&view);
+    Py_XDECREF(med); Py_XDECREF(size); Py_XDECREF(lora); Py_XDECREF(salt); Py_XDECREF(hs); Py_XDECREF(parent);
+    Py_XDECREF(tokens); Py_XDECREF(r);
+    PyMem_Free(H);
+    PyMem_Free(K);
+    return ok;
+}
+
+/* One device removal (core_remove's loop, medium 0); 1 applied, 0 another medium's, -1. */
+static int device_remove(Core *c, Wk *w, Py_ssize_t slot, PyObject *ev, PyObject *gpu, Py_ssize_t *acc) {
+    PyObject *med = PyObject_GetAttr(ev, S_medium), *hs = NULL;
+    uint64_t *H = NULL;
+    Py_ssize_t n, removed = 0;
+    int g = med ? is_gpu(med, gpu) : -1, ok = -1;
+    Py_XDECREF(med);
+    if (g <= 0) return g;
+    if (!(hs = PyObject_GetAttr(ev, S_hashes)) || (n = u64s(hs, "hashes must be a sequence", &H)) < 0) goto done;
+    Med *m = medium(w, 0, 0, 0);
+    for (Py_ssize_t i = 0; m && i < n; i++) {
+        if (i + 2 * AHEAD < n) tab_prefetch(&m->t, H[i + 2 * AHEAD]);
+        Ent *e = i + AHEAD < n ? tab_find(&m->t, H[i + AHEAD]) : NULL;
+        if (e) hold_prefetch(&c->hold[m->tier], e->key);
+        int r = remove_one(c, w, (uint32_t)slot, m, H[i]);
+        if (r < 0) goto done;
+        removed += r;
+    }
+    if (removed) tab_shrink(&m->t);
+    acc[4] += 1;             /* removed_events */
+    acc[5] += removed;
+    acc[6] += n - removed;   /* unknown_removals */
+    ok = 1;
+done:
+    Py_XDECREF(hs);
+    PyMem_Free(H);
+    return ok;
+}
+
+/* apply_device(slot, tier, events, start, block_size, root, stored_type, removed_type, gpu)
+ *   -> (stop, stored_events, stored, reannounced, orphans, removed_events, removed, unknown_removals)
+ * Applies events[start:] in order while each is a device (``gpu``) BlockStored at ``block_size``
+ * with no LoRA name and no salt (its keys chained from ``root``, as store_tokens) or a device
+ * BlockRemoved (as remove on medium 0); ``stop`` is the index of the first other event (Python
+ * applies it by the general rules, then calls again after it), or len(events). One call for a
+ * batch's common events: no Python frame per event (PreciseIndex.apply_batch; tests hold the
+ * result equal to the reference's). */
+static PyObject *core_apply_device(Core *c, PyObject *args) {
+    Py_ssize_t slot, start, bs;
+    int tier;
+    PyObject *events, *root_o, *stored_t, *removed_t, *gpu;
+    uint64_t root;
+    Py_ssize_t acc[7] = {0};
+    if (!PyArg_ParseTuple(args, "niOnnOOOU", &slot, &tier, &events, &start, &bs, &root_o, &stored_t, &removed_t, &gpu))
+        return NULL;
+    if (tier < 0 || tier >= NTIERS) return PyErr_Format(PyExc_ValueError, "tier %d", tier);
+    if (bs <= 0) return PyErr_Format(PyExc_ValueError, "block_size must be positive");
+    if (!PyTuple_Check(events) && !PyList_Check(events)) return PyErr_Format(PyExc_TypeError, "events must be a tuple or list");
+    if (as_u64(root_o, &root) < 0) return NULL;
+    Wk *w = worker(c, slot);
+    if (!w) return NULL;
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < PySequence_Fast_GET_SIZE(events); i++) {
+        PyObject *ev = PySequence_Fast_GET_ITEM(events, i);
+        int r;
+        if ((PyObject *)Py_TYPE(ev) == stored_t) r = device_store(c, w, slot, tier, ev, bs, root, gpu, acc);
+        else if ((PyObject *)Py_TYPE(ev) == removed_t) r = device_remove(c, w, slot, ev, gpu, acc);
+        else r = 0;
+        if (r < 0) return NULL;
+        if (r == 0) break;
+    }
+    return Py_BuildValue("(nnnnnnnn)", i, acc[0], acc[1], acc[2], acc[3], acc[4], acc[5], acc[6]);
 }
 
 /* empty(slot) -> whether the worker holds nothing. */
@@ -1286,6 +1489,10 @@ static PyMethodDef core_methods[] = {
     {"new_worker", (PyCFunction)core_new_worker, METH_NOARGS, "new_worker() -> slot"},
     {"free_worker", (PyCFunction)core_free_worker, METH_O, "free_worker(slot): forget all it holds"},
     {"store", (PyCFunction)core_store, METH_VARARGS, "store(slot, mid, tier, hashes, keys, parentless) -> (orphans, reannounced)"},
+    {"store_tokens", (PyCFunction)core_store_tokens, METH_VARARGS,
+     "store_tokens(slot, tier, hashes, parent, root, tokens, block_size) -> (orphans, reannounced)"},
+    {"apply_device", (PyCFunction)core_apply_device, METH_VARARGS,
+     "apply_device(slot, tier, events, start, block_size, root, stored_type, removed_type, gpu) -> (stop, counts...)"},
     {"remove", (PyCFunction)core_remove, METH_VARARGS, "remove(slot, mid, hashes) -> removed"},
     {"empty", (PyCFunction)core_empty, METH_O, "empty(slot) -> bool"},
     {"key_of", (PyCFunction)core_key_of, METH_VARARGS, "key_of(slot, hash) -> key or None"},
@@ -1322,6 +1529,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvindex.index._core"
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&CoreType) < 0) return NULL;
+    if (!(S_hashes = PyUnicode_InternFromString("block_hashes")) || !(S_parent = PyUnicode_InternFromString("parent_hash")) ||
+        !(S_tokens = PyUnicode_InternFromString("token_ids")) || !(S_size = PyUnicode_InternFromString("block_size")) ||
+        !(S_medium = PyUnicode_InternFromString("medium")) || !(S_lora = PyUnicode_InternFromString("lora_name")) ||
+        !(S_salt = PyUnicode_InternFromString("cache_salt")))
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&CoreType);

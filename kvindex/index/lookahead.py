@@ -115,6 +115,11 @@ class LookaheadBook:
     def __init__(self) -> None:
         self._workers: dict[tuple[str, int], _Worker] = {}
 
+    def watching(self, pod: str, dp_rank: int) -> bool:
+        """Whether (pod, dp_rank) is in lookahead mode: ``apply`` of a batch whose stores carry no
+        ``lookahead_token_ids`` changes nothing otherwise (a caller that knows may skip it)."""
+        return (pod, dp_rank) in self._workers
+
     def apply(self, pod: str, model: str, dp_rank: int, events: Iterable[KVEvent]) -> None:
         """One batch of (pod, dp_rank), as the store applied it."""
         w = self._workers.get((pod, dp_rank))

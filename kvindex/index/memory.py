@@ -26,6 +26,7 @@ from kvindex.types import Applied, Entry, PodMatch
 
 
 AnyPrecise = Union[PreciseIndex, ReferenceIndex]
+_APPLIED = Outcome.APPLIED  # a module global for the per-batch path (through the class: ~150 ns on 3.11)
 
 
 def new_precise_index(*, lineage: bool = False) -> AnyPrecise:
@@ -72,12 +73,13 @@ class MemoryPreciseStore:
 
     async def apply(self, stream: StreamRef, seq: int, epoch: int, dp_rank: int, events: Sequence[KVEvent],
                     *, force: str | None = None) -> ApplyResult:
-        pos = self._positions.get(stream.id)
+        sid = stream.id
+        pos = self._positions.get(sid)
         outcome = judge(pos, seq, epoch, force)
-        if outcome is not Outcome.APPLIED:
+        if outcome is not _APPLIED:
             return ApplyResult(outcome, pos or Position(epoch=epoch))
         done = self.index.apply_batch(stream.pod, stream.model, dp_rank, events)
-        after = self._positions[stream.id] = next_position(pos, seq, epoch, force, done.cleared > 0)
+        after = self._positions[sid] = next_position(pos, seq, epoch, force, done.cleared > 0)
         return ApplyResult(outcome, after, done)
 
     async def restart(self, stream: StreamRef, seen_epoch: int, ranks: Iterable[int] | None) -> Position:

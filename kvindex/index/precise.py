@@ -19,6 +19,7 @@ Invariants of the layout:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from kvindex import keys as K
 from kvindex import native
@@ -77,8 +78,23 @@ class PreciseIndex:
         done = Applied()
         wid = (pod, dp_rank)
         slot = self._slot.get(wid)
-        for ev in events:
+        sizes = self._block_size
+        evs = events if type(events) is tuple or type(events) is list else tuple(events)
+        n = len(evs)  # one event: its own call costs less than a run's (a lineage records keys: Python's path)
+        i, native_run = 0, n > 1 and self._record is None
+        while i < n:
+            ev = evs[i]
             t = type(ev)
+            if native_run and (t is BlockStored or (t is BlockRemoved and slot is not None)) \
+                    and (size := sizes.get(model)) is not None:
+                if slot is None:
+                    slot = self._worker(wid)
+                i = self._device_run(wid, slot, model, evs, i, size, done)  # the common events, in C
+                if i >= n:
+                    break
+                ev = evs[i]
+                t = type(ev)
+            i += 1
             if t is BlockRemoved:
                 if slot is None:  # nothing held: every removal is of an unknown hash
                     done.unknown_removals += len(ev.block_hashes)  # type: ignore[union-attr]
@@ -90,7 +106,10 @@ class PreciseIndex:
             elif t is BlockStored:
                 if slot is None:
                     slot = self._worker(wid)
-                self._store(wid, slot, model, ev, done)  # type: ignore[arg-type]
+                if ev.medium == GPU and sizes.get(model) == ev.block_size:  # type: ignore[union-attr]
+                    self._device_store(wid, slot, model, ev, done)  # type: ignore[arg-type]
+                else:
+                    self._store(wid, slot, model, ev, done)  # type: ignore[arg-type]
             elif t is AllBlocksCleared:  # one rank's cache (each dp rank publishes its own stream)
                 self.clear_pod(pod, dp_rank)
                 done.cleared += 1
@@ -135,6 +154,47 @@ class PreciseIndex:
         if parent is None:
             return [], False
         return K.recorded_keys(parent, ev.token_ids, bs, len(ev.block_hashes), self._record), False
+
+    def _device_run(self, wid: tuple[str, int], slot: int, model: str, events: Sequence[KVEvent], start: int,
+                    size: int, done: Applied) -> int:
+        """``events[start:]`` applied in one native call while each is a device store at the model's
+        size with no LoRA name or salt, or a device removal (``Core.apply_device``: what
+        ``_device_store`` and the removal branch do, event by event); the index of the first other
+        event (the caller's general path applies it), or len(events)."""
+        stop, stored_events, stored, again, orphans, removed_events, removed, unknown = self._core.apply_device(
+            slot, self._tier_no[0], events, start, size, K.root_key(model), BlockStored, BlockRemoved, GPU)
+        if stored_events:
+            self._model_of[wid] = model
+            self._loaded_with.pop(wid, None)
+        done.stored_events += stored_events
+        done.stored += stored
+        done.reannounced += again
+        done.orphans += orphans
+        done.removed_events += removed_events
+        done.removed += removed
+        done.unknown_removals += unknown
+        return stop
+
+    def _device_store(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored, done: Applied) -> None:
+        """``_store`` of the common event, a device store at the model's block size, in one step:
+        the same keys, the same core call, the same counts (tests hold it equal to ``_store``)."""
+        self._model_of[wid] = model
+        if wid in self._loaded_with:
+            del self._loaded_with[wid]
+        hashes, ph, n, tokens = ev.block_hashes, ev.parent_hash, len(ev.block_hashes), ev.token_ids
+        if self._record is None and type(tokens) is array and tokens.typecode == "I":  # keys made in C, one call
+            root = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else 0
+            orphans, again = self._core.store_tokens(slot, self._tier_no[0], hashes, ph, root, tokens, ev.block_size)
+        else:
+            parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else self._core.key_of(slot, ph)
+            keys = [] if parent is None else K.recorded_keys(parent, tokens, ev.block_size, n, self._record)
+            orphans, again = self._core.store(slot, 0, self._tier_no[0], hashes, keys, ph is None)
+        done.stored_events += 1
+        if again:
+            done.reannounced += n
+        else:
+            done.stored += n
+        done.orphans += orphans
 
     def _store(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored, done: Applied) -> None:
         keys, mismatch = self._event_keys(wid, slot, model, ev)

@@ -7,8 +7,9 @@ Invariants:
   it changes it, and only after the store answered.
 - A stream's name in the store (``StreamRef``) is the same on every replica: its topic and which
   publisher of the pod (the dp rank when configured, else the endpoint).
-- ``StreamCounters``: the hot path adds plain ints; ``flush`` hands them to the Prometheus
-  children before every scrape (a child's ``inc`` takes a lock).
+- ``StreamCounters``: the hot path keeps each batch's ``Applied`` (never changed once returned;
+  at most ``PENDING_BATCHES`` kept); ``flush`` sums them into the Prometheus children before every
+  scrape (a child's ``inc`` takes a lock).
 - No I/O here beyond log lines.
 """
 
@@ -30,19 +31,23 @@ if TYPE_CHECKING:  # annotations only: a stream's state is the vocabulary's
 
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
 MAX_TOPICS = 1024  # streams per publisher; more is garbage or misconfiguration
+PENDING_BATCHES = 256  # applied batches a stream's counters keep before summing them (``StreamCounters``)
 
 
 class StreamCounters:
-    """A stream's labelled metric children, resolved once. The hot path only adds plain ints
-    (``add``, ``lag_seconds``); ``flush`` hands them to the children, before every scrape (a
-    Prometheus child's ``inc`` takes a lock: four of them per batch cost ~15% of ingest)."""
+    """A stream's labelled metric children, resolved once. The hot path only keeps each batch's
+    ``Applied`` (``add``: one list append) and sets ``lag_seconds``; ``flush`` sums them into the
+    children, before every scrape and at the latest every ``PENDING_BATCHES`` batches (a Prometheus
+    child's ``inc`` takes a lock: four of them per batch cost ~15% of ingest; eight plain adds per
+    batch cost ~1 µs more than keeping the value for later)."""
 
     def __init__(self, m: Metrics, pod: str) -> None:
         self._children = (m.events_applied.labels(pod, "BlockStored"), m.events_applied.labels(pod, "BlockRemoved"),
                           m.events_applied.labels(pod, "AllBlocksCleared"), m.blocks_stored.labels(pod),
                           m.blocks_removed.labels(pod), m.orphan_blocks.labels(pod), m.unknown_removals.labels(pod),
                           m.blocks_reannounced.labels(pod))
-        self._pending = [0] * len(self._children)
+        self._pending: list[Applied] = []
+        self._sums = [0] * len(self._children)
         self.lag = m.lag_seconds.labels(pod)
         self.lag_seconds: float | None = None  # behind at the last batch applied, not yet in ``lag``
         self.duplicate = m.batches_skipped.labels(pod, "duplicate")
@@ -50,21 +55,30 @@ class StreamCounters:
         self.dropped = m.batches_skipped.labels(pod, "dropped")
 
     def add(self, done: Applied) -> None:
-        p = self._pending
-        p[0] += done.stored_events
-        p[1] += done.removed_events
-        p[2] += done.cleared
-        p[3] += done.stored
-        p[4] += done.removed
-        p[5] += done.orphans
-        p[6] += done.unknown_removals
-        p[7] += done.reannounced
+        pending = self._pending
+        pending.append(done)
+        if len(pending) >= PENDING_BATCHES:
+            self._sum()
+
+    def _sum(self) -> None:
+        p = self._sums
+        for done in self._pending:
+            p[0] += done.stored_events
+            p[1] += done.removed_events
+            p[2] += done.cleared
+            p[3] += done.stored
+            p[4] += done.removed
+            p[5] += done.orphans
+            p[6] += done.unknown_removals
+            p[7] += done.reannounced
+        self._pending = []
 
     def flush(self) -> None:
-        for child, n in zip(self._children, self._pending):
+        self._sum()
+        for child, n in zip(self._children, self._sums):
             if n:
                 child.inc(n)
-        self._pending = [0] * len(self._children)
+        self._sums = [0] * len(self._children)
         if self.lag_seconds is not None:
             self.lag.set(self.lag_seconds)
             self.lag_seconds = None

@@ -34,6 +34,7 @@ from kvindex.events import GPU, NON_PREFIX_GROUP, BlockStored, DecodeError, Deco
 from kvindex.index.lookahead import LookaheadBook
 from kvindex.index.protocol import ApplyResult, PreciseStore
 from kvindex.ingest import sequencer as seqr
+from kvindex.ingest.sequencer import payload_digest
 from kvindex.ingest.capacity import OVER_CAPACITY, PodCapacity
 from kvindex.ingest.streams import Stream, new_stream
 from kvindex.logs import BurstLog
@@ -45,6 +46,16 @@ from kvindex.views import Journal
 log = logging.getLogger("kvindex.ingest.lane")  # every line about a lane under the lane's name
 # enum members as module globals for the per-batch path (a lookup through the class costs ~150 ns on 3.11)
 APPLIED, DUPLICATE, STALE = Outcome.APPLIED, Outcome.DUPLICATE, Outcome.STALE
+
+
+def _plain(events: Sequence[object]) -> bool:
+    """No BlockStored of the batch names a ``lora_name`` or carries ``lookahead_token_ids``: then
+    ``_heard`` hears nothing new of a stream it told already and ``LookaheadBook.apply`` changes
+    nothing for a worker not in lookahead mode."""
+    for ev in events:
+        if type(ev) is BlockStored and (ev.lora_name is not None or ev.lookahead_token_ids is not None):
+            return False
+    return True
 
 
 class StreamWriter:
@@ -101,22 +112,28 @@ class StreamWriter:
 
     async def apply(self, st: Stream, seq: int, batch: EventBatch, payload: bytes, force: str | None) -> ApplyResult:
         """Offer one batch to the store (one await); count what it did."""
-        rank = self._engine.dp_rank if self._engine.dp_rank is not None else batch.dp_rank
+        rank = self._engine.dp_rank
+        if rank is None:
+            rank = batch.dp_rank
         events = self._capacity.admit(st.pod, batch.events)
         result = await self._store.apply(st.ref, seq, st.epoch, rank, events, force=force)
         outcome = result.outcome
         st.observe(result.position)
         if outcome is APPLIED or outcome is DUPLICATE:
-            self._heard(st, batch)
-            self.lookahead.apply(st.pod, st.model, rank, events)  # held by the store: what engines serve
+            plain = _plain(events)  # the common batch: one pass tells that neither below has work
+            if not plain or not st.model_told:
+                self._heard(st, batch)
+            if not plain or self.lookahead.watching(st.pod, rank):
+                self.lookahead.apply(st.pod, st.model, rank, events)  # held by the store: what engines serve
         if outcome is APPLIED:
+            done = result.applied
             st.ranks.add(rank)
-            self._applied(st, seq, batch, payload, result.applied)
-            if result.applied is not None and result.applied.block_size_mismatch:
-                await self._mismatch(st, events, result.applied.block_size_mismatch)
-            st.handled(seq, seqr.payload_digest(payload))
+            self._applied(st, seq, batch, payload, done)
+            if done is not None and done.block_size_mismatch:
+                await self._mismatch(st, events, done.block_size_mismatch)
+            st.handled(seq, payload_digest(payload))
             cap = self._capacity
-            if cap.counted(st.pod, result.applied):
+            if cap.counted(st.pod, done):
                 await cap.recount(st.pod)
             if cap.over(st.pod) and result.position.synced:
                 pos = result.position
@@ -130,7 +147,7 @@ class StreamWriter:
             if outcome is DUPLICATE:
                 st.ranks.add(rank)
                 st.last_seq = seq
-                st.handled(seq, seqr.payload_digest(payload))
+                st.handled(seq, payload_digest(payload))
         return result
 
     def duplicate(self, st: Stream, seq: int) -> None:
