@@ -177,18 +177,18 @@ class PreciseIndex:
 
     def _device_store(self, wid: tuple[str, int], slot: int, model: str, ev: BlockStored, done: Applied) -> None:
         """``_store`` of the common event, a device store at the model's block size, in one step:
-        the same keys, the same core call, the same counts (tests hold it equal to ``_store``)."""
+        the same keys, the same core call, the same counts (tests hold it equal to ``_store``). Tokens
+        not packed as u32s, or a lineage recording the keys: ``_store`` itself."""
+        tokens = ev.token_ids
+        if self._record is not None or type(tokens) is not array or tokens.typecode != "I":
+            self._store(wid, slot, model, ev, done)  # keys made in Python
+            return
         self._model_of[wid] = model
         if wid in self._loaded_with:
             del self._loaded_with[wid]
-        hashes, ph, n, tokens = ev.block_hashes, ev.parent_hash, len(ev.block_hashes), ev.token_ids
-        if self._record is None and type(tokens) is array and tokens.typecode == "I":  # keys made in C, one call
-            root = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else 0
-            orphans, again = self._core.store_tokens(slot, self._tier_no[0], hashes, ph, root, tokens, ev.block_size)
-        else:
-            parent = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else self._core.key_of(slot, ph)
-            keys = [] if parent is None else K.recorded_keys(parent, tokens, ev.block_size, n, self._record)
-            orphans, again = self._core.store(slot, 0, self._tier_no[0], hashes, keys, ph is None)
+        hashes, ph, n = ev.block_hashes, ev.parent_hash, len(ev.block_hashes)
+        root = K.root_key(model, ev.lora_name, ev.cache_salt) if ph is None else 0
+        orphans, again = self._core.store_tokens(slot, self._tier_no[0], hashes, ph, root, tokens, ev.block_size)
         done.stored_events += 1
         if again:
             done.reannounced += n
