@@ -39,11 +39,11 @@ MIB = 1 << 20
 class Engine:
     """A PUB socket (and a replay ROUTER answering from what it published) in a thread of its own."""
 
-    def __init__(self, pub_port: int, rep_port: int | None = None) -> None:
+    def __init__(self, pub_port: int, rep_port: int | None = None, sndhwm: int = 0) -> None:
         self.ctx = zmq.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.SNDHWM, sndhwm)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
         self.history: dict[int, tuple[bytes, bytes, bytes]] = {}
         self._stop = threading.Event()
@@ -149,12 +149,9 @@ def test_a_publisher_that_outruns_kvindex_keeps_memory_bounded_and_others_exact(
                       f'[[engines]]\nendpoint = "tcp://127.0.0.1:{flood_port}"\npod = "flood"\nmodel = "m"\n\n'
                       f'[[engines]]\nendpoint = "tcp://127.0.0.1:{calm_port}"\nreplay = "tcp://127.0.0.1:{calm_rep}"\n'
                       'pod = "calm"\nmodel = "m"\n')
-    flood, calm = Engine(flood_port), Engine(calm_port, calm_rep)
-    flood.pub.close(linger=0)  # the flood's PUB bounds its queue as an engine's does (vLLM: 100,000 messages):
-    flood.pub = flood.ctx.socket(zmq.PUB)  # past it, it drops: the seq gap kvindex must report
-    flood.pub.setsockopt(zmq.LINGER, 0)
-    flood.pub.setsockopt(zmq.SNDHWM, 1000)
-    flood.pub.bind(f"tcp://127.0.0.1:{flood_port}")
+    # the flood's PUB bounds its queue as an engine's does (vLLM: 100,000 messages): past it, it drops,
+    # the seq gap kvindex must report
+    flood, calm = Engine(flood_port, sndhwm=1000), Engine(calm_port, calm_rep)
     frames, truth = stream(60, pod="calm", seed=3)
     payloads = [_flood_batch(i) for i in range(64)]
     daemon = serve(port, "--config", str(config), log=tmp_path / "kvindex.log")
@@ -219,6 +216,19 @@ def test_the_receiver_reads_no_faster_than_the_lane_takes() -> None:
     asyncio.run(_reads_as_taken())
 
 
+async def _subscribed(pub: zmq.asyncio.Socket, inbox: Inbox) -> None:
+    """The slow joiner: probe until one is through, then take them all (the inbox empty again)."""
+    while not inbox.held_bytes:
+        await pub.send_multipart([b"probe", (0).to_bytes(8, "big"), b""])
+        await asyncio.sleep(0.02)
+    await pub.send_multipart([b"probe-end", (0).to_bytes(8, "big"), b""])
+    while True:
+        burst = await inbox.get()
+        inbox.done(burst)
+        if any(isinstance(m, Frame) and m.topic == "probe-end" for m in burst.messages):
+            return
+
+
 async def _reads_as_taken() -> None:
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
@@ -232,15 +242,7 @@ async def _reads_as_taken() -> None:
     topic, payload, n = b"kv@e@m", bytes(1000), 4000
     one_burst = DRAIN_BURST * (len(topic) + 8 + len(payload) + MESSAGE_OVERHEAD)
     try:
-        while not inbox.held_bytes:  # the slow joiner: probe until one is through, then take them all
-            await pub.send_multipart([b"probe", (0).to_bytes(8, "big"), b""])
-            await asyncio.sleep(0.02)
-        await pub.send_multipart([b"probe-end", (0).to_bytes(8, "big"), b""])
-        while True:
-            burst = await inbox.get()
-            inbox.done(burst)
-            if any(isinstance(m, Frame) and m.topic == "probe-end" for m in burst.messages):
-                break
+        await _subscribed(pub, inbox)
         for seq in range(n):
             await pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
         await asyncio.sleep(0.5)  # every message is in the SUB's queue by now; the lane has taken none
@@ -254,6 +256,44 @@ async def _reads_as_taken() -> None:
             inbox.done(burst)
         assert seqs == list(range(n))  # all delivered, in order, nothing dropped
         assert inbox.problem() is None and inbox.dropped_batches == 0  # caught up: no lag left
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        intake.close()
+
+
+def test_an_engine_gone_quiet_after_a_read_of_exactly_one_full_burst_is_not_lagging() -> None:
+    asyncio.run(_quiet_after_a_full_burst())
+
+
+async def _quiet_after_a_full_burst() -> None:
+    """The last read before the engine goes quiet takes exactly ``DRAIN_BURST`` messages: the socket
+    is then found empty, so kvindex is caught up, not behind (before: lagging, then unsynced and
+    /readyz 503, until the engine published again)."""
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    inbox = Inbox(64 * MIB, max_lag=0.2)
+    intake = Intake(ctx)
+    receiver = Receiver(lambda: intake.subscriber(f"tcp://127.0.0.1:{port}", bind=False, rcvhwm=100_000), inbox,
+                        lambda n: None, "e")
+    task = asyncio.create_task(receiver.run(receiver.open()))
+    try:
+        await _subscribed(pub, inbox)
+        for seq in range(2 * DRAIN_BURST):  # queued whole before the receiver reads: two full reads
+            await pub.send_multipart([b"kv@e@m", seq.to_bytes(8, "big"), bytes(100)])
+        await asyncio.sleep(0.3)
+        seqs: list[int] = []
+        while len(seqs) < 2 * DRAIN_BURST:
+            burst = await asyncio.wait_for(inbox.get(), 10)
+            seqs += [m.seq for m in burst.messages]
+            inbox.done(burst)
+        assert seqs == list(range(2 * DRAIN_BURST))
+        await asyncio.sleep(0.5)  # quiet for more than max_lag
+        assert inbox.problem() is None, inbox.problem()
+        assert inbox.lag() == 0.0
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -23,7 +23,8 @@ Invariants:
 - The lag is measured on kvindex's own clock (``time.monotonic()``), never from the engine's
   ``ts``: the longer of the age of the oldest burst read and not yet applied, and how long the
   socket has had more messages queued at every read (``reading``: from the first full burst
-  to the first that was not, i.e. how long kvindex has been behind its engine). Past ``max_lag``
+  to the first that was not, or to the socket found empty (``caught_up``), i.e. how long kvindex
+  has been behind its engine). Past ``max_lag``
   the lane is *lagging*: its streams say unsynced with the lag, and ``/readyz`` says so, until
   it has caught up.
 - A failure of the receiver (the socket could not be opened again) is handed to the lane through
@@ -90,6 +91,10 @@ class Inbox:
             self._behind_since = None
         elif self._behind_since is None:
             self._behind_since = monotonic() if now is None else now
+
+    def caught_up(self) -> None:
+        """The socket was found empty: kvindex is not behind its engine (whatever the last read was)."""
+        self._behind_since = None
 
     async def taken(self) -> None:
         """Until the lane has taken every burst put and holds at most half the budget (the burst it

@@ -9,7 +9,9 @@ Invariants:
   queues (the SUB's receive high-water mark, ``rcvhwm``, then the engine's PUB), never in
   kvindex's heap; a publisher that drops past its own mark shows as a seq gap the lane replays, or
   reports unsynced. It tells the inbox whether each burst was a full read (``Inbox.reading``: the
-  socket had more queued), which is how long kvindex is behind its engine.
+  socket had more queued), which is how long kvindex is behind its engine, and that it has caught
+  up whenever the socket is found empty (``Inbox.caught_up``: a last read of exactly ``DRAIN_BURST``
+  messages before the engine goes quiet leaves no lag behind).
 - Its socket's monitor (``Subscriber.watch_peers``) feeds ``on_peers`` (the lane's connection
   watch: peer counts, logs). A plain disconnect is the engine's to mend (libzmq re-dials; the lane
   shows it as not connected, and the next batch's seq shows a gap, as ever).
@@ -99,7 +101,7 @@ class Receiver:
 
     async def _fill(self, sub: Subscriber) -> None:
         inbox = self._inbox
-        async for burst in sub.bursts():
+        async for burst in sub.bursts(drained=inbox.caught_up):
             inbox.reading(sub.burst_full)
             if not inbox.put(burst, sub.burst_bytes) and self._dropped is not None:
                 self._dropped.counter.inc(len(burst))

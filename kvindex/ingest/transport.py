@@ -29,7 +29,8 @@ Invariants:
   accepted: one more; disconnected: one less, never below zero).
 - ``Subscriber.bursts`` sets ``burst_bytes`` to the size of the burst it yields (its parts, and
   ``MESSAGE_OVERHEAD`` per message: what the lane's inbox counts against its budget) and
-  ``burst_full`` to whether it was as large as a read takes (``DRAIN_BURST``: more may be queued).
+  ``burst_full`` to whether it was as large as a read takes (``DRAIN_BURST``: more may be queued);
+  it calls ``drained`` whenever it finds the socket empty and awaits the next message.
   It reads the next burst only when its consumer asks for it: a consumer that waits leaves the
   messages in ZeroMQ's queue, bounded by ``rcvhwm`` messages (then TCP, then the publisher's own
   high-water mark).
@@ -207,15 +208,19 @@ class Subscriber:
             self.close()
             raise
 
-    async def bursts(self) -> AsyncIterator[list[Frame | Malformed]]:
+    async def bursts(self, drained: Callable[[], None] | None = None) -> AsyncIterator[list[Frame | Malformed]]:
         """Every message, in order, in bursts of at most ``DRAIN_BURST``: what is already queued,
         or when nothing is, the next message awaited and what came with it. A consumer pays its
         per-await costs (a lock, a coroutine) once per burst, not once per message. After a full
-        burst the event loop gets a turn (HTTP queries) before the next is read."""
+        burst the event loop gets a turn (HTTP queries) before the next is read. ``drained`` is
+        called each time nothing is queued and the next message is awaited (after a full burst
+        too: the socket was emptied by a read of exactly ``DRAIN_BURST``)."""
         burst: list[list[bytes]] = []
         while True:
             awaited = not burst
             if awaited:
+                if drained is not None:
+                    drained()
                 burst = [await self._sock.recv_multipart(), *self._queued(DRAIN_BURST - 1)]
             self.burst_bytes = sum(len(p) for parts in burst for p in parts) + MESSAGE_OVERHEAD * len(burst)
             self.burst_full = len(burst) >= DRAIN_BURST
