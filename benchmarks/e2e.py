@@ -160,7 +160,7 @@ def daemon_config(endpoints: list[str]) -> "Config":
 
     engines = tuple(EngineConfig(endpoint=ep, pod=str(i + 1), model=MODEL, block_size=BLOCK_SIZE)
                     for i, ep in enumerate(endpoints))
-    return Config(host="127.0.0.1", port=0, engines=engines, rcvhwm=HWM)
+    return Config(host="127.0.0.1", port=0, engines=engines, receive_queue_messages=HWM)
 
 
 async def wait_connected(daemon, count: int, timeout: float | None = None) -> None:

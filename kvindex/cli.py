@@ -163,6 +163,10 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    "than it applies, so a backlog waits in ZeroMQ's queues (1,000 messages, then the engine's PUB, "
                    "whose drops are a seq gap); a burst of messages larger than this is dropped, its pods unsynced, "
                    "and the gap replayed once kvindex caught up")
+    s.add_argument("--receive-queue-messages", type=int, metavar="N", help="messages ZeroMQ queues for kvindex per "
+                   "engine (the SUB socket's RCVHWM, default 1000: ~2.5 MB of vLLM batches); a backlog past it waits in "
+                   "TCP and then in the engine's PUB, which drops past its own high-water mark (a seq gap: replayed, or "
+                   "the pod unsynced). Raise it for engines whose PUB queue is small")
     s.add_argument("--max-lag-seconds", type=float, metavar="S", help="an engine whose oldest batch not yet applied "
                    "was received more than S seconds ago, or whose socket has had batches queued at every read for "
                    "S seconds, is lagging: its pods say unsynced and /readyz 503 until it catches up (default 5)")
@@ -241,6 +245,7 @@ def load_config(args: argparse.Namespace) -> Config:
                           peer_max_bytes=args.peer_max_bytes, peer_timeout=args.peer_timeout,
                           store=args.store, store_buffer=args.store_buffer, workers=args.workers,
                           receive_buffer_bytes=args.receive_buffer_bytes, max_lag_seconds=args.max_lag_seconds,
+                          receive_queue_messages=args.receive_queue_messages,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
                           max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod,
                           dynamo_dump=args.dynamo_dump, ext_proc_port=args.ext_proc_port,

@@ -191,7 +191,7 @@ class Config:
     max_token_ids: int = 1 << 20
     replay_timeout: float = 2.0  # seconds an engine has to deliver one whole replay answer (--replay-timeout)
     replay_max_bytes: int = 128 << 20  # bytes one replay answer may hold (--replay-max-bytes)
-    rcvhwm: int = RCVHWM  # per engine: messages ZeroMQ queues for kvindex (its backlog waits there)
+    receive_queue_messages: int = RCVHWM  # per engine: messages ZeroMQ queues for kvindex (ZeroMQ RCVHWM; [server])
     max_message_bytes: int = 64 << 20  # ZeroMQ MAXMSGSIZE of the SUB and replay sockets ([server] max_message_bytes)
     receive_buffer_bytes: int = RECEIVE_BUFFER_BYTES  # per engine: received, not yet applied ([server])
     max_lag_seconds: float = MAX_LAG_SECONDS  # an engine's lane this far behind is lagging: unsynced ([server])
@@ -251,6 +251,8 @@ class Config:
         if self.receive_buffer_bytes < 2 * self.max_message_bytes:
             raise ConfigError(f"receive_buffer_bytes ({self.receive_buffer_bytes}) must be at least twice "
                               f"max_message_bytes ({self.max_message_bytes}): the largest batch must fit")
+        if type(self.receive_queue_messages) is not int or not 1 <= self.receive_queue_messages <= 10_000_000:
+            raise ConfigError("receive_queue_messages must be an integer from 1 to 10000000 (messages per engine)")
         if type(self.max_lag_seconds) not in (int, float) or not 0 < self.max_lag_seconds < 1e6:
             raise ConfigError("max_lag_seconds must be a positive number of seconds")
         if type(self.engine_silent_seconds) not in (int, float) or not 0 < self.engine_silent_seconds < 1e6:

@@ -40,6 +40,7 @@ class ServerTable(_Table, frozen=True):
     port: int | UnsetType = UNSET
     max_message_bytes: int | UnsetType = UNSET
     receive_buffer_bytes: int | UnsetType = UNSET
+    receive_queue_messages: int | UnsetType = UNSET
     max_lag_seconds: float | UnsetType = UNSET
     store: str | UnsetType = UNSET
     store_buffer: int | UnsetType = UNSET

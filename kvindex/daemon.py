@@ -198,7 +198,7 @@ class Daemon:
         """With ``workers`` >= 2: the worker processes (not started yet) and the store over them."""
         if config.workers < 2:
             return None
-        settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm,
+        settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.receive_queue_messages,
                                   store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes,
                                   replay_max_bytes=config.replay_max_bytes,
                                   max_blocks_per_pod=config.max_blocks_per_pod,

@@ -50,11 +50,11 @@ def refusal(text: str) -> str:
     ("[server]\nprot = 8080", "unknown key prot in [server] (did you mean port?)"),
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, receive_buffer_bytes, "
-                             "max_lag_seconds, store, "
+                             "receive_queue_messages, max_lag_seconds, store, "
                              "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
                              "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host, grpc_port, grpc_host)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, receive_buffer_bytes, "
-                             "max_lag_seconds, store, "
+                             "receive_queue_messages, max_lag_seconds, store, "
                                  "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
                                  "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host, grpc_port, grpc_host)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
@@ -101,10 +101,25 @@ def test_unknown_keys_and_tables_name_where_and_the_closest_name(text: str, mess
     ('[[engines]]\nendpoint = "tcp://h:1"\ndp_rank = 65536',
      "[[engines]] #1: engine dp_rank must be an integer from 0 to 65535"),
     ("[state]\npeer_max_bytes = 0", "peer_max_bytes must be a positive integer (bytes)"),
+    ("[server]\nreceive_queue_messages = 0",
+     "receive_queue_messages must be an integer from 1 to 10000000 (messages per engine)"),
     ("[state]\npeer_timeout = 0", "peer_timeout must be a number of seconds, > 0 and at most 86400"),
 ])
 def test_bad_values_say_where(text: str, message: str) -> None:
     assert refusal(text) == f"kvindex.toml: {message}"
+
+
+def test_the_receive_queue_reaches_each_engines_socket_settings() -> None:
+    """``receive_queue_messages`` (file) and ``--receive-queue-messages`` (flag) set every lane's SUB
+    RCVHWM (``LaneSettings.rcvhwm``, what ``ingest.lane`` opens its socket with)."""
+    from kvindex.cli import build_parser, load_config
+    from kvindex.ingest.streams import LaneSettings
+
+    cfg = config_from_toml({"server": {"receive_queue_messages": 50}})
+    assert LaneSettings.of(cfg).rcvhwm == 50
+    assert LaneSettings.of(config_from_toml({})).rcvhwm == 1000  # ZeroMQ's own default
+    args = build_parser().parse_args(["serve", "--receive-queue-messages", "7"])
+    assert LaneSettings.of(load_config(args)).rcvhwm == 7
 
 
 def test_serve_with_a_misspelled_table_exits_2_with_one_line_before_starting(tmp_path: Path) -> None:
@@ -214,7 +229,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
     assert {k: keys(t) for k, t in (("server", ServerTable), ("approx", ApproxTable), ("drift", DriftSettings),
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig),
                                     ("route", RouteTable))} == {
-        "server": {"host", "port", "max_message_bytes", "receive_buffer_bytes", "max_lag_seconds", "store", "store_buffer", "workers", "auth",
+        "server": {"host", "port", "max_message_bytes", "receive_buffer_bytes", "receive_queue_messages", "max_lag_seconds", "store", "store_buffer", "workers", "auth",
                    "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod",
                    "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host", "grpc_port",
                    "grpc_host"},

@@ -32,6 +32,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
+from kvindex.index.redis_keys import text
 from kvindex.storeurl import cluster_seeds
 
 log = logging.getLogger("kvindex.store")
@@ -80,8 +81,14 @@ def cluster_url(client: Any) -> str:
     return "redis+cluster://" + ",".join(sorted(n.name for n in nodes))
 
 
-def _text(v: Any) -> Any:
-    return v.decode() if isinstance(v, bytes) else v
+def eviction_policy(reply: Any, url: str, whose: str = "") -> Any:
+    """The ``maxmemory-policy`` in one server's CONFIG GET reply; ``StoreMisconfigured`` when it
+    may evict kvindex's keys (``allkeys-*``: kvindex sets no TTL, so ``volatile-*`` never does)."""
+    policy = text({text(k): v for k, v in dict(reply or {}).items()}.get("maxmemory-policy"))
+    if isinstance(policy, str) and policy.startswith("allkeys-"):
+        raise StoreMisconfigured(f"redis at {url}: {whose}maxmemory-policy is {policy}, which may evict kvindex's "
+                                 "keys (answers would silently lose blocks): set it to noeviction")
+    return policy
 
 
 async def _each_master(client: RedisCluster, call: Call, command: Callable[..., Awaitable[Any]],
@@ -108,10 +115,7 @@ async def _policies(client: RedisCluster, url: str, call: Call) -> bool:
                     "master; keys evicted make queries answer 503 until the engines are resynchronised", url, exc)
         return False
     for reply in replies:
-        policy = _text({_text(k): v for k, v in dict(reply or {}).items()}.get("maxmemory-policy"))
-        if isinstance(policy, str) and policy.startswith("allkeys-"):
-            raise StoreMisconfigured(f"redis at {url}: a master's maxmemory-policy is {policy}, which may evict "
-                                     "kvindex's keys (answers would silently lose blocks): set it to noeviction")
+        eviction_policy(reply, url, "a master's ")
     return True
 
 

@@ -19,8 +19,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from kvindex.index.protocol import StoreMisconfigured, StoreUnavailable
-from kvindex.index.redis_cluster import is_cluster, master_guard
-from kvindex.index.redis_keys import text
+from kvindex.index.redis_cluster import eviction_policy, is_cluster, master_guard
 
 log = logging.getLogger("kvindex.store")
 
@@ -39,11 +38,8 @@ async def check_eviction_policy(client: aioredis.Redis, url: str,
         log.warning("store %s: cannot read maxmemory-policy (%s): it must be noeviction or volatile-*; keys "
                     "evicted make queries answer 503 until the engines are resynchronised", url, exc)
         return None
-    policy = text(dict(reply or {}).get(b"maxmemory-policy", dict(reply or {}).get("maxmemory-policy")))
-    if isinstance(policy, str) and policy.startswith("allkeys-"):
-        raise StoreMisconfigured(f"redis at {url}: maxmemory-policy is {policy}, which may evict kvindex's keys "
-                                 "(answers would silently lose blocks): set it to noeviction")
-    return policy
+    policy = eviction_policy(reply, url)
+    return policy if isinstance(policy, str) else None
 
 
 async def watch_evictions(client: aioredis.Redis, url: str,

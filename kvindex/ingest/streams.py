@@ -194,7 +194,7 @@ class LaneSettings:
     @classmethod
     def of(cls, config: Config) -> LaneSettings:
         """A lane's settings from the daemon's configuration."""
-        return cls(replay_timeout=config.replay_timeout, rcvhwm=config.rcvhwm, store_buffer=config.store_buffer,
+        return cls(replay_timeout=config.replay_timeout, rcvhwm=config.receive_queue_messages, store_buffer=config.store_buffer,
                    replay_max_bytes=config.replay_max_bytes, max_blocks_per_pod=config.max_blocks_per_pod,
                    silent_seconds=config.engine_silent_seconds, receive_buffer_bytes=config.receive_buffer_bytes,
                    max_lag_seconds=config.max_lag_seconds, max_message_bytes=config.max_message_bytes)

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
-from kvindex.config import MAX_BLOCKS_PER_POD, MAX_LAG_SECONDS, RECEIVE_BUFFER_BYTES, EngineConfig
+from kvindex.config import MAX_BLOCKS_PER_POD, MAX_LAG_SECONDS, RCVHWM, RECEIVE_BUFFER_BYTES, EngineConfig
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvindex.index.protocol import ApplyResult, StoreUnavailable
 from kvindex.sequence import Position, StreamRef
@@ -75,7 +75,7 @@ class WorkerSettings(msgspec.Struct, frozen=True):
     """What a worker needs of the daemon's configuration (passed as JSON on its command line)."""
 
     replay_timeout: float = 2.0
-    rcvhwm: int = 1_000_000
+    rcvhwm: int = RCVHWM
     store_buffer: int = 10_000
     max_message_bytes: int = 64 << 20
     replay_max_bytes: int = 128 << 20
