@@ -85,20 +85,30 @@ def test_replay_and_serve_processes_end_to_end(tmp_path: Path) -> None:
     """The README's run command, as processes: a fake engine replaying a capture, the daemon."""
     pub, rep, http = free_port(), free_port(), free_port()
     capture = FIXTURES / "two_engines" / "events.jsonl"
+    # the engine publishes once the daemon's SUB is there (it waits up to --linger 10 s for it: a loaded
+    # machine may take seconds to start the daemon), then answers replays; the daemon is polled until applied
     engine = subprocess.Popen(KVINDEX + ["replay", str(capture), "--publish", f"tcp://127.0.0.1:{pub}",
-                                         "--replay-endpoint", f"tcp://127.0.0.1:{rep}", "--linger", "2"],
+                                         "--replay-endpoint", f"tcp://127.0.0.1:{rep}", "--linger", "10"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     daemon = subprocess.Popen(KVINDEX + ["serve", "--port", str(http), "--engine",
                                          f"endpoint=tcp://127.0.0.1:{pub},replay=tcp://127.0.0.1:{rep}"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert engine.wait(timeout=30) == 0
-        pods = get_json(f"http://127.0.0.1:{http}/v1/pods")["pods"]
+        deadline, pods = time.monotonic() + 40, []
+        while time.monotonic() < deadline:
+            try:
+                pods = get_json(f"http://127.0.0.1:{http}/v1/pods")["pods"]
+            except OSError:  # not listening yet
+                pods = []
+            if len(pods) == 2 and sum(p["blocks"]["gpu"] for p in pods) == 1753 - 1502 and all(p["synced"] for p in pods):
+                break
+            time.sleep(0.1)
         assert {p["pod"] for p in pods} == {"127.0.0.1:8000", "127.0.0.1:8001"}
         assert all(p["synced"] and p["last_seq"] is not None for p in pods)
-        assert sum(p["blocks"]["gpu"] for p in pods) == 1753 - 1502  # stored minus removed in the capture
+        assert sum(p["blocks"]["gpu"] for p in pods) == 1753 - 1502, pods
     finally:
         engine.kill()
+        engine.wait(timeout=15)
         daemon.send_signal(signal.SIGTERM)
         _, err = daemon.communicate(timeout=15)
     assert daemon.returncode == 0, err
