@@ -6,6 +6,8 @@ target runs as a user runs it, in a process of its own, on the same bytes:
 
   kvindex      ``kvindex serve --workers 1`` (every lane in one process), engines added by POST /register
   kvindex-w2   ``kvindex serve --workers 2``, the same way
+  kvindex-aiohttp, kvindex-w2-aiohttp   the same with ``--no-http-fast-path`` (every query through
+               aiohttp; not run unless named in ``--targets``)
   dynamo       ``python -m dynamo.indexer --threads 2`` (ai-dynamo-runtime 1.6.1), workers given by --workers
 
 A run: the publisher (``e2e.py publish``: one PUB per replica, published as fast as ZeroMQ takes
@@ -49,6 +51,7 @@ SETTLE_SECONDS = 1.0
 CONNECT_TIMEOUT = 60.0
 INGEST_TIMEOUT = 600.0
 TARGETS = ("kvindex", "kvindex-w2", "dynamo")
+EXTRA_TARGETS = ("kvindex-aiohttp", "kvindex-w2-aiohttp")  # the HTTP fast path off
 
 
 def tree_rss(pid: int) -> int:
@@ -108,11 +111,12 @@ def wait_http(port: int, path: str, timeout: float = CONNECT_TIMEOUT) -> None:
             time.sleep(0.05)
 
 
-def start_kvindex(workers: int, port: int, endpoints: list[str], log: Path, join_wait: float) -> subprocess.Popen:
+def start_kvindex(workers: int, port: int, endpoints: list[str], log: Path, join_wait: float,
+                  extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """``kvindex serve --workers N`` with no engine; each endpoint registered (instance i + 1), until
     every pod says connected."""
     cmd = [sys.executable, "-m", "kvindex", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--workers", str(workers)]
+           "--workers", str(workers), *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=common.ROOT)
     wait_http(port, "/healthz")
@@ -198,7 +202,8 @@ def one_run(target: str, wl: common.Workload, queries: list[dict], args: argpars
             proc = dynamo_peer.start_indexer(args.dynamo_python, port, pub.endpoints, args.dynamo_threads, log)
             dynamo_peer.wait_active(port, len(pub.endpoints))
         else:
-            proc = start_kvindex(2 if target == "kvindex-w2" else 1, port, pub.endpoints, log, args.join_wait)
+            proc = start_kvindex(2 if target.startswith("kvindex-w2") else 1, port, pub.endpoints, log, args.join_wait,
+                                 ("--no-http-fast-path",) if target.endswith("-aiohttp") else ())
         rss0 = tree_rss(proc.pid)
         t_go = time.perf_counter()
         pub.go()
@@ -276,7 +281,8 @@ def measure(args: argparse.Namespace) -> dict:
     return res
 
 
-LABELS = {"kvindex": "kvindex 1 process", "kvindex-w2": "kvindex --workers 2", "dynamo": "Dynamo"}
+LABELS = {"kvindex": "kvindex 1 process", "kvindex-w2": "kvindex --workers 2", "dynamo": "Dynamo",
+          "kvindex-aiohttp": "kvindex 1 process, no fast path", "kvindex-w2-aiohttp": "kvindex --workers 2, no fast path"}
 
 
 def render(res: dict) -> str:
@@ -284,7 +290,7 @@ def render(res: dict) -> str:
     if "error" in res or "skipped" in res:
         return f"\n== realistic workload: {res.get('error') or res.get('skipped')}"
     w, ts = res["workload"], res["targets"]
-    names = [t for t in TARGETS if t in ts]
+    names = [t for t in (*TARGETS, *EXTRA_TARGETS) if t in ts]
     kv = [t for t in names if t != "dynamo" and "vs_dynamo" in ts[t]]
     head = ["figure (median of %d)" % res["rounds"], *(LABELS[t] for t in names), *(f"{LABELS[t]} / Dynamo" for t in kv)]
     rows = [("ingest block-ops/s", lambda t: f"{t['blocks_per_s'] / 1e3:,.0f}k", "ingest"),
@@ -337,7 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=4_000_000, help="block operations (default 4M)")
     p.add_argument("--queries", type=int, default=300, help="8k-token queries (default 300)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, medians reported (default 3)")
-    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS + EXTRA_TARGETS)}")
     p.add_argument("--dynamo-python", default=sys.executable, help="Python with ai-dynamo-runtime==1.6.1")
     p.add_argument("--dynamo-threads", type=int, default=2, help="Dynamo indexer --threads (default 2)")
     p.add_argument("--settle", type=float, default=SETTLE_SECONDS, help="seconds to the settled RSS (default 1)")

@@ -190,6 +190,10 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="keep each stored block's Dynamo per-block hash (also [server] dynamo_dump), so that GET /dump "
                    "is a tree Dynamo's indexer (--peers) and selection service (--indexer-peers) recover from. "
                    "Memory store only; it costs ingest time and ~11 B per entry, so it is off by default")
+    s.add_argument("--no-http-fast-path", dest="http_fast_path", action="store_false", default=None,
+                   help="serve /query and /query_by_hash through aiohttp like every other route (also [server] "
+                   "http_fast_path = false); by default a plain keep-alive JSON request to them is answered before "
+                   "aiohttp, with the same bytes (kvindex.http.fastpath)")
     s.add_argument("--ext-proc-port", type=int, metavar="PORT", help="serve Envoy's ext_proc (gRPC) on PORT, beside "
                    "HTTP (also [server] ext_proc_port; 0 picks a free one): kvindex in the request path, as the "
                    "endpoint picker (GIE protocol) or an observer of a gateway ([route] mode). Needs kvindex[gateway]")
@@ -248,7 +252,7 @@ def load_config(args: argparse.Namespace) -> Config:
                           receive_queue_messages=args.receive_queue_messages,
                           replay_timeout=args.replay_timeout, replay_max_bytes=args.replay_max_bytes, auth=args.auth,
                           max_connections=args.max_connections, max_blocks_per_pod=args.max_blocks_per_pod,
-                          dynamo_dump=args.dynamo_dump, ext_proc_port=args.ext_proc_port,
+                          dynamo_dump=args.dynamo_dump, http_fast_path=args.http_fast_path, ext_proc_port=args.ext_proc_port,
                           ext_proc_host=args.ext_proc_host, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
                           route=replace(base.route, mode=args.route_mode) if args.route_mode else None)
 

@@ -209,6 +209,7 @@ class Config:
     max_connections: int = 0  # open HTTP connections at most; 0: derived from RLIMIT_NOFILE (kvindex.http.server)
     idle_timeout: float = 30.0  # seconds an HTTP connection may go without a complete request header
     body_timeout: float = 30.0  # seconds a request body may take to arrive
+    http_fast_path: bool = True  # /query and /query_by_hash answered before aiohttp (kvindex.http.fastpath)
     max_blocks_per_pod: int = MAX_BLOCKS_PER_POD  # past it a pod's stores are refused (kvindex.ingest.capacity)
     engine_silent_seconds: float = 10.0  # an engine not connected / silent this long is warned about ([server])
     dynamo_dump: bool = False  # keep what Dynamo's /dump needs, so its indexer can recover from kvindex
@@ -231,6 +232,8 @@ class Config:
         self._check_workers()
         if type(self.dynamo_dump) is not bool:
             raise ConfigError("dynamo_dump must be true or false")
+        if type(self.http_fast_path) is not bool:
+            raise ConfigError("http_fast_path must be true or false")
         if type(self.max_blocks_per_pod) is not int or not 1 <= self.max_blocks_per_pod < 1 << 40:
             raise ConfigError("max_blocks_per_pod must be a positive integer (blocks held per pod)")
         if type(self.store_buffer) is not int or self.store_buffer < 1:

@@ -49,6 +49,7 @@ class ServerTable(_Table, frozen=True):
     max_connections: int | UnsetType = UNSET
     idle_timeout: float | UnsetType = UNSET
     body_timeout: float | UnsetType = UNSET
+    http_fast_path: bool | UnsetType = UNSET
     max_blocks_per_pod: int | UnsetType = UNSET
     engine_silent_seconds: float | UnsetType = UNSET
     dynamo_dump: bool | UnsetType = UNSET

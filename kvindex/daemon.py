@@ -57,6 +57,7 @@ from kvindex.query.drift import DriftAudit
 from kvindex.http import dynamo
 from kvindex.http import native as native_api
 from kvindex.http.app import Services, make_app
+from kvindex.http.fastpath import FastPath
 from kvindex.http.server import HttpServer, connection_cap, runner_options
 from kvindex.index.approx import ApproxIndex
 from kvindex.index.factory import build_stores
@@ -333,7 +334,8 @@ class Daemon:
         cap = self.config.max_connections or connection_cap(nofile, len(self.config.engines))
         self._runner = web.AppRunner(self.app, **runner_options(self.config.idle_timeout))
         await self._runner.setup()
-        self._http = HttpServer(self._runner, cap, self.metrics)
+        front = FastPath(self.app, dynamo.fast_routes()) if self.config.http_fast_path else None
+        self._http = HttpServer(self._runner, cap, self.metrics, front)
         self.port = await self._http.start(self.config.host, self.config.port)
 
     async def stop(self) -> None:

@@ -89,6 +89,8 @@ class Metrics:
                                        "was over receive_buffer_bytes (recovered from the replay)", ["engine"], registry=r)
         self.http_rejections = Counter("kvindex_http_rejections", "HTTP requests refused with a 4xx, by endpoint and reason", ["endpoint", "reason"], registry=r)
         self.http_connections_refused = Counter("kvindex_http_connections_refused", "HTTP connections refused (503, closed) because max_connections were open", registry=r)
+        self.http_fast_answers = Counter("kvindex_http_fast_path_answers", "Requests answered by the HTTP fast path "
+                                         "(kvindex.http.fastpath) before aiohttp, by endpoint", ["endpoint"], registry=r)
         self.query_seconds = Histogram("kvindex_query_duration_seconds", "Time to answer a query, by endpoint", ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.approx_match_ratio = Histogram("kvindex_approx_match_ratio", "Approximate index: longest match / prompt blocks per scored request (Kthena's prefix_cache_match_ratio)", ["model"], buckets=RATIO_BUCKETS, registry=r)
         self.approx_evictions = Counter("kvindex_approx_evictions", "Approximate index: capacity evictions (Kthena's prefix_cache_evictions_total)", ["model"], registry=r)

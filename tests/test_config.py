@@ -51,11 +51,11 @@ def refusal(text: str) -> str:
     ("[server]\nworker = 2", "unknown key worker in [server] (did you mean workers?)"),
     ("[server]\ncolour = 1", "unknown key colour in [server] (known: host, port, max_message_bytes, receive_buffer_bytes, "
                              "receive_queue_messages, max_lag_seconds, store, "
-                             "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
+                             "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, http_fast_path, max_blocks_per_pod, "
                              "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host, grpc_port, grpc_host)"),
     ("[server.tls]\ncert = 'x'", "unknown table [server.tls] (known: host, port, max_message_bytes, receive_buffer_bytes, "
                              "receive_queue_messages, max_lag_seconds, store, "
-                                 "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, max_blocks_per_pod, "
+                                 "store_buffer, workers, auth, max_connections, idle_timeout, body_timeout, http_fast_path, max_blocks_per_pod, "
                                  "engine_silent_seconds, dynamo_dump, ext_proc_port, ext_proc_host, grpc_port, grpc_host)"),
     ('[[engines]]\nendpoint = "tcp://h:1"\n[[engines]]\nendpiont = "tcp://h:2"',
      "unknown key endpiont in [[engines]] #2 (did you mean endpoint?)"),
@@ -230,7 +230,7 @@ def test_every_key_accepted_before_is_still_known() -> None:
                                     ("state", StateTable), ("engines", EngineConfig), ("models", ModelConfig),
                                     ("route", RouteTable))} == {
         "server": {"host", "port", "max_message_bytes", "receive_buffer_bytes", "receive_queue_messages", "max_lag_seconds", "store", "store_buffer", "workers", "auth",
-                   "max_connections", "idle_timeout", "body_timeout", "max_blocks_per_pod",
+                   "max_connections", "idle_timeout", "body_timeout", "http_fast_path", "max_blocks_per_pod",
                    "engine_silent_seconds", "dynamo_dump", "ext_proc_port", "ext_proc_host", "grpc_port",
                    "grpc_host"},
         "approx": {"personality", "blockSizeToHash", "maxBlocksToMatch", "maxHashCacheSize", "topKMatches", "models"},

@@ -148,11 +148,16 @@ async def request_middleware(request: web.Request, handler: Handler) -> web.Stre
 def log_refusal(request: web.Request, err: ApiError, exc: BaseException | None = None) -> None:
     """One line per (endpoint, reason) per ``REFUSAL_LOG_SECONDS`` (an unexpected exception: per
     exception type, with its traceback); the request's path and the message escaped."""
-    endpoint = endpoint_label(request)
+    note_refusal(request.app[REFUSALS], request.method, request.path, endpoint_label(request), err, exc)
+
+
+def note_refusal(refusals: BurstLog, method: str, path: str, endpoint: str, err: ApiError,
+                 exc: BaseException | None = None) -> None:
+    """``log_refusal`` of a request known by its method, path and endpoint label (the fast path's)."""
     key = (endpoint, err.reason_label, type(exc).__name__ if exc is not None else "")
     level = logging.ERROR if exc is not None else logging.INFO
-    request.app[REFUSALS].log(level, key, "%s %s refused %d (%s): %s", request.method, shown(request.path),
-                              err.status_code, err.reason_label, shown(err.text), exc_info=exc)
+    refusals.log(level, key, "%s %s refused %d (%s): %s", method, shown(path), err.status_code, err.reason_label,
+                 shown(err.text), exc_info=exc)
 
 
 def authorized(request: web.Request) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from itertools import accumulate
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -43,12 +44,14 @@ from kvindex.http.bodies import (
     RegisterBody,
     UnregisterBody,
     block_hashes,
+    decode_body,
     instance_id,
     json_response,
     parse,
     read_body,
     reply,
 )
+from kvindex.http.server import body_bytes
 from kvindex.registrations import DEFAULT_GROUP
 
 
@@ -138,8 +141,14 @@ def _frequencies(depths: list[int]) -> list[int]:
 
 async def query(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
-    svc = services(request)
-    body = await read_body(request, allow_msgpack=True, go=False, u32_field="token_ids")
+    return reply(request, await query_data(services(request), await body_bytes(request), request.content_type, t0))
+
+
+async def query_data(svc: Services, raw: bytes, content_type: str, t0: float) -> Any:
+    """``/query``'s answer (Dynamo's shape, or Mooncake's for its dialect) to the body ``raw`` sent
+    as ``content_type``, observed in ``kvindex_query_seconds`` from ``t0``: what the aiohttp
+    handler and the fast path (``kvindex.http.fastpath``) both answer."""
+    body = decode_body(raw, content_type, allow_msgpack=True, go=False, u32_field="token_ids")
     moon = parse(body, mooncake.MooncakeQuery) if mooncake.speaks_mooncake(body) else None
     if moon is not None:  # Mooncake's fields, then the same path as Dynamo's
         m = mooncake.query_args(moon, body)
@@ -154,18 +163,28 @@ async def query(request: web.Request) -> web.Response:
         pods = mooncake.only_instance(pods, moon)
     answer = await svc.query.precise(model, token_ids, pods, lora_name, args.cache_salt, whole=True)
     svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
-    return reply(request, mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer))
+    return mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer)
 
 
 async def query_by_hash(request: web.Request) -> web.Response:
     t0 = time.perf_counter()
-    svc = services(request)
-    body = await read_body(request, allow_msgpack=True, go=False, u64_field="block_hashes")
+    return reply(request, await by_hash_data(services(request), await body_bytes(request), request.content_type, t0))
+
+
+async def by_hash_data(svc: Services, raw: bytes, content_type: str, t0: float) -> Any:
+    """``/query_by_hash``'s answer to the body ``raw`` sent as ``content_type`` (as ``query_data``)."""
+    body = decode_body(raw, content_type, allow_msgpack=True, go=False, u64_field="block_hashes")
     if mooncake.speaks_mooncake(body):
         raise mooncake.refuse_by_hash(body)
     answer = await by_hash(svc, parse(body, QueryByHashBody))
     svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
-    return reply(request, query_answer(answer))
+    return query_answer(answer)
+
+
+def fast_routes() -> dict[str, Callable[[Services, bytes, str, float], Awaitable[Any]]]:
+    """The routes ``kvindex.http.fastpath`` may answer before aiohttp, each with the function its
+    aiohttp handler calls."""
+    return {"/query": query_data, "/query_by_hash": by_hash_data}
 
 
 async def by_hash(svc: Services, args: QueryByHashBody) -> PreciseAnswer:

@@ -17,6 +17,9 @@ Invariants:
   ``body_bytes``); a body cut short by the client is a 400 ``body_incomplete``; a body over
   ``max_body_bytes`` is a 413 (a declared ``Content-Length`` over it: before anything is read).
   aiohttp's own log of malformed requests is one line per (message, exception type) per 10 s.
+- With a ``FrontDoor`` (``kvindex.http.fastpath``) every connection meets it first; the
+  connections it holds count against ``max_connections`` beside aiohttp's, and ``close`` closes
+  them (the ones it handed to aiohttp are aiohttp's: the runner's cleanup).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from aiohttp import StreamReader, web
 
@@ -56,22 +59,37 @@ class _Refuse(asyncio.Protocol):
         transport.close()
 
 
-class HttpServer:
-    """``runner``'s application on ``host:port`` with at most ``max_connections`` connections."""
+class FrontDoor(Protocol):
+    """What meets a connection before aiohttp (``kvindex.http.fastpath.FastPath``): it hands the
+    connection to ``server`` (aiohttp's protocol factory) whenever it does not answer it itself."""
 
-    def __init__(self, runner: web.AppRunner, max_connections: int, metrics: Metrics) -> None:
+    def protocol(self, server: web.Server) -> asyncio.Protocol: ...
+
+    def open(self) -> int: ...  # connections held, not yet handed to aiohttp
+
+    async def close(self) -> None: ...
+
+
+class HttpServer:
+    """``runner``'s application on ``host:port`` with at most ``max_connections`` connections,
+    each met first by ``front`` when there is one (the fast path)."""
+
+    def __init__(self, runner: web.AppRunner, max_connections: int, metrics: Metrics,
+                 front: FrontDoor | None = None) -> None:
         self._runner = runner
         self.max_connections = max_connections
         self._metrics = metrics
+        self._front = front
         self._server: asyncio.Server | None = None
 
     def _protocol(self) -> asyncio.Protocol:
         server = self._runner.server
         assert server is not None
-        if len(server.connections) >= self.max_connections:
+        front = self._front
+        if len(server.connections) + (front.open() if front is not None else 0) >= self.max_connections:
             self._metrics.http_connections_refused.inc()
             return _Refuse()
-        return server()
+        return front.protocol(server) if front is not None else server()
 
     async def start(self, host: str, port: int) -> int:
         """Listen; the port listened on."""
@@ -85,6 +103,8 @@ class HttpServer:
         server, self._server = self._server, None
         if server is not None:
             server.close()  # the listening sockets close now; wait_closed would wait for every connection
+        if self._front is not None:
+            await self._front.close()  # its connections (the ones handed to aiohttp: the runner's cleanup)
 
 
 LINGER_SECONDS = 2.0  # after an answer sent before its body arrived whole: read on this long, then close
@@ -121,8 +141,7 @@ async def read_body_within(request: web.Request, timeout: float, cap: int) -> No
         raise ApiError(f"request body not received within {timeout:g} s", field="body", status=408,
                        reason="body_timeout") from None
     except ConnectionError:  # the client went away mid-body: nobody to answer, but counted
-        raise ApiError("request body incomplete: the connection closed", field="body",
-                       reason="body_incomplete") from None
+        raise body_incomplete() from None
 
 
 async def read_capped(stream: StreamReader, cap: int) -> bytes:
@@ -136,6 +155,10 @@ async def read_capped(stream: StreamReader, cap: int) -> bytes:
             raise too_large(cap)
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def body_incomplete() -> ApiError:
+    return ApiError("request body incomplete: the connection closed", field="body", reason="body_incomplete")
 
 
 def too_large(cap: int) -> ApiError:
