@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import zmq
@@ -216,20 +218,10 @@ def test_the_receiver_reads_no_faster_than_the_lane_takes() -> None:
     asyncio.run(_reads_as_taken())
 
 
-async def _subscribed(pub: zmq.asyncio.Socket, inbox: Inbox) -> None:
-    """The slow joiner: probe until one is through, then take them all (the inbox empty again)."""
-    while not inbox.held_bytes:
-        await pub.send_multipart([b"probe", (0).to_bytes(8, "big"), b""])
-        await asyncio.sleep(0.02)
-    await pub.send_multipart([b"probe-end", (0).to_bytes(8, "big"), b""])
-    while True:
-        burst = await inbox.get()
-        inbox.done(burst)
-        if any(isinstance(m, Frame) and m.topic == "probe-end" for m in burst.messages):
-            return
-
-
-async def _reads_as_taken() -> None:
+@asynccontextmanager
+async def _receiving() -> AsyncIterator[tuple[zmq.asyncio.Socket, Inbox]]:
+    """A real PUB and a real ``Receiver`` reading it into an ``Inbox`` (max_lag 0.2 s), subscribed
+    (the slow joiner: probes until one is through, then the inbox emptied again)."""
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
@@ -239,10 +231,28 @@ async def _reads_as_taken() -> None:
     receiver = Receiver(lambda: intake.subscriber(f"tcp://127.0.0.1:{port}", bind=False, rcvhwm=100_000), inbox,
                         lambda n: None, "e")
     task = asyncio.create_task(receiver.run(receiver.open()))
+    try:
+        while not inbox.held_bytes:
+            await pub.send_multipart([b"probe", (0).to_bytes(8, "big"), b""])
+            await asyncio.sleep(0.02)
+        await pub.send_multipart([b"probe-end", (0).to_bytes(8, "big"), b""])
+        while True:
+            burst = await inbox.get()
+            inbox.done(burst)
+            if any(isinstance(m, Frame) and m.topic == "probe-end" for m in burst.messages):
+                break
+        yield pub, inbox
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        intake.close()
+
+
+async def _reads_as_taken() -> None:
     topic, payload, n = b"kv@e@m", bytes(1000), 4000
     one_burst = DRAIN_BURST * (len(topic) + 8 + len(payload) + MESSAGE_OVERHEAD)
-    try:
-        await _subscribed(pub, inbox)
+    async with _receiving() as (pub, inbox):
         for seq in range(n):
             await pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
         await asyncio.sleep(0.5)  # every message is in the SUB's queue by now; the lane has taken none
@@ -256,11 +266,6 @@ async def _reads_as_taken() -> None:
             inbox.done(burst)
         assert seqs == list(range(n))  # all delivered, in order, nothing dropped
         assert inbox.problem() is None and inbox.dropped_batches == 0  # caught up: no lag left
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        pub.close(linger=0)
-        intake.close()
 
 
 def test_an_engine_gone_quiet_after_a_read_of_exactly_one_full_burst_is_not_lagging() -> None:
@@ -271,17 +276,7 @@ async def _quiet_after_a_full_burst() -> None:
     """The last read before the engine goes quiet takes exactly ``DRAIN_BURST`` messages: the socket
     is then found empty, so kvindex is caught up, not behind (before: lagging, then unsynced and
     /readyz 503, until the engine published again)."""
-    ctx = zmq.asyncio.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.setsockopt(zmq.SNDHWM, 0)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    inbox = Inbox(64 * MIB, max_lag=0.2)
-    intake = Intake(ctx)
-    receiver = Receiver(lambda: intake.subscriber(f"tcp://127.0.0.1:{port}", bind=False, rcvhwm=100_000), inbox,
-                        lambda n: None, "e")
-    task = asyncio.create_task(receiver.run(receiver.open()))
-    try:
-        await _subscribed(pub, inbox)
+    async with _receiving() as (pub, inbox):
         for seq in range(2 * DRAIN_BURST):  # queued whole before the receiver reads: two full reads
             await pub.send_multipart([b"kv@e@m", seq.to_bytes(8, "big"), bytes(100)])
         await asyncio.sleep(0.3)
@@ -294,8 +289,3 @@ async def _quiet_after_a_full_burst() -> None:
         await asyncio.sleep(0.5)  # quiet for more than max_lag
         assert inbox.problem() is None, inbox.problem()
         assert inbox.lag() == 0.0
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        pub.close(linger=0)
-        intake.close()
