@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvindex.config import Config
+from kvindex.http.dynamo import frequencies
 from kvindex.keys import local_hashes
 from kvindex.tools.capture import load_capture
 from tests.conftest import FIXTURES, independent_holdings, ipc_endpoint, wait_for
@@ -240,3 +243,11 @@ async def test_unregistering_one_rank_drops_its_blocks(make_harness: Any, make_e
     h, tokens = await _two_groups(make_harness, make_engine, tmp_path)
     status, q = await h.post("/query", {"token_ids": tokens, "model_name": MODEL, "routing_group": "g1"})
     assert status == 200 and q["scores"] == {"1": {"1": 8}}, q
+
+
+@given(st.lists(st.integers(0, 600), max_size=70))
+def test_frequencies_equal_their_definition(depths: list[int]) -> None:
+    """Dynamo's ``frequencies`` as it is defined (for each depth i+1, how many workers hold at least
+    that many blocks) against the runs ``frequencies`` builds."""
+    plain = [sum(1 for d in depths if d > i) for i in range(max(depths, default=0))]
+    assert frequencies(depths) == plain
