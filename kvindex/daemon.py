@@ -39,6 +39,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import asdict
 from typing import Any
 
 import aiohttp
@@ -199,12 +200,7 @@ class Daemon:
         """With ``workers`` >= 2: the worker processes (not started yet) and the store over them."""
         if config.workers < 2:
             return None
-        settings = WorkerSettings(replay_timeout=config.replay_timeout, rcvhwm=config.receive_queue_messages,
-                                  store_buffer=config.store_buffer, max_message_bytes=config.max_message_bytes,
-                                  replay_max_bytes=config.replay_max_bytes,
-                                  max_blocks_per_pod=config.max_blocks_per_pod,
-                                  silent_seconds=config.engine_silent_seconds,
-                                  receive_buffer_bytes=config.receive_buffer_bytes, max_lag_seconds=config.max_lag_seconds)
+        settings = WorkerSettings(**asdict(LaneSettings.of(config)))  # a lane's settings, on the wire
         shards = Shards(config.workers, settings, on_failure=self._worker_failed)
         self.store = ShardedPreciseStore(shards.channels)
         self.index = None

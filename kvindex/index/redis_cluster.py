@@ -81,11 +81,14 @@ def cluster_url(client: Any) -> str:
     return "redis+cluster://" + ",".join(sorted(n.name for n in nodes))
 
 
-def eviction_policy(reply: Any, url: str, whose: str = "") -> Any:
-    """The ``maxmemory-policy`` in one server's CONFIG GET reply; ``StoreMisconfigured`` when it
-    may evict kvindex's keys (``allkeys-*``: kvindex sets no TTL, so ``volatile-*`` never does)."""
+def eviction_policy(reply: Any, url: str, whose: str = "") -> str | None:
+    """The ``maxmemory-policy`` in one server's CONFIG GET reply (None: not in it);
+    ``StoreMisconfigured`` when it may evict kvindex's keys (``allkeys-*``: kvindex sets no TTL, so
+    ``volatile-*`` never does)."""
     policy = text({text(k): v for k, v in dict(reply or {}).items()}.get("maxmemory-policy"))
-    if isinstance(policy, str) and policy.startswith("allkeys-"):
+    if not isinstance(policy, str):
+        return None
+    if policy.startswith("allkeys-"):
         raise StoreMisconfigured(f"redis at {url}: {whose}maxmemory-policy is {policy}, which may evict kvindex's "
                                  "keys (answers would silently lose blocks): set it to noeviction")
     return policy

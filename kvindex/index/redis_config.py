@@ -38,8 +38,7 @@ async def check_eviction_policy(client: aioredis.Redis, url: str,
         log.warning("store %s: cannot read maxmemory-policy (%s): it must be noeviction or volatile-*; keys "
                     "evicted make queries answer 503 until the engines are resynchronised", url, exc)
         return None
-    policy = eviction_policy(reply, url)
-    return policy if isinstance(policy, str) else None
+    return eviction_policy(reply, url)
 
 
 async def watch_evictions(client: aioredis.Redis, url: str,

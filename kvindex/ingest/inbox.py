@@ -87,8 +87,8 @@ class Inbox:
 
     def reading(self, full: bool, now: float | None = None) -> None:
         """A burst was read; ``full``: it was as large as a read takes (the socket may hold more)."""
-        if not full:
-            self._behind_since = None
+        if not full:  # fewer than a read takes: the socket is empty now
+            self.caught_up()
         elif self._behind_since is None:
             self._behind_since = monotonic() if now is None else now
 

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 
 from adapters.dialects import DIALECTS
@@ -100,13 +101,7 @@ class Worker:
         seen = self._lora.setdefault(engine, {})
         lane = EngineLane(engine, intake=self.intake, decoder=dialect.decoder(), first_seq=dialect.first_seq,
                           store=self.store, metrics=self.metrics,
-                          settings=LaneSettings(replay_timeout=s.replay_timeout, rcvhwm=s.rcvhwm,
-                                                store_buffer=s.store_buffer, replay_max_bytes=s.replay_max_bytes,
-                                                max_blocks_per_pod=s.max_blocks_per_pod,
-                                                silent_seconds=s.silent_seconds,
-                                                receive_buffer_bytes=s.receive_buffer_bytes,
-                                                max_lag_seconds=s.max_lag_seconds,
-                                                max_message_bytes=s.max_message_bytes),
+                          settings=LaneSettings(**msgspec.structs.asdict(s)),
                           burst=self._burst)
         lane.writer.on_lora = lambda pod, model, names: seen.update(  # no names: "" (the stream's model, a base)
             dict.fromkeys((pod, model, n) for n in (names or ("",)) if len(seen) < MAX_LEARNED_ADAPTERS))
