@@ -2,11 +2,12 @@
 
   python benchmarks/replicas.py [--smoke] [--out FILE]
 
-Three configurations run side by side — one replica on the memory store (the in-memory reference
-of the same run), one replica on its own Redis, three replicas sharing another Redis — each Redis a
-``redis-server`` on TCP 127.0.0.1 with persistence off (tests/redis_server.py), each replica a
+Four configurations run side by side — one replica on the memory store (the in-memory reference
+of the same run), one replica on its own Redis, three replicas sharing another Redis, one replica on
+a 3-master Redis Cluster (``redis+cluster://``, issue 39 §1) — each Redis a ``redis-server`` on
+TCP 127.0.0.1 with persistence off (tests/redis_server.py), each replica a
 ``python -m kvindex serve [--store URL]`` subscribed to every engine publisher of one process
-(benchmarks/e2e.py ``publish``: one PUB socket per engine on tcp://127.0.0.1). All five replicas
+(benchmarks/e2e.py ``publish``: one PUB socket per engine on tcp://127.0.0.1). All six replicas
 are pre-loaded through ingest from that one publisher. Then, ``--rounds`` times, each
 configuration in turn gets a separate load-client process: a closed loop of ``--concurrency``
 requests in flight, ``--count`` requests in all, spread round-robin over the configuration's
@@ -46,7 +47,7 @@ import common  # noqa: E402
 import e2e  # noqa: E402
 
 from tests.faultkit import cpu_seconds, free_port, http, pods, serve, stop, wait_until  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.redis_server import RedisClusterServers, RedisServer  # noqa: E402
 
 ENDPOINTS = ("/v1/score", "/query")
 
@@ -55,7 +56,7 @@ ENDPOINTS = ("/v1/score", "/query")
 class Setup:
     """One measured configuration: a store and how many kvindex replicas share it."""
 
-    store: str  # "memory" or "redis"
+    store: str  # "memory", "redis" (one server) or "cluster" (a 3-master Redis Cluster)
     replicas: int
 
     @property
@@ -63,7 +64,7 @@ class Setup:
         return f"{self.store}x{self.replicas}"
 
 
-SETUPS = (Setup("memory", 1), Setup("redis", 1), Setup("redis", 3))
+SETUPS = (Setup("memory", 1), Setup("redis", 1), Setup("redis", 3), Setup("cluster", 1))
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Running:
     """A configuration's processes: its Redis (none for memory) and its replicas."""
 
     setup: Setup
-    redis: RedisServer | None
+    redis: RedisServer | RedisClusterServers | None
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen] = field(default_factory=list)
 
@@ -81,8 +82,10 @@ class Running:
 
     def pids(self) -> dict[str, int]:
         out = {f"kvindex-{i}": p.pid for i, p in enumerate(self.procs)}
-        if self.redis is not None and self.redis.proc is not None:
-            out["redis"] = self.redis.proc.pid
+        nodes = self.redis.nodes if isinstance(self.redis, RedisClusterServers) else [self.redis] if self.redis else []
+        for i, node in enumerate(nodes):  # every Redis process's CPU counts as "redis"
+            if node.proc is not None:
+                out["redis" if i == 0 else f"redis-{i}"] = node.proc.pid
         return out
 
     def stop(self) -> None:
@@ -209,15 +212,23 @@ def preload(ports: list[int], pub: e2e.Publisher, wl: common.Workload, timeout: 
             "gaps": sum(v.get("gaps") or 0 for view in views for v in view.values())}
 
 
+def store_of(setup: Setup, tmp: Path) -> RedisServer | RedisClusterServers | None:
+    """The configuration's Redis, started: one server, a 3-master cluster, or none (memory)."""
+    if setup.store == "redis":
+        return RedisServer(tmp / setup.name, port=free_port()).start()
+    if setup.store == "cluster":
+        return RedisClusterServers(tmp / setup.name, masters=3).start()
+    return None
+
+
 def start_all(wl: common.Workload, pub: e2e.Publisher, tmp: Path) -> list[Running]:
     """Every configuration's Redis and replicas, each replica subscribed to every publisher socket."""
     running = []
     try:
         for setup in SETUPS:
-            redis = RedisServer(tmp / setup.name, port=free_port()).start() if setup.store == "redis" else None
-            run = Running(setup, redis)
+            run = Running(setup, store_of(setup, tmp))
             running.append(run)
-            store = ["--store", redis.url] if redis else []  # memory: the default store
+            store = ["--store", run.redis.url] if run.redis else []  # memory: the default store
             for i in range(setup.replicas):
                 run.ports.append(free_port())
                 run.procs.append(serve(run.ports[-1], *store, *engine_args(wl, pub), log=tmp / f"{setup.name}-{i}.log"))
@@ -239,9 +250,11 @@ def measure(running: list[Running], qfile: Path, args: argparse.Namespace) -> di
 
 
 def median_round(results: list[dict]) -> dict:
-    """The round with the median requests/s (the lower middle one for an even count), all rates listed."""
+    """The round with the median requests/s (the lower middle one for an even count), every round's
+    rate, and the wrong or failed answers of every round."""
     ranked = sorted(results, key=lambda r: r["requests_per_s"])
-    return {**ranked[(len(ranked) - 1) // 2], "rounds_requests_per_s": [r["requests_per_s"] for r in results]}
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_requests_per_s": [r["requests_per_s"] for r in results],
+            "rounds_wrong_or_errors": sum(r["wrong"] + r["errors"] for r in results)}
 
 
 def run_all(wl: common.Workload, qfile: Path, args: argparse.Namespace, tmp: Path) -> dict[str, dict]:
@@ -266,12 +279,14 @@ def run_all(wl: common.Workload, qfile: Path, args: argparse.Namespace, tmp: Pat
 
 # -- the whole run ----------------------------------------------------------------------------------
 def ratios(results: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """Per endpoint: redis x3 over redis x1 (the replica figure) and redis x1 over memory x1."""
+    """Per endpoint: redis x3 over redis x1 (the replica figure), redis x1 over memory x1, and one
+    replica on a 3-master cluster over one on one Redis."""
     def rps(name: str, ep: str) -> float:
         return results[name]["load"][ep]["requests_per_s"]
     return {ep: {"redis_x3_over_redis_x1": rps("redisx3", ep) / rps("redisx1", ep),
                  "redis_x3_over_memory_x1": rps("redisx3", ep) / rps("memoryx1", ep),
-                 "redis_x1_over_memory_x1": rps("redisx1", ep) / rps("memoryx1", ep)} for ep in ENDPOINTS}
+                 "redis_x1_over_memory_x1": rps("redisx1", ep) / rps("memoryx1", ep),
+                 "cluster_x1_over_redis_x1": rps("clusterx1", ep) / rps("redisx1", ep)} for ep in ENDPOINTS}
 
 
 def busy_cores(r: dict) -> str:
@@ -280,7 +295,8 @@ def busy_cores(r: dict) -> str:
     kv = sum(v for k, v in cpu.items() if k.startswith("kvindex"))
     ours = sum(v for k, v in cpu.items() if k != "machine")
     rest = max(0.0, cpu["machine"] - ours)
-    return f"{cpu['client'] / secs:.2f} {kv / secs:.2f} {cpu.get('redis', 0.0) / secs:.2f} {rest / secs:.2f}"
+    redis = sum(v for k, v in cpu.items() if k.startswith("redis"))
+    return f"{cpu['client'] / secs:.2f} {kv / secs:.2f} {redis / secs:.2f} {rest / secs:.2f}"
 
 
 def table(doc: dict) -> str:
@@ -298,10 +314,13 @@ def table(doc: dict) -> str:
             lines.append(f"{name:<10} {ep:<10} {r['requests_per_s']:>9.1f} {lat['p50_us'] / 1e3:>8.2f} "
                          f"{lat['p99_us'] / 1e3:>8.2f} {r['ok']:>6} {r['wrong']:>6} {r['errors']:>6}  "
                          f"{busy_cores(r)}   ({every})")
+    bad = sum(r["rounds_wrong_or_errors"] for res in doc["setups"].values() for r in res["load"].values())
+    lines.append(f"\nwrong or failed answers in every round of every setup: {bad}")
     lines.append("")
     for ep, row in doc["ratios"].items():
         lines.append(f"{ep:<10} 3 replicas / 1 replica (Redis): {row['redis_x3_over_redis_x1']:.2f}x   "
-                     f"1 replica Redis / memory: {row['redis_x1_over_memory_x1']:.2f}x")
+                     f"1 replica Redis / memory: {row['redis_x1_over_memory_x1']:.2f}x   "
+                     f"cluster / one Redis: {row['cluster_x1_over_redis_x1']:.2f}x")
     return "\n".join(lines)
 
 
