@@ -329,10 +329,10 @@ def test_replica_benchmark_smoke_run_answers_every_request_right(tmp_path: Path)
                           capture_output=True, text=True, timeout=170, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert set(doc["setups"]) == {"memoryx1", "redisx1", "redisx3"} and doc["machine"]["cores"]
+    assert set(doc["setups"]) == {"memoryx1", "redisx1", "redisx3", "clusterx1"} and doc["machine"]["cores"]
     for name, res in doc["setups"].items():
         assert set(res["load"]) == {"/v1/score", "/query"}, name
         for r in res["load"].values():
-            assert r["ok"] == r["requests"] > 0 and r["wrong"] == r["errors"] == 0, (name, r)
-    assert {"redis_x3_over_redis_x1", "redis_x1_over_memory_x1"} <= set(doc["ratios"]["/v1/score"])
+            assert r["ok"] == r["requests"] > 0 and r["wrong"] == r["errors"] == r["rounds_wrong_or_errors"] == 0, (name, r)
+    assert {"redis_x3_over_redis_x1", "redis_x1_over_memory_x1", "cluster_x1_over_redis_x1"} <= set(doc["ratios"]["/v1/score"])
     assert "3 replicas / 1 replica" in proc.stdout and "cores on this machine" in proc.stdout
