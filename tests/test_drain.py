@@ -22,7 +22,9 @@ import zmq.asyncio
 from kvindex import native
 from kvindex.events import Frame
 from kvindex.ingest import libzmq
-from kvindex.ingest.transport import DRAIN_BURST, Malformed, Subscriber, parse_message, queued
+from kvindex.ingest.transport import (DRAIN_BURST, MESSAGE_OVERHEAD, Malformed, Subscriber, burst_of, parse_message,
+                                      queued, queued_bursts)
+from kvindex.limits import MAX_TOPIC_BYTES
 from tests.conftest import ipc_endpoint, need_native
 
 Read = Callable[[int], list[list[bytes]]]
@@ -42,6 +44,29 @@ def messages(seed: int) -> list[list[bytes]]:
     for i in range(500):
         parts = rnd.choice((1, 2, 3, 3, 3, 4, 5))
         out.append([rnd.randbytes(rnd.choice((0, 1, 8, 60, 4800))) for _ in range(parts)])
+    return out
+
+
+def native_bursts() -> libzmq.BurstReader:
+    reader = libzmq.native_bursts(parse_message, MESSAGE_OVERHEAD)
+    need_native(reader, "the native burst reader")
+    assert reader is not None
+    return reader
+
+
+def framed(seed: int) -> list[list[bytes]]:
+    """Engine messages beside every way framing can fail or nearly fail: topics at and past the
+    bound, control and non-ASCII bytes (valid UTF-8 or not), seqs of 7, 8 (all ones, zero, the
+    largest batch) and 9 bytes, 2 and 4 parts, empty parts; ``messages``'s garbage too."""
+    rnd = random.Random(seed)
+    seq8 = (5).to_bytes(8, "big")
+    topics = [b"kv@pod-1@m", b"kv@pod-2@m", b"", b"a" * MAX_TOPIC_BYTES, b"a" * (MAX_TOPIC_BYTES + 1), b"kv\x00p",
+              b"kv\x1fp", b"kv\x7fp", "kv@p\u00e9@m".encode(), "kv\u0085".encode(), b"kv\xff", b"~ !", b"kv@\x80"]
+    seqs = [seq8, b"\xff" * 8, bytes(8), (2**64 - 2).to_bytes(8, "big"), b"\x01" * 7, b"\x01" * 9, b""]
+    out = [[t, s, rnd.randbytes(rnd.choice((0, 3, 900)))] for t in topics for s in seqs]
+    out += [[b"kv@pod-1@m", seq8], [b"kv@pod-1@m", seq8, b"p", b"x"], [b"kv@pod-1@m"]]
+    out += messages(seed)[3:]
+    rnd.shuffle(out)
     return out
 
 
@@ -100,6 +125,42 @@ def test_native_reader_reads_what_pyzmq_reads(ctx: zmq.Context[Any], limit: int)
         fast.close()
 
 
+@pytest.mark.parametrize("limit", [1, 7, DRAIN_BURST])
+def test_native_bursts_frame_what_the_reference_frames(ctx: zmq.Context[Any], limit: int) -> None:
+    """Burst by burst, the native reader's messages and counts are ``burst_of`` the parts pyzmq reads."""
+    msgs = framed(limit)
+    reader = native_bursts()
+    ref, fast = Pair(ctx, f"bref-{limit}", queued), Pair(ctx, f"bfast-{limit}", reader)  # type: ignore[arg-type]
+    try:
+        assert fast.read(limit) == ([], 0, 0)
+        for pair in (ref, fast):
+            pair.send(msgs)
+        bursts = [burst_of(b) for b in ref.read_all(limit)]
+        got = []
+        while (burst := fast.read(limit))[0]:
+            got.append(burst)
+        assert got == bursts
+        messages_got = [m for b, _, _ in got for m in b]
+        assert messages_got == [parse_message(m) for m in msgs]
+        assert {type(m) for m in messages_got} == {Frame, Malformed}  # both paths taken
+        assert [type(m.topic) for m in messages_got if isinstance(m, Frame)] == [str] * sum(
+            isinstance(m, Frame) for m in messages_got)
+    finally:
+        ref.close()
+        fast.close()
+
+
+def test_the_reference_burst_reader_is_burst_of_queued(ctx: zmq.Context[Any]) -> None:
+    msgs = framed(3)
+    ref = Pair(ctx, "qb", queued_bursts)  # type: ignore[arg-type]
+    try:
+        ref.send(msgs[:10])
+        assert ref.read(DRAIN_BURST) == burst_of(msgs[:10])  # type: ignore[comparison-overlap]
+        assert burst_of(msgs[:2])[1] == sum(map(len, msgs[0] + msgs[1])) + 2 * MESSAGE_OVERHEAD
+    finally:
+        ref.close()
+
+
 def test_native_reader_refuses_a_null_handle() -> None:
     native_reader()
     drain = native.load("kvindex.ingest._drain")
@@ -107,6 +168,8 @@ def test_native_reader_refuses_a_null_handle() -> None:
     library = drain.Library((1,) * 6)  # addresses never called: the handle is refused first
     with pytest.raises(ValueError, match="handle is 0"):
         library.drain(0, 1)
+    with pytest.raises(ValueError, match="handle is 0"):
+        library.drain_frames(0, 1, Frame, parse_message, MAX_TOPIC_BYTES, MESSAGE_OVERHEAD)
     with pytest.raises(ValueError, match="six addresses"):
         drain.Library((1, 2))
     with pytest.raises(ValueError, match="address is 0"):
@@ -139,13 +202,14 @@ def test_without_the_accelerator_pyzmq_reads(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setenv("KVINDEX_PURE_PYTHON", "1")
     with caplog.at_level(logging.INFO, "kvindex.ingest.transport"):
         assert libzmq.native_queued() is None
+        assert libzmq.native_bursts(parse_message, MESSAGE_OVERHEAD) is None
     assert caplog.messages == ["queued engine messages are read through pyzmq's calls (slower): "
-                               "kvindex.ingest._drain is not in use (KVINDEX_PURE_PYTHON is set)"]
+                               "kvindex.ingest._drain is not in use (KVINDEX_PURE_PYTHON is set)"] * 2
 
 
 @pytest.mark.parametrize("which", ["reference", "native"])
 async def test_a_subscriber_yields_every_message_in_order(tmp_path: Path, which: str) -> None:
-    reader = queued if which == "reference" else native_reader()
+    reader = queued_bursts if which == "reference" else native_bursts()
     ctx = zmq.asyncio.Context()
     endpoint = ipc_endpoint(tmp_path, "pub")
     pub = ctx.socket(zmq.PUB)

@@ -3,6 +3,9 @@
 ``native_queued()`` gives a reader of the same shape as ``transport.queued`` (the reference, on
 pyzmq's own calls): ``reader(handle)(limit)`` is up to ``limit`` queued messages, each its parts.
 It reads them in one native call (``kvindex.ingest._drain``), a part for one ``zmq_msg_recv``.
+``native_bursts(parse, overhead)`` gives one of ``transport.queued_bursts``'s shape (``burst_of``
+the queued messages: parsed, counted): the common message's ``Frame`` made natively, any other
+one's parts handed to ``parse``, in the same call.
 
 Invariants:
 - The library is the libzmq shared object mapped into this process once pyzmq is imported
@@ -27,10 +30,13 @@ from typing import Any
 import zmq
 
 from kvindex import native
+from kvindex.events import Frame
+from kvindex.limits import MAX_TOPIC_BYTES
 
 log = logging.getLogger("kvindex.ingest.transport")
 
 Reader = Callable[[int], Callable[[int], list[list[bytes]]]]  # socket handle -> (limit -> messages' parts)
+BurstReader = Callable[[int], Callable[[int], tuple[list[Any], int, int]]]  # handle -> (limit -> burst_of them)
 PROBE_HWM = 4_321  # an unusual receive high-water mark, set through pyzmq, read through the library
 _RCVHWM = 24  # ZMQ_RCVHWM
 _FUNCTIONS = ("zmq_msg_init", "zmq_msg_recv", "zmq_msg_close", "zmq_msg_data", "zmq_msg_size", "zmq_msg_more")
@@ -87,6 +93,22 @@ def native_queued() -> Reader | None:
         return functools.partial(library.drain, handle)
 
     log.debug("queued messages are read through %s", why)
+    return reader
+
+
+def native_bursts(parse: Callable[[list[bytes]], Any], overhead: int) -> BurstReader | None:
+    """The native burst reader (``parse``: ``transport.parse_message``; ``overhead``: the bytes a
+    message counts beyond its parts), or None (pyzmq's calls read), saying why in the log."""
+    library, why = _library()
+    if library is None:
+        log.info("queued engine messages are read through pyzmq's calls (slower): %s", why)
+        return None
+    drain = library.drain_frames
+
+    def reader(handle: int) -> Callable[[int], tuple[list[Any], int, int]]:
+        return lambda limit: drain(handle, limit, Frame, parse, MAX_TOPIC_BYTES, overhead)
+
+    log.debug("queued messages are read and framed through %s", why)
     return reader
 
 

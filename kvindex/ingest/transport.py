@@ -7,9 +7,10 @@ Invariants:
   a message silently. A topic over ``MAX_TOPIC_BYTES`` is ``Malformed("topic_too_long")``; one
   that is not UTF-8 or holds a control character (NUL, C0, DEL, C1: a pod or model name no
   engine sends, that would make a pod of its own) is ``Malformed("bad_topic")``.
-- Queued messages are read by a reader (``queued``, on pyzmq's calls; or its native twin,
-  ``kvindex.ingest.libzmq``): the same parts in the same order (tests/test_drain.py). Framing
-  (``parse_message``) is judged here, once, whichever reader read the parts.
+- Queued messages are read by a reader (``queued_bursts``: ``burst_of`` what ``queued`` reads on
+  pyzmq's calls; or its native twin, ``kvindex.ingest.libzmq``): the same messages in the same
+  order, counted the same (tests/test_drain.py). Framing is judged here, once (``parse_message``):
+  the native reader makes only the common message's ``Frame`` itself and hands any other to it.
 - The SUB socket connects (vLLM binds its PUB) or binds (llm-d-inference-sim dials us).
 - A replay request is ``[b"", seq8]`` on a fresh DEALER; both reply shapes are accepted:
   ``[b"", topic, seq8, payload]`` ... end ``[b"", b"", ff*8, b""]`` (vLLM >= #45177) and
@@ -64,7 +65,7 @@ import zmq.asyncio
 
 from kvindex.events import MAX_SEQ, Frame
 from kvindex.ingest.backlog import BacklogRelease
-from kvindex.ingest.libzmq import Reader
+from kvindex.ingest.libzmq import BurstReader
 from kvindex.limits import MAX_TOPIC_BYTES
 
 log = logging.getLogger("kvindex.ingest.transport")
@@ -145,9 +146,8 @@ def parse_message(parts: list[bytes]) -> Frame | Malformed:
 
 def queued_parts(sock: zmq.Socket[bytes]) -> list[bytes]:
     """The parts of the next queued message (``zmq.Again``: none yet), as ``recv_multipart`` reads
-    them but 1.1–1.5 µs cheaper per 3-part message (measured): each part's ``more`` flag is read
-    from its frame, where ``recv_multipart`` asks ``getsockopt(RCVMORE)`` after every part. ZeroMQ
-    delivers a message's parts together, so after the first part the rest are already queued."""
+    them but 1.1–1.5 µs cheaper per 3-part message: each part's ``more`` flag read from its frame
+    (ZeroMQ delivers a message's parts together: after the first part the rest are queued)."""
     frame = sock.recv(zmq.NOBLOCK, copy=False)
     parts = [frame.bytes]
     while frame.more:
@@ -173,17 +173,29 @@ def queued(handle: int) -> Callable[[int], list[list[bytes]]]:
     return read
 
 
+def burst_of(msgs: list[list[bytes]]) -> tuple[list[Frame | Malformed], int, int]:
+    """The messages parsed, the bytes the inbox counts (parts, ``MESSAGE_OVERHEAD`` each), the payloads' bytes."""
+    return ([parse_message(parts) for parts in msgs], sum(len(p) for parts in msgs for p in parts)
+            + MESSAGE_OVERHEAD * len(msgs), sum(len(parts[-1]) for parts in msgs))
+
+
+def queued_bursts(handle: int) -> Callable[[int], tuple[list[Frame | Malformed], int, int]]:
+    """The reference burst reader: ``burst_of`` up to ``limit`` queued messages (``queued``)."""
+    read = queued(handle)
+    return lambda limit: burst_of(read(limit))
+
+
 class Subscriber:
     """One SUB socket. ``bursts()`` (and ``messages()``, one at a time) yield until the socket is
     closed or the task cancelled."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, bind: bool, rcvhwm: int,
-                 max_message_bytes: int | None = None, reader: Reader | None = None,
+                 max_message_bytes: int | None = None, reader: BurstReader | None = None,
                  backlog: BacklogRelease | None = None) -> None:
         self.endpoint = endpoint
         self._backlog = backlog  # told of every burst handled (memory back to the OS after a backlog)
         self._sock = ctx.socket(zmq.SUB)
-        self._queued = (reader or queued)(self._sock.underlying)  # limit -> the queued messages' parts
+        self._queued = (reader or queued_bursts)(self._sock.underlying)  # limit -> burst_of the queued
         self.monitor: zmq.asyncio.Socket | None = None
         self.bind = bind
         self.burst_bytes = 0  # the size of the burst ``bursts`` yielded last
@@ -209,28 +221,29 @@ class Subscriber:
             raise
 
     async def bursts(self, drained: Callable[[], None] | None = None) -> AsyncIterator[list[Frame | Malformed]]:
-        """Every message, in order, in bursts of at most ``DRAIN_BURST``: what is already queued,
-        or when nothing is, the next message awaited and what came with it. A consumer pays its
-        per-await costs (a lock, a coroutine) once per burst, not once per message. After a full
-        burst the event loop gets a turn (HTTP queries) before the next is read. ``drained`` is
-        called each time nothing is queued and the next message is awaited (after a full burst
-        too: the socket was emptied by a read of exactly ``DRAIN_BURST``)."""
-        burst: list[list[bytes]] = []
+        """Every message, in order, in bursts of at most ``DRAIN_BURST``: what is queued, or the next
+        message awaited and what came with it (a consumer's per-await costs once per burst). After
+        a full burst the loop gets a turn before the next read. ``drained``: called each time the
+        next message is awaited (after a full burst too: a read of exactly ``DRAIN_BURST``)."""
+        burst: list[Frame | Malformed] = []
+        nbytes = queued_bytes = 0  # the burst's bytes; its payloads' that waited in ZeroMQ's queue
         while True:
-            awaited = not burst
-            if awaited:
+            if not burst:  # awaited: its first message waited in no queue (not backlog)
                 if drained is not None:
                     drained()
-                burst = [await self._sock.recv_multipart(), *self._queued(DRAIN_BURST - 1)]
-            self.burst_bytes = sum(len(p) for parts in burst for p in parts) + MESSAGE_OVERHEAD * len(burst)
+                burst, nbytes, _ = burst_of([await self._sock.recv_multipart()])
+                more, more_bytes, queued_bytes = self._queued(DRAIN_BURST - 1)
+                burst += more
+                nbytes += more_bytes
+            self.burst_bytes = nbytes
             self.burst_full = len(burst) >= DRAIN_BURST
-            yield [parse_message(parts) for parts in burst]
-            handled, burst = burst, []
-            if len(handled) == DRAIN_BURST:  # more may be queued: a turn for the loop, then look
+            yield burst
+            handled, backlog, burst = len(burst), queued_bytes, []
+            if handled == DRAIN_BURST:  # more may be queued: a turn for the loop, then look
                 await asyncio.sleep(0)
-                burst = self._queued(DRAIN_BURST)
+                burst, nbytes, queued_bytes = self._queued(DRAIN_BURST)
             if self._backlog is not None:  # told once the burst was handled: behind if more wait
-                self._backlog.handled(self, bool(burst), sum(len(parts[-1]) for parts in handled[awaited:]))
+                self._backlog.handled(self, bool(burst), backlog)
 
     async def messages(self) -> AsyncIterator[Frame | Malformed]:
         """Every message, in order, one at a time (``bursts``, flattened)."""
