@@ -237,6 +237,19 @@ def test_hash_scanner_lifts_only_plain_64_bit_arrays() -> None:
                      b'{"block_hashes":["1"]}', b'{"block_hashes":[1,]}'):
         assert _json.split_u64(declined, "block_hashes") is None, declined
     assert _json.split(b'{"token_ids":[-1]}', "token_ids") is None  # the u32 kind has no sign
+    # a long body: digits read 8 at a time; every length a hash can have, and the bytes next to them
+    tail = ',"model_name":"' + "m" * 24 + '"}'
+    for digits in (1, 7, 8, 9, 15, 16, 17, 18, 19, 20, 21):
+        for lifted in ([int("9" * digits)], [int("1" + "0" * (digits - 1))], [-int("9" * min(digits, 18))]):
+            body = ('{"block_hashes":%s%s' % (json.dumps(lifted * 3), tail)).encode()
+            got = _json.split_u64(body, "block_hashes")
+            fits = all(-(1 << 63) <= h < 1 << 64 for h in lifted)
+            assert (list(array("Q", got[0])) if got else None) == ([h & ((1 << 64) - 1) for h in lifted * 3] if fits else None)
+        for bad in (":", "/", "\xb1", " 2", ".5", "e3"):
+            body = ('{"block_hashes":[7,%s%s5]%s' % ("1" * digits, bad, tail)).encode()
+            assert _json.split_u64(body, "block_hashes") is None, body
+        body = ('{"block_hashes":[7,0%s]%s' % ("1" * digits, tail)).encode()
+        assert _json.split_u64(body, "block_hashes") is None, body
 
 
 @pytest.mark.parametrize("block_size", [1 << 30, (1 << 62), (1 << 62) + 1, 1 << 63, (1 << 64) - 1, 1 << 70])
