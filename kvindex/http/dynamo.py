@@ -164,7 +164,7 @@ async def query_data(svc: Services, raw: bytes, content_type: str, t0: float) ->
     if moon is not None:
         pods = mooncake.only_instance(pods, moon)
     answer = await svc.query.precise(model, token_ids, pods, lora_name, args.cache_salt, whole=True)
-    svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
+    svc.metrics.query_timer("/query").observe(time.perf_counter() - t0)
     return mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer)
 
 
@@ -179,7 +179,7 @@ async def by_hash_data(svc: Services, raw: bytes, content_type: str, t0: float) 
     if mooncake.speaks_mooncake(body):
         raise mooncake.refuse_by_hash(body)
     answer = await by_hash(svc, parse(body, QueryByHashBody))
-    svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
+    svc.metrics.query_timer("/query_by_hash").observe(time.perf_counter() - t0)
     return query_answer(answer)
 
 
@@ -225,7 +225,7 @@ async def query_tiered_by_hash(request: web.Request) -> web.Response:
     svc = services(request)
     body = await read_body(request, allow_msgpack=True, go=False, u64_field="block_hashes")
     answer = await by_hash(svc, parse(body, QueryByHashBody))
-    svc.metrics.query_seconds.labels("/query_tiered_by_hash").observe(time.perf_counter() - t0)
+    svc.metrics.query_timer("/query_tiered_by_hash").observe(time.perf_counter() - t0)
     return reply(request, tiered_answer(answer))
 
 
