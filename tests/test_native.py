@@ -20,7 +20,10 @@ from kvindex import keys as K
 from kvindex import native
 from kvindex.approx.gojson import RenderError, go_json_loads
 from kvindex.approx.hashing import kthena_chain
-from kvindex.http.bodies import decode_json, u64s
+from kvindex.http.bodies import decode_json, json_body, u64s
+from kvindex.http.dynamo import dynamo_body, query_answer
+from kvindex.query.answers import PreciseAnswer
+from kvindex.types import PodMatch
 from kvindex.http.errors import ApiError
 from tests.conftest import need_native
 
@@ -237,6 +240,19 @@ def test_hash_scanner_lifts_only_plain_64_bit_arrays() -> None:
                      b'{"block_hashes":["1"]}', b'{"block_hashes":[1,]}'):
         assert _json.split_u64(declined, "block_hashes") is None, declined
     assert _json.split(b'{"token_ids":[-1]}', "token_ids") is None  # the u32 kind has no sign
+    # a long body: digits read 8 at a time; every length a hash can have, and the bytes next to them
+    tail = ',"model_name":"' + "m" * 24 + '"}'
+    for digits in (1, 7, 8, 9, 15, 16, 17, 18, 19, 20, 21):
+        for lifted in ([int("9" * digits)], [int("1" + "0" * (digits - 1))], [-int("9" * min(digits, 18))]):
+            body = ('{"block_hashes":%s%s' % (json.dumps(lifted * 3), tail)).encode()
+            got = _json.split_u64(body, "block_hashes")
+            fits = all(-(1 << 63) <= h < 1 << 64 for h in lifted)
+            assert (list(array("Q", got[0])) if got else None) == ([h & ((1 << 64) - 1) for h in lifted * 3] if fits else None)
+        for bad in (":", "/", "\xb1", " 2", ".5", "e3"):
+            body = ('{"block_hashes":[7,%s%s5]%s' % ("1" * digits, bad, tail)).encode()
+            assert _json.split_u64(body, "block_hashes") is None, body
+        body = ('{"block_hashes":[7,0%s]%s' % ("1" * digits, tail)).encode()
+        assert _json.split_u64(body, "block_hashes") is None, body
 
 
 @pytest.mark.parametrize("block_size", [1 << 30, (1 << 62), (1 << 62) + 1, 1 << 63, (1 << 64) - 1, 1 << 70])
@@ -256,3 +272,44 @@ def test_index_keeps_a_huge_block_size_keyless() -> None:
     idx = PreciseIndex()
     done = idx.apply("a", "m", 0, BlockStored((1, 2), None, array("I", range(64)), 1 << 62))
     assert done.orphans == 2 and idx.match(K.prompt_keys(K.root_key("m"), list(range(64)), 1 << 62)) == {}
+
+
+# -- kvindex._jsontokens.dynamo_answer: Dynamo's /query answer written in C, against json_body(query_answer(...))
+_plain_pod = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e, blacklist_characters='"\\'), max_size=12)
+_pod = st.one_of(_plain_pod, st.text(max_size=6), st.sampled_from(['a"b', "a\\b", "caf\u00e9", "\n", "\x7f", ""]))
+_depth = st.one_of(st.integers(0, 600), st.sampled_from([0, 1, (1 << 63) - 1, 1 << 63, 1 << 24, (1 << 24) + 1]),
+                   st.integers(-3, -1))
+_match = st.builds(lambda g, c, d, dp: PodMatch(g, c, d, dp), _depth, _depth, _depth,
+                   st.dictionaries(st.one_of(st.integers(0, 300), st.integers(-2, -1), st.just(1 << 64)), _depth, max_size=4))
+_plain_match = st.builds(lambda g, c, d, dp: PodMatch(g, c, d, dp), st.integers(0, 600), st.integers(0, 600),
+                         st.integers(0, 600), st.dictionaries(st.integers(0, 300), st.integers(0, 600), max_size=4))
+_size = st.one_of(st.integers(1, 64), st.sampled_from([0, -1, 1 << 40, 1 << 63, 1 << 64]))
+
+
+def _reference_answer(matches: dict[str, PodMatch], block_size: int) -> bytes | str:
+    try:
+        return json_body(query_answer(PreciseAnswer(block_size, 0, (), matches)))
+    except (OverflowError, MemoryError) as exc:  # a depth no index holds (frequencies as long as it)
+        return type(exc).__name__
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.dictionaries(_pod, _match, max_size=6), _size)
+def test_dynamo_answer_writes_the_reference_bytes_or_declines(matches: dict[str, PodMatch], block_size: int) -> None:
+    require(_json, "_jsontokens")
+    got = _json.dynamo_answer(matches, block_size)
+    if got is not None:
+        assert got == _reference_answer(matches, block_size)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(_plain_pod, _plain_match, max_size=10), st.integers(1, 64))
+def test_dynamo_answer_takes_every_plain_answer(matches: dict[str, PodMatch], block_size: int) -> None:
+    """Plain pod ids, depths and ranks (every answer an index gives): written in C, equal bytes;
+    and the route's data (``dynamo_body``) is those bytes for JSON, the dict for msgpack."""
+    require(_json, "_jsontokens")
+    answer = PreciseAnswer(block_size, 0, (), matches)
+    assert _json.dynamo_answer(matches, block_size) == json_body(query_answer(answer))
+    assert json_body(dynamo_body(answer, "application/json")) == json_body(query_answer(answer))
+    assert dynamo_body(answer, "application/msgpack") == query_answer(answer)
+    assert dynamo_body(answer, "application/json", None) == query_answer(answer)

@@ -23,6 +23,10 @@ Invariants:
   "frequencies"}, "lower_tier": [["host_pinned"|"disk", {"hits": [[worker, blocks]]}]]}}``; a
   lower tier's hits are the blocks it holds beyond the device match (cpu − gpu, disk − cpu).
 - ``/dump`` is Dynamo's (``kvindex.dynamo_dump``): numeric worker ids, one stored event per block.
+- ``/query`` and ``/query_by_hash`` answer ``query_answer``'s dict; to a JSON request its JSON bytes
+  made in one C pass (``kvindex._jsontokens.dynamo_answer``, held byte for byte equal to
+  ``json_body(query_answer(...))`` by tests/test_native.py), as a ``msgspec.Raw`` that ``json_body``
+  writes as it is (``dynamo_body``).
 """
 
 from __future__ import annotations
@@ -31,13 +35,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
+from kvindex import native
 from kvindex.query.answers import PreciseAnswer
 from kvindex.http import mooncake
 from kvindex.dynamo_dump import worker_number
 from kvindex.http.app import OPEN, WRITE, Services, scope, services
 from kvindex.http.bodies import (
+    MSGPACK,
     QueryBody,
     QueryByHashBody,
     RegisterBody,
@@ -99,6 +106,18 @@ async def workers(request: web.Request) -> web.Response:
 
 
 _RANKS = tuple(str(r) for r in range(256))  # dp ranks as JSON keys, made once
+_WRITER = native.load("kvindex._jsontokens")  # its dynamo_answer: query_answer's JSON in C (or None)
+
+
+def dynamo_body(answer: PreciseAnswer, content_type: str, writer: Any = _WRITER) -> Any:
+    """``query_answer(answer)`` as a route's data: for a JSON request (anything but msgpack, as
+    ``reply`` answers) the same JSON bytes written in C, as a ``msgspec.Raw``; whatever the C
+    writer declines (``dynamo_answer``: unusual pod ids or depths), the dict."""
+    if writer is not None and content_type != MSGPACK:
+        raw = writer.dynamo_answer(answer.matches, answer.block_size)
+        if raw is not None:
+            return msgspec.Raw(raw)
+    return query_answer(answer)
 
 
 def query_answer(answer: PreciseAnswer) -> dict[str, Any]:
@@ -164,8 +183,8 @@ async def query_data(svc: Services, raw: bytes, content_type: str, t0: float) ->
     if moon is not None:
         pods = mooncake.only_instance(pods, moon)
     answer = await svc.query.precise(model, token_ids, pods, lora_name, args.cache_salt, whole=True)
-    svc.metrics.query_seconds.labels("/query").observe(time.perf_counter() - t0)
-    return mooncake.query_answer(answer, moon) if moon is not None else query_answer(answer)
+    svc.metrics.query_timer("/query").observe(time.perf_counter() - t0)
+    return mooncake.query_answer(answer, moon) if moon is not None else dynamo_body(answer, content_type)
 
 
 async def query_by_hash(request: web.Request) -> web.Response:
@@ -179,8 +198,8 @@ async def by_hash_data(svc: Services, raw: bytes, content_type: str, t0: float) 
     if mooncake.speaks_mooncake(body):
         raise mooncake.refuse_by_hash(body)
     answer = await by_hash(svc, parse(body, QueryByHashBody))
-    svc.metrics.query_seconds.labels("/query_by_hash").observe(time.perf_counter() - t0)
-    return query_answer(answer)
+    svc.metrics.query_timer("/query_by_hash").observe(time.perf_counter() - t0)
+    return dynamo_body(answer, content_type)
 
 
 def fast_routes() -> dict[str, Callable[[Services, bytes, str, float], Awaitable[Any]]]:
@@ -225,7 +244,7 @@ async def query_tiered_by_hash(request: web.Request) -> web.Response:
     svc = services(request)
     body = await read_body(request, allow_msgpack=True, go=False, u64_field="block_hashes")
     answer = await by_hash(svc, parse(body, QueryByHashBody))
-    svc.metrics.query_seconds.labels("/query_tiered_by_hash").observe(time.perf_counter() - t0)
+    svc.metrics.query_timer("/query_tiered_by_hash").observe(time.perf_counter() - t0)
     return reply(request, tiered_answer(answer))
 
 

@@ -139,7 +139,7 @@ async def score(request: web.Request) -> web.Response:
         "precise_reason": None if precise else q.no_precise_reason(model),  # why every pod's precise is null
         "pods": {pod: PodAnswer(pod, precise, approx).to_json(svc.config.tiers) for pod in candidates},
     }
-    svc.metrics.query_seconds.labels("/v1/score").observe(time.perf_counter() - t0)
+    svc.metrics.query_timer("/v1/score").observe(time.perf_counter() - t0)
     return json_response(answer)
 
 
@@ -177,7 +177,7 @@ async def decisions(request: web.Request) -> web.Response:
     items, batch = decision_list(await read_body(request, u32_field="token_ids"))
     results = await svc.decisions.record(items)
     answer = {"results": results} if batch else results[0]
-    svc.metrics.query_seconds.labels("/v1/decisions").observe(time.perf_counter() - t0)
+    svc.metrics.query_timer("/v1/decisions").observe(time.perf_counter() - t0)
     return json_response(answer)
 
 

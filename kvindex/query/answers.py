@@ -1,7 +1,9 @@
 """What a query answers: per pod, each index's matched prefix, and the errors a query can raise.
 
 Plain values, built by ``kvindex.query.service.QueryService`` and read by the decisions, the drift audit
-and the HTTP layer (which turns ``QueryError`` into a 4xx naming the field). Invariants: immutable;
+and the HTTP layer (which turns ``QueryError`` into a 4xx naming the field). Invariants: immutable
+(a ``PreciseAnswer``'s ``keys`` are the ``array("Q")`` ``kvindex.keys`` made for it, which nothing
+writes: no Python int per key is made unless a reader asks for one);
 ``ratio`` is a fraction of the prompt's tokens (precise) or of its approximate blocks; ``drift`` is
 the approximate fraction minus the precise one for the same pod.
 
@@ -41,7 +43,7 @@ class QueryError(ValueError):
 class PreciseAnswer:
     block_size: int  # 0 when no engine has published a block of the model yet
     prompt_tokens: int
-    keys: tuple[int, ...]  # keys of the blocks that may be served from cache
+    keys: Sequence[int]  # keys of the blocks that may be served from cache (an array("Q") nobody writes, or ())
     matches: dict[str, PodMatch]
     root: int = 0
 

@@ -175,7 +175,7 @@ class QueryService:
                 matches = await self._match(keys, pods, model)
                 if not whole:  # what the engines serve: lookahead-aware hashing judged (vLLM 0.34)
                     matches = self.lookahead.served(matches, keys, token_ids, bs)
-                return PreciseAnswer(bs, len(token_ids), tuple(keys), matches, root)
+                return PreciseAnswer(bs, len(token_ids), keys, matches, root)
             except BlockSizeChanged:
                 if attempt:
                     raise _changing(model) from None
@@ -197,7 +197,7 @@ class QueryService:
                 return PreciseAnswer(0, 0, (), {})
             keys = K.chain_keys(K.root_key(model, lora_name), local_hashes)
             try:
-                return PreciseAnswer(bs, len(keys) * bs, tuple(keys), await self._match(keys, pods, model))
+                return PreciseAnswer(bs, len(keys) * bs, keys, await self._match(keys, pods, model))
             except BlockSizeChanged:
                 if attempt:
                     raise _changing(model) from None
