@@ -8,7 +8,8 @@ decoded and applied in order, then calls what the aiohttp handlers and the HTTP 
 (``kvindex.http.dynamo.query_data`` / ``by_hash_data``, the answer encoded by ``json_body``) on the
 harness's 8k-token queries (``common.pick_queries``, ``e2e.request_bodies``), no sockets; and each
 step of ``/query_by_hash`` alone, in the route's order, on the same bodies. Median µs over every
-call. Prints one JSON line. The route functions on the memory store never suspend: each coroutine
+call; every answer is first checked against the generator's (``mismatches``). Prints one JSON
+line. The route functions on the memory store never suspend: each coroutine
 is run to its end by one ``send``. No assertion on timings.
 """
 
@@ -102,14 +103,30 @@ def layers(svc: Services, raws: list[bytes], reps: int) -> dict[str, float]:
     }
 
 
+def mismatches(svc: Services, bodies: list[dict[str, bytes]], queries: list[dict]) -> dict[str, int]:
+    """Per route, the answers (as the client reads them) whose matched tokens per pod are not the
+    generator's: what is timed is checked to answer right."""
+    out = {}
+    for path, route in dynamo.fast_routes().items():
+        wrong = 0
+        for body, q in zip(bodies, queries, strict=True):
+            doc = json.loads(json_body(done(route(svc, body[path], JSON, time.perf_counter()))))
+            got = {pod: max(ranks.values()) for pod, ranks in doc["scores"].items()}
+            wrong += got != {str(i + 1): b * common.BLOCK_SIZE for i, b in enumerate(q["expected"]) if b}
+        out[path] = wrong
+    return out
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     wl = realistic.workload(args.blocks, args.queries)
-    bodies = [e2e.request_bodies("dynamo", q["token_ids"]) for q in common.pick_queries(wl, args.queries)]
+    queries = common.pick_queries(wl, args.queries)
+    bodies = [e2e.request_bodies("dynamo", q["token_ids"]) for q in queries]
     daemon = Daemon(Config())
     load(daemon, wl)
     svc = daemon.services
     gc.collect()
-    out: dict[str, Any] = {"workload": wl.path.name, "queries": len(bodies), "reps": args.reps, "routes_us": {}}
+    out: dict[str, Any] = {"workload": wl.path.name, "queries": len(bodies), "reps": args.reps,
+                           "mismatches": mismatches(svc, bodies, queries), "routes_us": {}}
     for path, route in dynamo.fast_routes().items():
         raws = [b[path] for b in bodies]
         out["routes_us"][path] = median_us(lambda raw: json_body(done(route(svc, raw, JSON, time.perf_counter()))),

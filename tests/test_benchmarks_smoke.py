@@ -52,3 +52,14 @@ def test_tokenizer_benchmark_runs(tmp_path: Path) -> None:
     assert {"baseline_raw_encode_s", "cold_s", "cached_s", "cold_vs_baseline", "cached_vs_baseline",
             "loop_stall_inline_s", "loop_stall_daemon_path_s"} <= set(doc)
     assert "baseline raw tokenizers encode" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_routes_benchmark_runs_and_answers_right() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "routes.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=110, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert doc["queries"] > 0 and doc["mismatches"] == {"/query": 0, "/query_by_hash": 0}
+    assert set(doc["routes_us"]) == {"/query", "/query_by_hash"} and all(v > 0 for v in doc["routes_us"].values())
+    assert "store.match" in doc["query_by_hash_steps_us"]
