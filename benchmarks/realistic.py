@@ -239,9 +239,15 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
+def expected_tokens(queries: list[dict]) -> list[dict[str, int]]:
+    """Per query, the generator's matched tokens per instance (non-zero only), as
+    ``e2e.matched_tokens`` reads an answer."""
+    return [{str(i + 1): b * common.BLOCK_SIZE for i, b in enumerate(q["expected"]) if b} for q in queries]
+
+
 def compare(res: dict, queries: list[dict], entries: int) -> None:
     """Adds per-entry memory, mismatches vs the truth and vs Dynamo, and the kvindex/Dynamo ratios."""
-    truth = [{str(i + 1): b * common.BLOCK_SIZE for i, b in enumerate(q["expected"]) if b} for q in queries]
+    truth = expected_tokens(queries)
     dyn = res["targets"].get("dynamo")
     for name, t in res["targets"].items():
         t["rss_end_bytes_per_entry"] = t["rss_end_delta_bytes"] / entries

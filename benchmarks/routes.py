@@ -106,14 +106,11 @@ def layers(svc: Services, raws: list[bytes], reps: int) -> dict[str, float]:
 def mismatches(svc: Services, bodies: list[dict[str, bytes]], queries: list[dict]) -> dict[str, int]:
     """Per route, the answers (as the client reads them) whose matched tokens per pod are not the
     generator's: what is timed is checked to answer right."""
+    truth = realistic.expected_tokens(queries)
     out = {}
     for path, route in dynamo.fast_routes().items():
-        wrong = 0
-        for body, q in zip(bodies, queries, strict=True):
-            doc = json.loads(json_body(done(route(svc, body[path], JSON, time.perf_counter()))))
-            got = {pod: max(ranks.values()) for pod, ranks in doc["scores"].items()}
-            wrong += got != {str(i + 1): b * common.BLOCK_SIZE for i, b in enumerate(q["expected"]) if b}
-        out[path] = wrong
+        docs = [json.loads(json_body(done(route(svc, body[path], JSON, time.perf_counter())))) for body in bodies]
+        out[path] = sum(e2e.matched_tokens(path, doc) != want for doc, want in zip(docs, truth, strict=True))
     return out
 
 
